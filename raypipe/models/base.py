@@ -1,0 +1,66 @@
+"""What the coordinator, encoder workers and decode engine need to know about a model family.
+
+A `VisionAdapter` is built from a checkpoint's config alone (no weights), so the coordinator can
+compute each item's geometry, token count and cost without touching a GPU. Workers call
+`load_tower` once and then `encode` shards of items.
+
+An item is whatever the family's vision tower consumes as one unit and produces one embedding
+tensor for: a whole variable-size image (Qwen2.5-VL), a fixed-size image or its crops stacked
+(LLaVA/SigLIP, Step3), or an image's slices (MiniCPM-V). The coordinator only ever sees `cost`,
+`num_tokens` and `content_hash`, so new families plug in without touching it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import pathlib
+
+import numpy as np
+import torch
+
+from raypipe.preprocess import DecodedImage
+
+COST_MODELS = ("patches", "attention")
+
+
+@dataclasses.dataclass(slots=True)
+class VisionItem:
+    """One unit of vision-tower work, as it travels to an encoder worker."""
+
+    pixels: np.ndarray  # (H, W, 3) uint8: the model's image processor runs on the worker
+    content_hash: str
+    grid: tuple[int, ...]  # family-specific geometry (Qwen: (t, h, w) in patches)
+    num_tokens: int  # embedding rows this item yields (= placeholder tokens in the prompt)
+
+
+class VisionTower(abc.ABC):
+    """A loaded vision encoder on one device."""
+
+    device: torch.device
+
+    @abc.abstractmethod
+    def encode(self, items: list[VisionItem]) -> list[torch.Tensor]:
+        """One `(item.num_tokens, hidden)` CPU tensor per item, in the order given."""
+
+
+class VisionAdapter(abc.ABC):
+    """Config-level knowledge of a model family's vision side."""
+
+    checkpoint: pathlib.Path
+    hidden_size: int  # width of each embedding row (= the language model's hidden size)
+
+    @abc.abstractmethod
+    def make_item(self, image: DecodedImage) -> VisionItem:
+        """Geometry and token count of a validated image, without running the encoder."""
+
+    @abc.abstractmethod
+    def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
+        """Relative compute of encoding `item` under `cost_model` (one of `COST_MODELS`)."""
+
+    @abc.abstractmethod
+    def load_tower(self, device: torch.device, dtype: torch.dtype) -> VisionTower:
+        """Load only the vision encoder's weights from the checkpoint onto `device`."""
+
+    def embedding_nbytes(self, item: VisionItem, dtype: torch.dtype = torch.float32) -> int:
+        return item.num_tokens * self.hidden_size * torch.tensor([], dtype=dtype).element_size()

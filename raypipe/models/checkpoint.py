@@ -1,0 +1,67 @@
+"""Read parts of a local HF checkpoint folder without instantiating the whole model.
+
+A serving process that holds only the vision tower (or only the language model) should read only
+those tensors: `load_tensors` opens every `*.safetensors` file lazily and returns just the keys
+under one of the given prefixes, with the prefix stripped.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+from safetensors import safe_open
+
+
+def read_config(folder: str | pathlib.Path) -> dict:
+    with open(pathlib.Path(folder) / "config.json") as f:
+        return json.load(f)
+
+
+def safetensors_files(folder: str | pathlib.Path) -> list[pathlib.Path]:
+    folder = pathlib.Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {folder}")
+    return files
+
+
+def load_tensors(folder: str | pathlib.Path, prefixes: tuple[str, ...], *, dtype: torch.dtype | None = None,
+                 exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Tensors whose key starts with one of `prefixes` (first matching prefix stripped).
+
+    Checkpoints in the wild use different layouts for the same module (`visual.*` in the original
+    Qwen release, `model.visual.*` in newer transformers saves); callers pass every layout they accept.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if any(key.startswith(p) for p in exclude):
+                    continue
+                prefix = next((p for p in prefixes if key.startswith(p)), None)
+                if prefix is None:
+                    continue
+                name = key[len(prefix):]
+                if name in out:
+                    raise ValueError(f"{path}: {key!r} duplicates a tensor already read under another layout")
+                tensor = f.get_tensor(key)
+                out[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    if not out:
+        raise ValueError(f"{folder}: no tensors under any of {prefixes}")
+    return out
+
+
+def load_module_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], *, what: str) -> None:
+    """Strict load with an error that says which part of which checkpoint did not match."""
+    # strict=False only to phrase the error ourselves; non-persistent buffers (rotary inv_freq) are
+    # rebuilt by the module and never appear in `missing`.
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{what}: checkpoint does not match the module (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")

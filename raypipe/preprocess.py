@@ -1,0 +1,188 @@
+"""Turn what users send as images into validated RGB pixel arrays.
+
+Accepted: PIL images, numpy arrays (HxW, HxWx1/3/4, uint8), raw encoded bytes, and `data:` URLs.
+`http(s)://` and `file://` URLs are refused unless their prefix is explicitly allowed. Dimensions
+are read from the file header *before* decoding, so a decompression bomb is refused without ever
+allocating its pixels. Every refusal is an `InvalidInput` naming the item and the reason.
+
+The model-specific image processor (resize, normalise, patchify) runs later, inside the encoder
+worker, so that this CPU work is spread over the workers too.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import io
+import urllib.parse
+import urllib.request
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from raypipe.errors import InvalidInput
+
+# Modes PIL can convert to RGB without guessing a value range.
+_CONVERTIBLE_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "La"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImageLimits:
+    min_side: int = 14  # smaller than one ViT patch carries nothing
+    max_pixels: int = 40_000_000  # > 8K x 4K; real limit on what the encoder is asked to hold
+    max_aspect_ratio: float = 200.0  # Qwen's smart_resize refuses more
+    max_bytes: int = 50 * 1024 * 1024  # encoded size
+    allowed_url_prefixes: tuple[str, ...] = ()  # e.g. ("https://images.example.com/", "file:///data/")
+    fetch_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        if self.min_side < 1 or self.max_pixels < self.min_side**2:
+            raise ValueError(f"inconsistent image limits: {self}")
+
+
+@dataclasses.dataclass(slots=True)
+class DecodedImage:
+    """An RGB image that passed validation, with a hash of its pixels (the embedding-cache key)."""
+
+    pixels: np.ndarray  # (H, W, 3) uint8, C-contiguous
+    content_hash: str
+
+    @property
+    def height(self) -> int:
+        return self.pixels.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.pixels.shape[1]
+
+
+def pixel_hash(pixels: np.ndarray) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(pixels.shape).encode())
+    digest.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
+    return digest.hexdigest()
+
+
+def load_images(images: Sequence, limits: ImageLimits = ImageLimits(), *, item_prefix: str = "images") -> list[DecodedImage]:
+    """Validate and decode every image; the first bad one raises `InvalidInput` naming its index."""
+    return [load_image(image, limits, item=f"{item_prefix}[{i}]") for i, image in enumerate(images)]
+
+
+def load_image(image, limits: ImageLimits = ImageLimits(), *, item: str = "image") -> DecodedImage:
+    if isinstance(image, DecodedImage):
+        return image
+    if isinstance(image, Image.Image):
+        pixels = _pil_to_rgb(image, limits, item)
+    elif isinstance(image, np.ndarray):
+        pixels = _array_to_rgb(image, limits, item)
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        pixels = _decode_bytes(bytes(image), limits, item)
+    elif isinstance(image, str):
+        pixels = _decode_bytes(_read_url(image, limits, item), limits, item)
+    else:
+        raise InvalidInput(f"unsupported image type {type(image).__name__}; expected PIL image, numpy array, "
+                           "bytes or a data: URL", item=item, code="unsupported_image_type")
+    return DecodedImage(pixels, pixel_hash(pixels))
+
+
+def _check_size(width: int, height: int, limits: ImageLimits, item: str) -> None:
+    if width <= 0 or height <= 0:
+        raise InvalidInput(f"image has zero size ({width}x{height})", item=item, code="image_too_small")
+    if min(width, height) < limits.min_side:
+        raise InvalidInput(f"image is {width}x{height}; both sides must be at least {limits.min_side} pixels",
+                           item=item, code="image_too_small")
+    if width * height > limits.max_pixels:
+        raise InvalidInput(f"image is {width}x{height} = {width * height} pixels; the limit is {limits.max_pixels}",
+                           item=item, code="image_too_large")
+    if max(width, height) / min(width, height) > limits.max_aspect_ratio:
+        raise InvalidInput(f"aspect ratio of {width}x{height} exceeds {limits.max_aspect_ratio:g}", item=item,
+                           code="bad_aspect_ratio")
+
+
+def _pil_to_rgb(image: Image.Image, limits: ImageLimits, item: str) -> np.ndarray:
+    _check_size(image.width, image.height, limits, item)
+    if image.mode not in _CONVERTIBLE_MODES:
+        raise InvalidInput(f"unsupported image mode {image.mode!r}", item=item, code="unsupported_image_mode")
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL reports truncation and corruption as these
+        raise InvalidInput(f"image data is truncated or corrupt ({exc})", item=item, code="corrupt_image") from None
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
+        # Composite on white, as viewers show it, rather than keeping whatever the hidden RGB holds.
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(background, rgba)
+    return np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
+
+
+def _array_to_rgb(array: np.ndarray, limits: ImageLimits, item: str) -> np.ndarray:
+    if array.ndim == 3 and array.shape[-1] == 1:
+        array = array[..., 0]
+    if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[-1] not in (3, 4)):
+        raise InvalidInput(f"array of shape {array.shape} is not an image; expected HxW, HxWx1, HxWx3 or HxWx4",
+                           item=item, code="not_an_image")
+    if array.dtype != np.uint8:
+        raise InvalidInput(f"array dtype {array.dtype} unsupported; expected uint8", item=item,
+                           code="unsupported_image_mode")
+    height, width = array.shape[:2]
+    _check_size(width, height, limits, item)
+    if array.ndim == 2:
+        array = np.repeat(array[..., None], 3, axis=-1)
+    elif array.shape[-1] == 4:
+        return _pil_to_rgb(Image.fromarray(array, "RGBA"), limits, item)
+    return np.ascontiguousarray(array)
+
+
+def _decode_bytes(data: bytes, limits: ImageLimits, item: str) -> np.ndarray:
+    if not data:
+        raise InvalidInput("image data is empty", item=item, code="not_an_image")
+    if len(data) > limits.max_bytes:
+        raise InvalidInput(f"encoded image is {len(data)} bytes; the limit is {limits.max_bytes}", item=item,
+                           code="image_too_large")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))  # lazy: reads the header only
+    except Image.DecompressionBombError as exc:
+        raise InvalidInput(f"decompression bomb refused ({exc})", item=item, code="image_too_large") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        raise InvalidInput("data is not a recognised image format", item=item, code="not_an_image") from None
+    with image:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return _pil_to_rgb(image, limits, item)
+
+
+def _read_url(url: str, limits: ImageLimits, item: str) -> bytes:
+    if url.startswith("data:"):
+        return _decode_data_url(url, item)
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme not in ("http", "https", "file"):
+        raise InvalidInput("image string must be a data: URL (or an allowed http(s)/file URL)", item=item,
+                           code="invalid_image_url")
+    if not any(url.startswith(prefix) for prefix in limits.allowed_url_prefixes):
+        raise InvalidInput(f"{scheme}:// image URLs are not allowed on this server; send a data: URL",
+                           item=item, code="url_not_allowed")
+    try:
+        with urllib.request.urlopen(url, timeout=limits.fetch_timeout_s) as response:  # noqa: S310 (allow-listed)
+            data = response.read(limits.max_bytes + 1)
+    except (OSError, ValueError) as exc:
+        raise InvalidInput(f"could not fetch image URL ({exc})", item=item, code="image_fetch_failed") from None
+    return data
+
+
+def _decode_data_url(url: str, item: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep:
+        raise InvalidInput("malformed data: URL (no comma)", item=item, code="invalid_image_url")
+    if not header.endswith(";base64"):
+        raise InvalidInput("data: URL must be base64-encoded (data:image/...;base64,...)", item=item,
+                           code="invalid_image_url")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput("data: URL payload is not valid base64", item=item, code="invalid_base64") from None
