@@ -1,0 +1,6 @@
+"""raypipe: distributed inference for vision-language models on Ray."""
+
+from raypipe.errors import InvalidInput
+from raypipe.pipeline import Pipeline
+
+__all__ = ["InvalidInput", "Pipeline"]
