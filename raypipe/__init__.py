@@ -2,5 +2,6 @@
 
 from raypipe.errors import InvalidInput
 from raypipe.pipeline import Pipeline
+from raypipe.sampling import SamplingParams
 
-__all__ = ["InvalidInput", "Pipeline"]
+__all__ = ["InvalidInput", "Pipeline", "SamplingParams"]

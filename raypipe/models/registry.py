@@ -16,7 +16,14 @@ def _qwen2_5_vl_vision(path):
     return Qwen2_5_VLVisionAdapter(path)
 
 
+def _qwen2_5_vl_language(path):
+    from raypipe.models.qwen2_5_vl_language import Qwen2_5_VLLanguageAdapter
+
+    return Qwen2_5_VLLanguageAdapter(path)
+
+
 VISION_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_vision}
+LANGUAGE_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_language}
 
 
 def model_type(model: str | os.PathLike) -> str:
@@ -25,9 +32,18 @@ def model_type(model: str | os.PathLike) -> str:
 
 def vision_adapter(model: str | os.PathLike) -> VisionAdapter:
     """The vision adapter for a preset name or a local checkpoint folder."""
+    return _pick(VISION_ADAPTERS, model)
+
+
+def language_adapter(model: str | os.PathLike):
+    """The language-side adapter (tokenizer, positions, language model loader) for a checkpoint."""
+    return _pick(LANGUAGE_ADAPTERS, model)
+
+
+def _pick(adapters: dict, model: str | os.PathLike):
     path = resolve_model(model)
     kind = read_config(path).get("model_type", "")
-    if kind not in VISION_ADAPTERS:
-        raise InvalidInput(f"model_type {kind!r} is not supported yet (supported: {sorted(VISION_ADAPTERS)})",
+    if kind not in adapters:
+        raise InvalidInput(f"model_type {kind!r} is not supported yet (supported: {sorted(adapters)})",
                            item="model", code="unsupported_model")
-    return VISION_ADAPTERS[kind](path)
+    return adapters[kind](path)

@@ -1,0 +1,40 @@
+"""`EngineConfig`: the decode engine's limits, fixed when it starts (they size the KV cache)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_MAX_MODEL_LEN = 4096  # when the checkpoint allows more: the KV cache is max_num_seqs x this
+
+
+@dataclasses.dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 32  # running sequences = KV cache rows
+    max_model_len: int | None = None  # prompt + output tokens; None: min(model's limit, DEFAULT_MAX_MODEL_LEN)
+    max_num_batched_tokens: int = 8192  # prefill budget per round, counted as padded batch tokens
+    num_scheduler_steps: int = 8  # K: decode steps per scheduling round
+    dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
+    num_threads: int | None = None  # torch CPU threads for the engine process (None: leave as is)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None:
+            if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) \
+                    or self.max_model_len < 2:
+                raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                                 f"({self.max_model_len}), or a long prompt could never be scheduled")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
+
+    def resolved(self, model_max_len: int) -> "EngineConfig":
+        """This config with `max_model_len` filled in and checked against the model's own limit."""
+        max_len = self.max_model_len or min(model_max_len, DEFAULT_MAX_MODEL_LEN)
+        if max_len > model_max_len:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
+        return dataclasses.replace(self, max_model_len=max_len,
+                                   max_num_batched_tokens=max(self.max_num_batched_tokens, max_len))

@@ -1,0 +1,258 @@
+"""`LLMEngine`: continuous batching with multi-step rounds, usable in any process with an event loop.
+
+One background thread owns the model (transformers modules keep mutable state, and one thread
+means no lock around them) and runs rounds while there is work:
+
+    apply aborts -> admit waiting requests (batched prefill, first token each)
+    -> K decode steps for the whole running batch -> per sequence: cut at its stop, emit one delta
+    -> free the rows of finished sequences
+
+Callers `await` deltas from `generate()`; validation happens in the caller's task before a
+request is queued, so a bad request fails alone. The engine needs no Ray actor around it: image
+embeddings may be tensors or Ray `ObjectRef`s (awaited in `generate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence as Seq
+
+import ray
+import torch
+
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.model_runner import ModelRunner
+from raypipe.decode.output import OutputProcessor
+from raypipe.decode.request import check_image_embeds, check_request
+from raypipe.decode.scheduler import Scheduler
+from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
+from raypipe.encoder import pick_device, resolve_dtype
+from raypipe.errors import InvalidInput
+from raypipe.models.registry import language_adapter
+from raypipe.prompt import PreparedPrompt
+from raypipe.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, checkpoint, config: EngineConfig | None = None):
+        self.adapter = language_adapter(checkpoint)
+        self.config = (config or EngineConfig()).resolved(self.adapter.max_position_embeddings)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.device = pick_device()
+        self.runner = ModelRunner(self.adapter, device=self.device, dtype=resolve_dtype(self.config.dtype, self.device),
+                                  max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
+                                  num_scheduler_steps=self.config.num_scheduler_steps)
+        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
+        self.tokenizer = self.adapter.tokenizer
+        self._counters = dict(rounds=0, prefills=0, prefill_tokens=0, decode_steps=0, decode_row_steps=0,
+                              max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0)
+        self._cond = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._live: dict[str, Sequence] = {}  # submitted, not yet finished (guarded by _cond)
+        self._outbox: list[tuple[Sequence, RequestDelta]] = []  # delivered once rows are freed
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="raypipe-decode", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread / event loop) ----
+
+    def check_request(self, prompt: PreparedPrompt | list[int], params: SamplingParams) -> None:
+        """Raise `InvalidInput` if the engine would refuse this request (no work is started)."""
+        check_request(prompt, params, language_adapter=self.adapter, max_model_len=self.config.max_model_len)
+
+    async def generate(self, request_id: str, prompt: PreparedPrompt | list[int], image_embeds: Seq = (),
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestDelta]:
+        """Deltas for one request; leaving the iteration early (or cancelling) aborts it."""
+        params = params if params is not None else SamplingParams()
+        ids, grids = check_request(prompt, params, language_adapter=self.adapter,
+                                   max_model_len=self.config.max_model_len)
+        embeds = check_image_embeds(await _resolve(image_embeds), grids, self.adapter)
+        positions, rope_delta = self.adapter.positions(ids, grids)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def deliver(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                self.abort(request_id)
+
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        seq = Sequence(request_id, ids, positions, rope_delta, embeds, params, deliver, generator)
+        self._submit(seq)
+        done = False
+        try:
+            while not done:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finish_reason is not None
+                yield item
+        finally:
+            if not done:
+                self.abort(request_id)
+
+    async def generate_output(self, request_id: str, prompt: PreparedPrompt | list[int], image_embeds: Seq = (),
+                              params: SamplingParams | None = None) -> RequestOutput:
+        """The whole result of one request."""
+        ids = prompt.prompt_token_ids if isinstance(prompt, PreparedPrompt) else list(prompt)
+        num_image_tokens = prompt.num_image_tokens if isinstance(prompt, PreparedPrompt) else 0
+        out = RequestOutput(request_id, list(ids), [], "", None, num_image_tokens)
+        async for delta in self.generate(request_id, prompt, image_embeds, params):
+            out.add(delta)
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next round boundary and free its row; unknown ids are ignored."""
+        with self._cond:
+            if request_id in self._live:
+                self._aborts.add(request_id)
+                self._cond.notify()
+
+    def stats(self) -> dict:
+        c = self._counters
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "rounds": c["rounds"], "prefill_batches": c["prefills"], "prefill_tokens": c["prefill_tokens"],
+                "decode_steps": c["decode_steps"], "max_running_seen": c["max_running"],
+                "mean_decode_batch": c["decode_row_steps"] / c["decode_steps"] if c["decode_steps"] else 0.0,
+                "tokens_generated": c["tokens_generated"], "requests_finished": c["finished"],
+                "requests_aborted": c["aborted"], "failed_rounds": c["failed_rounds"],
+                "num_scheduler_steps": self.config.num_scheduler_steps, "max_num_seqs": self.config.max_num_seqs,
+                "max_model_len": self.config.max_model_len, "kv_cache_bytes": self.runner.cache.nbytes,
+                "device": str(self.device)}
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def _submit(self, seq: Sequence) -> None:
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("engine is shut down")
+            if seq.request_id in self._live:
+                raise InvalidInput(f"request id {seq.request_id!r} is already running", item="request_id",
+                                   code="duplicate_request_id")
+            self._live[seq.request_id] = seq
+            self._inbox.append(seq)
+            self._cond.notify()
+
+    # ---- engine thread ----
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._aborts or self.scheduler.has_work() or self._stopping):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+            for seq in inbox:
+                self.scheduler.add(seq)
+            try:
+                self._apply_aborts(aborts)
+                self._round()
+            except Exception as exc:  # a bug or device error: fail this batch, keep serving
+                log.exception("decode round failed")
+                self._counters["failed_rounds"] += 1
+                self._fail_running(exc)
+            self._flush()
+
+    def _round(self) -> None:
+        admitted = self.scheduler.admit()
+        if admitted:
+            first = self.runner.prefill(admitted)
+            self._counters["prefills"] += 1
+            self._counters["prefill_tokens"] += sum(s.prompt_len for s in admitted)
+            for seq, token in zip(admitted, first):
+                self._emit(seq, self.output.append(seq, [token]))
+            self._release_finished()
+        running = list(self.scheduler.running)
+        if not running:
+            return
+        self._counters["rounds"] += 1
+        self._counters["max_running"] = max(self._counters["max_running"], len(running))
+        new_ids: list[list[int]] = [[] for _ in running]
+        budgets = [self.output.budget(seq) for seq in running]
+        stop_ids = [self.output.stop_ids(seq) for seq in running]
+        done = [False] * len(running)
+
+        def on_step(step: int, ids: list[int]) -> bool:
+            for row, token in enumerate(ids):
+                if not done[row]:
+                    new_ids[row].append(token)
+                    done[row] = len(new_ids[row]) >= budgets[row] or token in stop_ids[row]
+            return all(done)
+
+        steps = self.runner.decode(running, self.config.num_scheduler_steps, on_step)
+        self._counters["decode_steps"] += steps
+        self._counters["decode_row_steps"] += steps * len(running)
+        for seq, ids in zip(running, new_ids):
+            self._emit(seq, self.output.append(seq, ids))
+        self._release_finished()
+
+    def _emit(self, seq: Sequence, delta: RequestDelta) -> None:
+        self._counters["tokens_generated"] += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self._counters["finished"] += 1
+            self._forget(seq)
+        self._outbox.append((seq, delta))
+
+    def _flush(self) -> None:
+        # After rows are freed, so a caller that sees a request finish also sees its row free.
+        outbox, self._outbox = self._outbox, []
+        for seq, delta in outbox:
+            seq.deliver(delta)
+
+    def _release_finished(self) -> None:
+        finished = [seq for seq in self.scheduler.running if seq.finished]
+        if finished:
+            self.runner.move_rows(self.scheduler.release(finished))
+
+    def _apply_aborts(self, request_ids: set[str]) -> None:
+        if not request_ids:
+            return
+        leaving = []
+        for seq in [s for s in self.scheduler.waiting if s.request_id in request_ids]:
+            self.scheduler.remove_waiting(seq)
+            leaving.append(seq)
+        leaving += [s for s in self.scheduler.running if s.request_id in request_ids]
+        for seq in leaving:
+            self._counters["aborted"] += 1
+            self._emit(seq, self.output.finish(seq, "abort"))
+        self._release_finished()
+
+    def _fail_running(self, exc: Exception) -> None:
+        self._outbox = [(seq, delta) for seq, delta in self._outbox if seq.finished]
+        failed, self.scheduler.running = [s for s in self.scheduler.running if not s.finished], []
+        for seq in failed:
+            seq.row = None
+            self._forget(seq)
+            seq.deliver(RuntimeError(f"decode engine failed on this batch: {exc!r}"))
+
+    def _forget(self, seq: Sequence) -> None:
+        with self._cond:
+            self._live.pop(seq.request_id, None)
+
+
+async def _resolve(embeds: Seq) -> list:
+    """Ray ObjectRefs fetched without blocking the event loop; anything else as it is."""
+    embeds = list(embeds)
+    refs = [i for i, e in enumerate(embeds) if isinstance(e, ray.ObjectRef)]
+    if refs:
+        values = await asyncio.gather(*(embeds[i] for i in refs))
+        for i, value in zip(refs, values):
+            embeds[i] = value
+    return embeds

@@ -1,0 +1,114 @@
+"""The language model, its KV cache and the two batched forwards: prefill and a K-step decode round.
+
+`prefill` runs all joining prompts as one right-padded batch into their cache rows and samples
+each one's first token. `decode` runs K steps for the whole running batch: every step feeds the
+previous step's sampled ids (still on the device) back in, so the model never waits for the host.
+Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
+stream, read one step late so the copy overlaps the next step's kernels; on CPU directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from raypipe.decode.kv_cache import SlotKVCache, decode_mask, prefill_mask
+from raypipe.decode.sampler import SamplingBatch, sample
+from raypipe.decode.sequence import Sequence
+
+# on_step(step, ids) -> True when every row is done and the round may end early.
+StepCallback = Callable[[int, list[int]], bool]
+
+
+class ModelRunner:
+    def __init__(self, language_adapter, *, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
+                 max_model_len: int, num_scheduler_steps: int):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = language_adapter.load_model(self.device, dtype)
+        text = language_adapter.text_config
+        self.vocab_size = text.vocab_size
+        self.max_model_len = max_model_len
+        self.cache = SlotKVCache(num_layers=text.num_hidden_layers, max_num_seqs=max_num_seqs,
+                                 max_model_len=max_model_len, num_kv_heads=text.num_key_value_heads,
+                                 head_dim=text.hidden_size // text.num_attention_heads, device=self.device,
+                                 dtype=dtype)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.host_ids = torch.empty((num_scheduler_steps, max_num_seqs), dtype=torch.long, pin_memory=True)
+
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.vocab_size,
+                                   self.device)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Fill the cache rows of `seqs` (consecutive, starting at `seqs[0].row`); first sampled ids."""
+        lengths = [s.prompt_len for s in seqs]
+        width = max(lengths)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        positions = torch.zeros((3, len(seqs), width), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids[i, : seq.prompt_len] = torch.tensor(seq.prompt_ids)
+            positions[:, i, : seq.prompt_len] = seq.positions
+        images = [s.image_embeds for s in seqs if s.image_embeds is not None]
+        image_embeds = torch.cat(images).to(self.device) if images else None
+        lengths_t = torch.tensor(lengths, device=self.device)
+        ids, positions = ids.to(self.device), positions.to(self.device)
+        self.cache.prepare_prefill(seqs[0].row, len(seqs), width)
+        hidden = self.model(self.model.embed(ids, image_embeds), positions,
+                            prefill_mask(lengths_t, width, self.dtype), self.cache)
+        last = hidden[torch.arange(len(seqs), device=self.device), lengths_t - 1]
+        return sample(self.model.logits(last), self.sampling_batch(seqs)).tolist()
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence], steps: int, on_step: StepCallback) -> int:
+        """Up to `steps` decode steps for the running batch `seqs` (row i = seqs[i]); steps run."""
+        n = len(seqs)
+        batch = self.sampling_batch(seqs)
+        tokens = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
+        cache_len = torch.tensor([s.cache_len for s in seqs], device=self.device)
+        rope_delta = torch.tensor([s.rope_delta for s in seqs], device=self.device)
+        longest = max(s.cache_len for s in seqs)
+        pending: list[tuple[int, torch.cuda.Event]] = []
+        for step in range(steps):
+            # Rows already past the model length keep running until the round ends (their
+            # tokens are dropped); clamping keeps their writes inside the cache.
+            write_index = (cache_len + step).clamp_(max=self.max_model_len - 1)
+            kv_len = min(longest + step, self.max_model_len - 1) + 1
+            self.cache.prepare_decode(n, write_index, kv_len)
+            positions = (cache_len + step + rope_delta).view(1, n, 1).expand(3, n, 1)
+            hidden = self.model(self.model.embed(tokens[:, None]), positions,
+                                decode_mask(write_index, kv_len, self.dtype), self.cache)
+            tokens = sample(self.model.logits(hidden[:, -1]), batch)
+            if not self.cuda:
+                if on_step(step, tokens.tolist()):
+                    return step + 1
+                continue
+            pending.append((step, self._copy_to_host(step, tokens)))
+            if len(pending) > 1 and self._drain_one(pending, n, on_step):
+                return step + 1
+        while pending:
+            if self._drain_one(pending, n, on_step):
+                break
+        return steps
+
+    def _copy_to_host(self, step: int, tokens: torch.Tensor) -> "torch.cuda.Event":
+        done = torch.cuda.Event()
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.host_ids[step, : tokens.shape[0]].copy_(tokens, non_blocking=True)
+            done.record()
+        tokens.record_stream(self.copy_stream)  # the sampler's buffer must outlive the async copy
+        return done
+
+    def _drain_one(self, pending: list, n: int, on_step: StepCallback) -> bool:
+        step, done = pending.pop(0)
+        done.synchronize()
+        return on_step(step, self.host_ids[step, :n].tolist())
+
+    def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
+        for src, dst, length in moves:
+            self.cache.move_row(src, dst, length)

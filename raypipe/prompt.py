@@ -1,0 +1,152 @@
+"""Requests -> token ids with expanded image placeholders, plus the images they refer to.
+
+A request is OpenAI-style chat `messages` (content parts `text`, `image_url` with a data: URL, or
+`image` with a PIL image / array / bytes), a dict holding `messages`, or a dict holding raw
+`prompt_token_ids` and `images`. The checkpoint's chat template renders one
+`<|vision_start|><|image_pad|><|vision_end|>` per image; each `<|image_pad|>` is then expanded to
+that image's token count, which the vision adapter computes from the image size alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from raypipe.errors import InvalidInput
+from raypipe.models.base import VisionAdapter
+from raypipe.preprocess import DecodedImage, ImageLimits, load_image
+
+IMAGE_PAD = "<|image_pad|>"
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedPrompt:
+    prompt_token_ids: list[int]
+    images: list[DecodedImage]  # in prompt order; the engine needs only their embeddings
+    image_grids: list[tuple[int, ...]]  # per image, in prompt order
+    num_image_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int:  # image tokens included, as OpenAI usage counts them
+        return len(self.prompt_token_ids)
+
+    def without_pixels(self) -> "PreparedPrompt":
+        """What the decode engine needs: the same prompt without the pixel arrays."""
+        return dataclasses.replace(self, images=[])
+
+
+def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
+                 image_limits: ImageLimits = ImageLimits()) -> PreparedPrompt:
+    if isinstance(request, dict) and "prompt_token_ids" in request:
+        return _from_token_ids(request, tokenizer, vision_adapter, image_limits)
+    messages = request.get("messages") if isinstance(request, dict) else request
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput("a request is a non-empty messages list, a dict with 'messages', or a dict with "
+                           "'prompt_token_ids'", item="messages", code="invalid_request")
+    template_messages, raw_images = _split_images(messages)
+    images = [load_image(raw, image_limits, item=f"images[{i}]") for i, raw in enumerate(raw_images)]
+    try:
+        ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    except Exception as exc:  # jinja errors on shapes the template does not know
+        raise InvalidInput(f"chat template failed: {exc}", item="messages", code="invalid_request") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return _expand(list(ids), images, tokenizer, vision_adapter, allow_expanded=False)
+
+
+def _split_images(messages: list) -> tuple[list[dict], list]:
+    """Messages the chat template can render (image parts reduced to their type) and the images."""
+    rendered, images = [], []
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidInput("each message must be an object with a string 'role'", item=f"messages[{m}]",
+                               code="invalid_request")
+        content = message.get("content")
+        if isinstance(content, str):
+            rendered.append({"role": message["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise InvalidInput("content must be a string or a list of parts", item=f"messages[{m}].content",
+                               code="invalid_request")
+        parts = []
+        for p, part in enumerate(content):
+            where = f"messages[{m}].content[{p}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise InvalidInput("text part needs a string 'text'", item=where, code="invalid_request")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in IMAGE_PART_TYPES:
+                images.append(_image_of(part, where))
+                parts.append({"type": "image"})
+            else:
+                raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url' or "
+                                   "'image'", item=where, code="invalid_request")
+        rendered.append({"role": message["role"], "content": parts})
+    return rendered, images
+
+
+def _image_of(part: dict, where: str):
+    if part["type"] == "image":
+        if part.get("image") is None:
+            raise InvalidInput("image part needs an 'image'", item=where, code="invalid_request")
+        return part["image"]
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise InvalidInput("image_url part needs {'url': 'data:...'}", item=where, code="invalid_request")
+    return url
+
+
+def _from_token_ids(request: dict, tokenizer, vision_adapter, image_limits) -> PreparedPrompt:
+    ids = request["prompt_token_ids"]
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                   for t in ids):
+        raise InvalidInput("must be a non-empty list of integers", item="prompt_token_ids", code="invalid_request")
+    raw_images = request.get("images") or []
+    images = [load_image(raw, image_limits, item=f"images[{i}]") for i, raw in enumerate(raw_images)]
+    return _expand(list(ids), images, tokenizer, vision_adapter, allow_expanded=True)
+
+
+def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_adapter,
+            *, allow_expanded: bool) -> PreparedPrompt:
+    """Replace each image's placeholder with `num_tokens` image tokens.
+
+    A placeholder is a run of image tokens: a single one (expanded here) or, for raw token ids,
+    a run already of the image's exact length.
+    """
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    runs = _runs(ids, pad)
+    if len(runs) != len(images):
+        raise InvalidInput(f"prompt has {len(runs)} image placeholders but {len(images)} images were given",
+                           item="images", code="image_count_mismatch")
+    items = [vision_adapter.make_item(image) for image in images]
+    out: list[int] = []
+    cursor = 0
+    for i, ((start, length), item) in enumerate(zip(runs, items)):
+        if length != 1 and not (allow_expanded and length == item.num_tokens):
+            raise InvalidInput(f"placeholder {i} has {length} image tokens; image {i} needs 1 (to expand) or "
+                               f"{item.num_tokens}", item=f"images[{i}]", code="image_count_mismatch")
+        out += ids[cursor:start]
+        out += [pad] * item.num_tokens
+        cursor = start + length
+    out += ids[cursor:]
+    return PreparedPrompt(out, list(images), [tuple(item.grid) for item in items],
+                          sum(item.num_tokens for item in items))
+
+
+def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """`(start, length)` of each maximal run of `token`."""
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == token:
+            j = i
+            while j < len(ids) and ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
