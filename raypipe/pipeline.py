@@ -21,17 +21,16 @@ from raypipe.preprocess import ImageLimits, load_images
 
 
 def connect_ray(address: str | None = None) -> None:
-    """Join the given cluster, or a running one (`address="auto"` semantics), else start a local one."""
+    """Join `address`, else the cluster named by RAY_ADDRESS or started with `ray start` on this
+    machine, else start a local one.
+
+    Not `address="auto"`: besides `ray start` clusters, "auto" also joins any Ray it finds in the
+    process table, e.g. another program's private `ray.init()` cluster.
+    """
     if ray.is_initialized():
         return
-    common = dict(logging_level=logging.WARNING, log_to_driver=os.environ.get("RAYPIPE_RAY_LOGS") == "1")
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address or os.environ["RAY_ADDRESS"], **common)
-        return
-    try:
-        ray.init(address="auto", **common)
-    except ConnectionError:
-        ray.init(include_dashboard=False, **common)
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=os.environ.get("RAYPIPE_RAY_LOGS") == "1")
 
 
 def default_encoder_gpus() -> float:

@@ -1,0 +1,37 @@
+"""`raypipe encode`: embeddings of image files, written as one tensor per image."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+
+def run_encode(args) -> int:
+    from raypipe import Pipeline
+
+    paths = [pathlib.Path(p) for p in args.images]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        print(f"error: no such file: {', '.join(missing)}")
+        return 2
+    out = pathlib.Path(args.out)
+    if out.suffix not in (".safetensors", ".npz"):
+        print("error: --out must end in .safetensors or .npz")
+        return 2
+    with Pipeline.from_pretrained(args.model, num_encoders=args.num_encoders, encoder_gpus=args.encoder_gpus,
+                                  cost_model=args.cost_model) as pipe:
+        embeddings = pipe.encode([p.read_bytes() for p in paths])
+    tensors = {f"image_{i}": emb.contiguous() for i, emb in enumerate(embeddings)}
+    sources = json.dumps([str(p) for p in paths])
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(out), metadata={"sources": sources})
+    else:
+        import numpy as np
+
+        np.savez(out, sources=np.array(sources), **{k: v.float().numpy() for k, v in tensors.items()})
+    for path, emb in zip(paths, embeddings):
+        print(f"{path}: {tuple(emb.shape)}")
+    print(f"wrote {len(embeddings)} embeddings to {out}")
+    return 0

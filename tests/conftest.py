@@ -1,0 +1,61 @@
+"""Shared fixtures: offline mode, a private preset cache, one local Ray for the session."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAYPIPE_CACHE", tempfile.mkdtemp(prefix="raypipe-test-cache-"))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt():
+    from raypipe.models.presets import tiny_checkpoint
+
+    return tiny_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole session; pipelines started in tests leave it running."""
+    import ray
+
+    from raypipe.pipeline import connect_ray
+
+    connect_ray()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_ckpt):
+    """transformers' own full model: the reference every raypipe output is compared with."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_ckpt).eval()
+
+
+def random_images(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def reference_embeddings(hf_model, ckpt, images):
+    """Per-image embeddings from transformers' vision tower on the whole batch in one call."""
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(ckpt)
+    processed = processor(images=list(images), return_tensors="pt")
+    grid = processed["image_grid_thw"]
+    with torch.no_grad():
+        out = hf_model.model.visual(processed["pixel_values"], grid_thw=grid).pooler_output
+    merge = hf_model.config.vision_config.spatial_merge_size
+    return list(torch.split(out, (grid.prod(-1) // merge**2).tolist()))

@@ -1,0 +1,100 @@
+"""Order restoration, the embedding cache, dead workers and bad input, through real Ray actors."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from raypipe import InvalidInput, Pipeline
+from tests.conftest import random_images, reference_embeddings
+
+
+@pytest.fixture()
+def pipe(ray_local, tiny_ckpt):
+    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=2, cache_bytes=10 * 1024 * 1024) as p:
+        yield p
+
+
+def items_encoded(pipe):
+    return [info["items_encoded"] for info in pipe.worker_info()]
+
+
+def test_order_restored_when_balancer_reorders(pipe, hf_model, tiny_ckpt):
+    # Ascending sizes: the balancer visits them in reverse, so every shard is out of input order.
+    images = random_images([(56, 56), (112, 112), (168, 168), (224, 224), (280, 280)], seed=1)
+    got = pipe.encode(images)
+    shards = pipe.coordinator.last_report.assignment
+    assert shards[0][0] == 4 and any(shard != sorted(shard) for shard in shards)
+    for ours, ref in zip(got, reference_embeddings(hf_model, tiny_ckpt, images)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_cache_hits_skip_workers(pipe):
+    images = random_images([(100, 100), (200, 150), (60, 90)], seed=2)
+    first = pipe.encode(images)
+    before = items_encoded(pipe)
+    again = pipe.encode([images[2], images[0], images[1], images[0]])
+    assert items_encoded(pipe) == before  # nothing re-encoded
+    assert pipe.coordinator.last_report.cache_hits == 4
+    for got, ref in zip(again, [first[2], first[0], first[1], first[0]]):
+        assert torch.equal(got, ref)
+    stats = pipe.stats()["encoder"]["cache"]
+    assert stats["hits"] >= 3 and stats["misses"] == 3
+
+
+def test_duplicates_in_one_batch_encoded_once(pipe):
+    image = random_images([(120, 80)], seed=3)[0]
+    out = pipe.encode([image, image.copy(), image])
+    assert sum(items_encoded(pipe)) == 1
+    assert torch.equal(out[0], out[1]) and torch.equal(out[1], out[2])
+
+
+def test_cache_respects_byte_budget(ray_local, tiny_ckpt):
+    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=1, cache_bytes=30_000) as p:
+        images = random_images([(224, 224)] * 4, seed=4)  # 64 tokens x 64 x 4 B = 16 KiB each
+        p.encode(images)
+        cache = p.coordinator.cache
+        assert cache.bytes <= 30_000 and len(cache) == 1 and cache.evictions == 3
+        p.encode(images[-1:])
+        assert cache.hits == 1
+
+
+def test_dead_worker_before_call_is_retried(pipe, hf_model, tiny_ckpt):
+    images = random_images([(300, 300), (200, 200), (100, 100), (150, 90)], seed=5)
+    ray.kill(pipe.coordinator.workers[0])
+    got = pipe.encode(images)
+    assert pipe.coordinator.last_report.retried_shards == 1
+    for ours, ref in zip(got, reference_embeddings(hf_model, tiny_ckpt, images)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+    # The dead actor was replaced: the next call runs on two live workers again.
+    more = random_images([(90, 90), (80, 120)], seed=6)
+    pipe.encode(more)
+    assert pipe.coordinator.last_report.retried_shards == 0
+    assert pipe.stats()["encoder"]["workers_replaced"] == 1
+
+
+def test_worker_killed_mid_call(pipe, hf_model, tiny_ckpt):
+    images = random_images([(448, 448)] * 6, seed=7)  # a few hundred ms of work per shard
+    victim = pipe.coordinator.workers[1]
+    result = {}
+    call = threading.Thread(target=lambda: result.setdefault("out", pipe.encode(images)))
+    call.start()
+    time.sleep(0.05)
+    ray.kill(victim)
+    call.join(timeout=120)
+    got = result["out"]
+    for ours, ref in zip(got, reference_embeddings(hf_model, tiny_ckpt, images)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_bad_input_then_next_call_works(pipe):
+    good = random_images([(64, 64)], seed=8)[0]
+    with pytest.raises(InvalidInput) as err:
+        pipe.encode([good, b"not an image"])
+    assert err.value.item == "images[1]"
+    with pytest.raises(InvalidInput):
+        pipe.encode([np.zeros((1, 1, 3), np.uint8)])
+    assert pipe.encode([good])[0].shape[1] == 64

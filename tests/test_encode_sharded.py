@@ -1,0 +1,36 @@
+"""Sharded encoding over Ray workers equals transformers' own vision tower on the whole batch."""
+
+import pytest
+import torch
+
+from raypipe import Pipeline
+from tests.conftest import random_images, reference_embeddings
+
+# Mixed sizes: thumbnails, a wide strip, a tall one, a big one (grids from 4x4 to 36x26 patches).
+SIZES = [(300, 200), (28, 28), (640, 480), (100, 900), (50, 80), (224, 224), (900, 120), (60, 60), (480, 360)]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
+def pipe(request, ray_local, tiny_ckpt):
+    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=request.param) as p:
+        yield p
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 9])
+def test_matches_transformers(pipe, hf_model, tiny_ckpt, count):
+    images = random_images(SIZES[:count], seed=count)
+    expected = reference_embeddings(hf_model, tiny_ckpt, images)
+    got = pipe.encode(images)
+    assert len(got) == count
+    for ours, ref in zip(got, expected):
+        assert ours.shape == ref.shape
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+    report = pipe.coordinator.last_report
+    workers = len(pipe.coordinator.workers)
+    assert sorted(i for shard in report.assignment for i in shard) == list(range(count))
+    if count < workers:  # some worker received nothing and the call still completed
+        assert any(not shard for shard in report.assignment)
+
+
+def test_empty_input(pipe):
+    assert pipe.encode([]) == []
