@@ -6,17 +6,27 @@ language model in the `DecodeEngine` actor.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import os
 import pathlib
-from collections.abc import Sequence
+import uuid
+from collections.abc import AsyncIterator, Sequence
 
 import ray
+from ray.exceptions import RayTaskError
 
 from raypipe.coordinator import Coordinator
+from raypipe.decode.actor import RemoteDecodeEngine
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.sequence import RequestDelta, RequestOutput
 from raypipe.encoder import RemoteEncoderWorker
-from raypipe.models.registry import vision_adapter
+from raypipe.errors import InvalidInput
 from raypipe.models.presets import resolve_model
+from raypipe.models.registry import language_adapter, vision_adapter
+from raypipe.prompt import PreparedPrompt, build_prompt
+from raypipe.sampling import SamplingParams
 from raypipe.preprocess import ImageLimits, load_images
 
 
@@ -39,10 +49,15 @@ def default_encoder_gpus() -> float:
 
 class Pipeline:
     def __init__(self, checkpoint: pathlib.Path, coordinator: Coordinator, workers: list,
-                 image_limits: ImageLimits, owns_ray: bool):
+                 image_limits: ImageLimits, owns_ray: bool, engine_config: EngineConfig | None = None,
+                 decode_gpus: float = 0.0):
         self.checkpoint = checkpoint
         self.coordinator = coordinator
         self.image_limits = image_limits
+        self.engine_config = engine_config or EngineConfig()
+        self.decode_gpus = decode_gpus
+        self._engine = None  # DecodeEngine actor, started by the first generate()
+        self._tokenizer = None
         self._owns_ray = owns_ray
         self._closed = False
 
@@ -51,12 +66,17 @@ class Pipeline:
                         encoder_gpus: float | None = None, cost_model: str = "patches",
                         cache_bytes: int = 256 * 1024 * 1024, dtype: str = "auto",
                         encoder_threads: int | None = None, image_limits: ImageLimits | None = None,
-                        ray_address: str | None = None) -> "Pipeline":
+                        ray_address: str | None = None, num_scheduler_steps: int = 8,
+                        engine_config: EngineConfig | None = None, decode_gpus: float | None = None) -> "Pipeline":
         """Start `num_encoders` vision-tower replicas for `model` (a preset name or a local folder).
 
         `encoder_gpus` is the GPU share each encoder actor requests (fractions pack several per GPU,
         0 runs on CPU); by default 1 when the cluster has GPUs, else 0. On CPU each encoder gets
         `encoder_threads` torch threads (default: the machine's cores split evenly).
+
+        The decode engine (language model only) starts with the first `generate` call, in its own
+        actor with `decode_gpus` (default like `encoder_gpus`) and `engine_config` (limits, dtype,
+        threads), whose `num_scheduler_steps` is set to the argument of that name.
         """
         if num_encoders < 1:
             raise ValueError(f"num_encoders must be >= 1, got {num_encoders}")
@@ -76,7 +96,9 @@ class Pipeline:
         ray.get([w.info.remote() for w in workers])  # surface load errors here, not on first call
         coordinator = Coordinator(adapter, workers, cost_model=cost_model, cache_bytes=cache_bytes,
                                   worker_factory=start_worker)
-        return cls(checkpoint, coordinator, workers, image_limits or ImageLimits(), owns_ray)
+        engine_config = dataclasses.replace(engine_config or EngineConfig(), num_scheduler_steps=num_scheduler_steps)
+        return cls(checkpoint, coordinator, workers, image_limits or ImageLimits(), owns_ray, engine_config,
+                   default_encoder_gpus() if decode_gpus is None else decode_gpus)
 
     def encode(self, images: Sequence) -> list:
         """One `(tokens_i, hidden)` tensor per image, in input order.
@@ -86,11 +108,79 @@ class Pipeline:
         """
         return self.coordinator.encode(load_images(images, self.image_limits))
 
+    def generate(self, requests: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every request (messages list, `{"messages": ...}` or `{"prompt_token_ids", "images"}`).
+
+        `sampling_params` is one for all or one per request. Every request is validated first: a bad
+        one raises `InvalidInput` naming `requests[i]` and nothing runs. All images are encoded as one
+        balanced batch; the decode engine batches the requests together.
+        """
+        if _is_messages(requests):
+            requests = [requests]
+        params = _params_per_request(sampling_params, len(requests))
+        prompts = [self._prepare(request, f"requests[{i}]") for i, request in enumerate(requests)]
+        engine = self._engine_actor()
+        checks = [engine.check_request.remote(p.without_pixels(), sp) for p, sp in zip(prompts, params)]
+        for i, check in enumerate(checks):
+            try:
+                _unwrap_ray(lambda: ray.get(check))
+            except InvalidInput as exc:
+                raise _named(exc, f"requests[{i}]") from None
+        encoded = self.coordinator.submit([image for p in prompts for image in p.images])
+        calls, start = [], 0
+        for prompt, sp in zip(prompts, params):
+            refs = [e.ref for e in encoded[start: start + len(prompt.images)]]
+            start += len(prompt.images)
+            calls.append(engine.generate.remote(uuid.uuid4().hex, prompt.without_pixels(), refs, sp))
+        return _unwrap_ray(lambda: ray.get(calls))
+
+    async def generate_stream(self, request, sampling_params: SamplingParams | None = None
+                              ) -> AsyncIterator[RequestDelta]:
+        """Deltas of one request as the engine produces them (at least one per round)."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        prompt = self._prepare(request, "request")
+        engine = self._engine_actor()
+        await _unwrap_async(engine.check_request.remote(prompt.without_pixels(), params))
+        encoded = await asyncio.to_thread(self.coordinator.submit, prompt.images)
+        request_id = uuid.uuid4().hex
+        stream = engine.generate_stream.options(num_returns="streaming").remote(
+            request_id, prompt.without_pixels(), [e.ref for e in encoded], params)
+        finished = False
+        try:
+            async for ref in stream:
+                delta = await _unwrap_async(ref)
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                engine.abort.remote(request_id)
+
+    def _prepare(self, request, where: str) -> PreparedPrompt:
+        if self._tokenizer is None:
+            self._tokenizer = language_adapter(self.checkpoint).tokenizer
+        try:
+            return build_prompt(request, self._tokenizer, self.coordinator.adapter, self.image_limits)
+        except InvalidInput as exc:
+            raise _named(exc, where) from None
+
+    def _engine_actor(self):
+        if self._engine is None:
+            # num_cpus=0 like the encoders (see PLATFORM-NOTES); it picks its device itself.
+            engine = RemoteDecodeEngine.options(num_cpus=0, num_gpus=self.decode_gpus).remote(
+                str(self.checkpoint), self.engine_config)
+            ray.get(engine.info.remote())  # surface load errors here
+            self._engine = engine
+        return self._engine
+
+    def engine_stats(self) -> dict:
+        return ray.get(self._engine.stats.remote()) if self._engine is not None else {}
+
     def worker_info(self) -> list[dict]:
         return ray.get([w.info.remote() for w in self.coordinator.workers])
 
     def stats(self) -> dict:
-        return {"encoder": self.coordinator.stats()}
+        return {"encoder": self.coordinator.stats(), "decode": self.engine_stats()}
 
     def shutdown(self) -> None:
         if self._closed:
@@ -98,6 +188,8 @@ class Pipeline:
         self._closed = True
         for worker in self.coordinator.workers:
             ray.kill(worker)
+        if self._engine is not None:
+            ray.kill(self._engine)
         if self._owns_ray:
             ray.shutdown()
 
@@ -106,3 +198,40 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _is_messages(requests) -> bool:
+    """A bare messages list (one request) rather than a list of requests."""
+    return isinstance(requests, list) and bool(requests) and isinstance(requests[0], dict) and "role" in requests[0]
+
+
+def _params_per_request(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise InvalidInput(f"{len(params)} sampling params for {n} requests", item="sampling_params")
+    return params
+
+
+def _named(exc: InvalidInput, where: str) -> InvalidInput:
+    return InvalidInput(exc.reason, item=f"{where}.{exc.item}" if exc.item else where, code=exc.code)
+
+
+def _unwrap_ray(call):
+    """Run `call`; an `InvalidInput` raised inside an actor comes back as itself, not as RayTaskError."""
+    try:
+        return call()
+    except RayTaskError as exc:
+        if isinstance(exc.cause, InvalidInput):
+            raise exc.cause from None
+        raise
+
+
+async def _unwrap_async(ref):
+    try:
+        return await ref
+    except RayTaskError as exc:
+        if isinstance(exc.cause, InvalidInput):
+            raise exc.cause from None
+        raise

@@ -1,0 +1,47 @@
+"""`DecodeEngine`: the Ray actor that hosts one `LLMEngine` (its own GPU when there is one).
+
+An async actor, so many requests wait on the engine at once. Image embeddings arrive as
+`ObjectRef`s nested in a list (Ray resolves only top-level ref arguments), and the engine fetches
+them itself: they never pass through the caller. Streaming uses an async-generator method called
+with `.options(num_returns="streaming")`; one item is yielded per delta.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
+
+
+class DecodeEngine:
+    def __init__(self, checkpoint: str, config: EngineConfig):
+        self.engine = LLMEngine(checkpoint, config)
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "device": str(self.engine.device), "max_model_len": self.engine.config.max_model_len,
+                "max_num_seqs": self.engine.config.max_num_seqs,
+                "num_scheduler_steps": self.engine.config.num_scheduler_steps}
+
+    def check_request(self, prompt, params) -> None:
+        self.engine.check_request(prompt, params)
+
+    async def generate(self, request_id: str, prompt, image_refs: list, params):
+        """The whole `RequestOutput` of one request."""
+        return await self.engine.generate_output(request_id, prompt, image_refs, params)
+
+    async def generate_stream(self, request_id: str, prompt, image_refs: list, params):
+        """Yields `RequestDelta`s; call with `.options(num_returns="streaming")`."""
+        async for delta in self.engine.generate(request_id, prompt, image_refs, params):
+            yield delta
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+RemoteDecodeEngine = ray.remote(DecodeEngine)
