@@ -1,0 +1,44 @@
+"""The Serve application: `Ingress` composed with `EncoderGroup` and `Decoder` through handles.
+
+`build_app` is a Serve application builder, so the same graph starts from the CLI
+(`raypipe serve`), from `serve run deployments/config.yaml` (its `args:` are `AppArgs`), or from
+`serve run deployments.app:build_app model=tiny`. Replica counts, autoscaling and resources are
+deployment options: set them in config.yaml's `deployments:` section, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+from ray.serve import Application
+
+from deployments.decoder import Decoder
+from deployments.encoder_group import EncoderGroup
+from deployments.ingress import Ingress
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a typo in config.yaml's args fails the deploy
+
+    model: str = "tiny"  # preset name or local HF checkpoint folder (on every node)
+    served_model_name: str | None = None  # the `model` clients send; default: the model argument
+    api_key: str | None = None  # also read from RAYPIPE_API_KEY in the ingress replicas
+    num_encoders: int = 2  # encoder-worker actors per EncoderGroup replica
+    encoder_gpus: float | None = None  # GPU share per encoder worker; None: 1 if the cluster has GPUs, else 0
+    cost_model: Literal["patches", "attention"] = "patches"
+    cache_bytes: int = 256 * 1024 * 1024  # embedding cache per EncoderGroup replica
+    batch_window_s: float = 0.005  # how long the encoder group waits to gather concurrent requests' images
+    max_batch_images: int = 64
+    engine: dict = {}  # raypipe.decode.config.EngineConfig fields (max_num_seqs, max_model_len, ...)
+    limits: dict = {}  # deployments.limits.ServeLimits fields (body size, images, pixels, default max_tokens)
+
+
+def build_app(args: AppArgs | dict | None = None) -> Application:
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    encoder = EncoderGroup.bind(model=args.model, num_encoders=args.num_encoders, encoder_gpus=args.encoder_gpus,
+                                cost_model=args.cost_model, cache_bytes=args.cache_bytes,
+                                batch_window_s=args.batch_window_s, max_batch_images=args.max_batch_images)
+    decoder = Decoder.bind(model=args.model, engine=args.engine)
+    return Ingress.bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
+                        api_key=args.api_key, limits=args.limits)

@@ -1,0 +1,86 @@
+"""`EncoderGroup` deployment: one coordinator over N encoder-worker actors, fed in micro-batches.
+
+Each request's images arrive as one call; `@serve.batch` gathers the calls that arrive within a
+short window (or while the previous batch is still encoding) into one `Coordinator.submit`, so the
+load balancer spreads the images of many concurrent requests over the workers at once, instead of
+sending each request's one or two images to whichever worker is first. The embeddings stay in the
+object store: callers get `ObjectRef`s, which they hand on to the decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import ray
+from ray import serve
+
+from raypipe.coordinator import Coordinator
+from raypipe.encoder import RemoteEncoderWorker
+from raypipe.models.presets import resolve_model
+from raypipe.models.registry import vision_adapter
+from raypipe.pipeline import default_encoder_gpus
+from raypipe.preprocess import DecodedImage
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class EncoderGroup:
+    def __init__(self, model: str = "tiny", num_encoders: int = 2, encoder_gpus: float | None = None,
+                 cost_model: str = "patches", cache_bytes: int = 256 * 1024 * 1024,
+                 batch_window_s: float = 0.005, max_batch_images: int = 64, encoder_threads: int | None = None):
+        checkpoint = resolve_model(model)
+        gpus = default_encoder_gpus() if encoder_gpus is None else encoder_gpus
+        threads = encoder_threads or max(1, (os.cpu_count() or 1) // num_encoders)
+
+        def start_worker():
+            # num_cpus=0: the actor must not reserve a CPU slot (PLATFORM-NOTES); torch threads are set instead.
+            return RemoteEncoderWorker.options(num_cpus=0, num_gpus=gpus).remote(str(checkpoint), num_threads=threads)
+
+        workers = [start_worker() for _ in range(num_encoders)]
+        ray.get([worker.info.remote() for worker in workers])  # fail at deploy time if weights do not load
+        self.coordinator = Coordinator(vision_adapter(checkpoint), workers, cost_model=cost_model,
+                                       cache_bytes=cache_bytes, worker_factory=start_worker)
+        self.encode.set_max_batch_size(max_batch_images)
+        self.encode.set_batch_wait_timeout_s(batch_window_s)
+        self.batching = {"batches": 0, "requests": 0, "images": 0, "max_requests_per_batch": 0}
+
+    @serve.batch(batch_size_fn=lambda calls: sum(len(images) for images in calls))
+    async def encode(self, calls: list[list[DecodedImage]]) -> list[list[ray.ObjectRef]]:
+        """Per call, one embedding `ObjectRef` per image (in order). Batch size counts images, not calls."""
+        flat = [image for images in calls for image in images]
+        # submit() blocks on ray.wait; a thread keeps this replica's event loop free to queue the next batch.
+        encoded = await asyncio.to_thread(self.coordinator.submit, flat)
+        self._count_batch(calls)
+        refs, start = [], 0
+        for images in calls:
+            refs.append([item.ref for item in encoded[start:start + len(images)]])
+            start += len(images)
+        return refs
+
+    def _count_batch(self, calls: list) -> None:
+        with_images = sum(1 for images in calls if images)
+        self.batching["batches"] += 1
+        self.batching["requests"] += with_images
+        self.batching["images"] += sum(len(images) for images in calls)
+        self.batching["max_requests_per_batch"] = max(self.batching["max_requests_per_batch"], with_images)
+
+    async def ping(self, timeout_s: float = 5.0) -> dict:
+        """How many workers answer within `timeout_s` (for /health)."""
+        workers = list(self.coordinator.workers)
+        ready, _ = await asyncio.to_thread(ray.wait, [w.info.remote() for w in workers], num_returns=len(workers),
+                                           timeout=timeout_s)
+        alive = 0
+        for ref in ready:
+            try:
+                await ref
+                alive += 1
+            except ray.exceptions.RayError:
+                pass
+        return {"workers": len(workers), "alive": alive}
+
+    def stats(self) -> dict:
+        return {**self.coordinator.stats(), "batching": dict(self.batching)}
+
+    def __del__(self):
+        for worker in getattr(getattr(self, "coordinator", None), "workers", []):
+            ray.kill(worker)

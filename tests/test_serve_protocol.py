@@ -1,0 +1,78 @@
+"""The HTTP layer's pure parts, without Ray: request parsing, limits, error bodies, SSE chunks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deployments.errors import ApiError
+from deployments.limits import ServeLimits
+from deployments.protocol import chunk_body, parse_request
+from raypipe.errors import InvalidInput
+
+
+def body(**fields) -> bytes:
+    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}).encode()
+
+
+def test_parses_text_and_image_parts():
+    request = parse_request(json.dumps({"model": "m", "max_completion_tokens": 7, "max_tokens": 3, "stop": "x",
+                                        "stream": True, "stream_options": {"include_usage": True},
+                                        "messages": [{"role": "user", "content": [
+                                            {"type": "text", "text": "a"},
+                                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                        ]}]}).encode())
+    assert request.requested_max_tokens == 7  # the newer field wins
+    assert request.stop_list() == ["x"] and request.include_usage
+    assert request.image_urls() == ["data:image/png;base64,AA=="]
+    assert request.messages_for_template()[0]["content"][1]["image_url"]["url"].startswith("data:")
+
+
+@pytest.mark.parametrize("raw, code, param", [
+    (b"{not json", "invalid_json", None),
+    (body(max_tokens="5"), "invalid_type", "max_tokens"),  # strict: no silent coercion
+    (body(messages=[{"role": "user", "content": [{"type": "audio"}]}]), "invalid_type", "messages[0].content[0]"),
+    (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "missing_field",
+     "messages[0].content[0].image_url.url"),
+    (json.dumps({"messages": []}).encode(), "missing_field", "model"),
+    (body(n=2), "unsupported_parameter", "n"),
+    (body(stop=["a", "b", "c", "d", "e"]), "invalid_value", "stop"),
+])
+def test_bad_requests_name_the_field(raw, code, param):
+    with pytest.raises(InvalidInput) as info:
+        parse_request(raw)
+    assert info.value.code == code and info.value.item == (param if param is not None else None)
+
+
+def test_max_tokens_against_context():
+    limits = ServeLimits(default_max_tokens=100)
+    assert limits.max_tokens_for(None, prompt_tokens=950, max_model_len=1000) == 50
+    assert limits.max_tokens_for(None, prompt_tokens=10, max_model_len=1000) == 100
+    for requested, prompt, code in ((0, 10, "invalid_value"), (991, 10, "context_length_exceeded"),
+                                    (None, 1000, "context_length_exceeded")):
+        with pytest.raises(InvalidInput) as info:
+            limits.max_tokens_for(requested, prompt_tokens=prompt, max_model_len=1000)
+        assert info.value.code == code
+
+
+@pytest.mark.parametrize("exc, status", [
+    (InvalidInput("no", item="sampling_params.seed", code="invalid_sampling_params"), 400),
+    (InvalidInput("no", code="invalid_api_key"), 401),
+    (InvalidInput("no", item="model", code="model_not_found"), 404),
+    (InvalidInput("no", code="request_too_large"), 413),
+    (RuntimeError("secret internals"), 500),
+])
+def test_error_bodies(exc, status):
+    error = ApiError.from_exception(exc)
+    body = error.body()["error"]
+    assert error.status == status and set(body) == {"message", "type", "param", "code"}
+    assert "secret" not in body["message"]
+    if status == 400:
+        assert body["param"] == "seed"  # the HTTP field name, not the internal one
+
+
+def test_usage_chunk_has_no_choices():
+    chunk = chunk_body("id", "m", 0, None, with_usage_field=True, usage_value={"total_tokens": 3})
+    assert chunk["choices"] == [] and chunk["usage"] == {"total_tokens": 3}
+    assert "usage" not in chunk_body("id", "m", 0, {"content": "x"})
