@@ -1,0 +1,58 @@
+"""Shared by the decode tests: prompts with images, and transformers' own `generate()` as the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from raypipe.prompt import build_prompt
+from tests.conftest import random_images, reference_embeddings
+
+# (text, image sizes) per request: different prompt lengths and image counts.
+REQUESTS = [
+    ("Say something.", []),
+    ("What is in this picture?", [(56, 84)]),
+    ("Compare these three images, please:", [(56, 84), (112, 56), (60, 60)]),
+    ("hi", [(84, 84)]),
+    ("A much longer text-only prompt that makes this row longer than the others in the batch.", []),
+    ("two", [(28 * 3, 28 * 5), (56, 56)]),
+    ("x", []),
+    ("Describe.", [(140, 70)]),
+]
+
+
+def messages(text: str, images: list[np.ndarray]) -> list[dict]:
+    parts = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": parts}]
+
+
+def request(i: int, seed: int = 0) -> list[dict]:
+    text, sizes = REQUESTS[i]
+    return messages(text, random_images(sizes, seed=seed + i))
+
+
+def prepare(i: int, tokenizer, vision, seed: int = 0):
+    return build_prompt(request(i, seed), tokenizer, vision)
+
+
+def embeddings(hf_model, ckpt, prompt) -> list[torch.Tensor]:
+    """Per-image embeddings from transformers' own vision tower (not raypipe's encoder)."""
+    if not prompt.images:
+        return []
+    return reference_embeddings(hf_model, ckpt, [image.pixels for image in prompt.images])
+
+
+def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: int, eos_token_id: int) -> list[int]:
+    """Greedy `generate()` on the full transformers model; ids after the prompt, up to and including EOS."""
+    ids = torch.tensor([prompt.prompt_token_ids])
+    kwargs = {}
+    if prompt.image_grids:
+        kwargs = dict(image_grid_thw=torch.tensor(prompt.image_grids),
+                      mm_token_type_ids=(ids == hf_model.config.image_token_id).int(),
+                      mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(embeds))})
+    with torch.no_grad():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False, **kwargs)
+    tokens = out[0, ids.shape[1]:].tolist()
+    return tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens

@@ -1,0 +1,201 @@
+"""LLMEngine in-process: greedy equals transformers' generate() token for token, for K=1 and K=8."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from raypipe import InvalidInput, SamplingParams
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
+from raypipe.models.registry import vision_adapter
+from tests import decode_reference as ref
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_ckpt):
+    made = {}
+
+    def get(k: int, **limits) -> LLMEngine:
+        key = (k, tuple(sorted(limits.items())))
+        if key not in made:
+            made[key] = LLMEngine(tiny_ckpt, EngineConfig(**{"max_num_seqs": 8, "max_model_len": 512,
+                                                              "num_scheduler_steps": k, **limits}))
+        return made[key]
+
+    yield get
+    for engine in made.values():
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_ckpt, hf_model, engines):
+    """Prompt, reference embeddings and reference greedy tokens for each of ref.REQUESTS."""
+    engine = engines(8)
+    vision = vision_adapter(tiny_ckpt)
+    out = []
+    for i, (_, _) in enumerate(ref.REQUESTS):
+        prompt = ref.prepare(i, engine.tokenizer, vision)
+        embeds = ref.embeddings(hf_model, tiny_ckpt, prompt)
+        want = ref.hf_generate(hf_model, prompt, embeds, MAX_NEW, engine.adapter.eos_token_ids[0])
+        out.append((prompt, embeds, want))
+    return out
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("k", [1, 8])
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["text", "one_image", "three_images"])
+def test_single_request_matches_generate(engines, cases, k, case):
+    prompt, embeds, want = cases[case]
+    out = run(engines(k).generate_output(f"single-{k}-{case}", prompt, embeds, SamplingParams(max_tokens=MAX_NEW)))
+    assert out.token_ids == want
+    assert out.finish_reason == ("stop" if len(want) < MAX_NEW else "length")
+    assert out.num_image_tokens == prompt.num_image_tokens
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_staggered_concurrent_requests_join_a_running_batch(engines, cases, k):
+    engine = engines(k)
+    before = engine.stats()
+    max_tokens = [MAX_NEW, 5, 17, MAX_NEW, 1, 9, 13, 20]
+
+    async def one(i):
+        await asyncio.sleep(0.004 * i)  # arrive while earlier requests are mid-generation
+        prompt, embeds, _ = cases[i]
+        return await engine.generate_output(f"batch-{k}-{i}", prompt, embeds, SamplingParams(max_tokens=max_tokens[i]))
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(len(cases))))
+
+    outs = run(all_of_them())
+    for i, out in enumerate(outs):
+        assert out.token_ids == cases[i][2][: max_tokens[i]], f"request {i}"
+    after = engine.stats()
+    assert after["max_running_seen"] > 1
+    assert after["prefill_batches"] - before["prefill_batches"] >= 2  # later requests joined a running batch
+    assert after["running"] == 0 and after["waiting"] == 0
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_stop_token_ids_max_tokens_and_stop_strings_truncate_exactly(engines, cases, k):
+    engine = engines(k)
+    prompt, embeds, want = cases[1]
+    stop_token = want[6]
+    cut = want.index(stop_token) + 1
+
+    async def stream(params):
+        deltas = [d async for d in engine.generate(f"stop-{k}-{params}", prompt, embeds, params)]
+        assert all(d.finish_reason is None for d in deltas[:-1])
+        return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), deltas[-1].finish_reason
+
+    assert run(stream(SamplingParams(max_tokens=MAX_NEW, stop_token_ids=[stop_token]))) == (
+        want[:cut], engine.tokenizer.decode(want[:cut], skip_special_tokens=True), "stop")
+    assert run(stream(SamplingParams(max_tokens=7)))[::2] == (want[:7], "length")
+
+    full_text = engine.tokenizer.decode(want, skip_special_tokens=True)
+    stop = engine.tokenizer.decode(want[9:11])  # two tokens, completed mid-round for K=8
+    n = next(n for n in range(1, len(want) + 1) if stop in engine.tokenizer.decode(want[:n]))
+    tokens, text, reason = run(stream(SamplingParams(max_tokens=MAX_NEW, stop=["\x00never", stop])))
+    assert (tokens, text, reason) == (want[:n], full_text[: full_text.index(stop)], "stop")
+
+
+def test_eos_stops_unless_ignored(engines, cases, monkeypatch):
+    engine = engines(8)
+    prompt, embeds, want = cases[0]
+    # The tiny model rarely samples <|im_end|>: make one of its greedy tokens the EOS for this test.
+    monkeypatch.setattr(engine.output, "eos_token_ids", frozenset({want[4]}))
+    cut = want.index(want[4]) + 1
+    stopped = run(engine.generate_output("eos", prompt, embeds, SamplingParams(max_tokens=MAX_NEW)))
+    ignored = run(engine.generate_output("eos-ignored", prompt, embeds,
+                                         SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)))
+    assert (stopped.token_ids, stopped.finish_reason) == (want[:cut], "stop")
+    assert ignored.token_ids == want[:MAX_NEW]
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engines, cases):
+    engine = engines(8)
+    prompt, embeds, _ = cases[2]
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+    alone = run(engine.generate_output("seed-alone", prompt, embeds, params)).token_ids
+
+    async def busy():
+        others = [engine.generate_output(f"noise-{i}", cases[i][0], cases[i][1],
+                                         SamplingParams(max_tokens=15, temperature=1.0, seed=None if i % 2 else i))
+                  for i in (0, 3, 4, 5)]
+        results = await asyncio.gather(*others, engine.generate_output("seed-busy", prompt, embeds, params))
+        return results[-1].token_ids
+
+    assert run(busy()) == alone
+    unseeded = [run(engine.generate_output(f"free-{i}", prompt, embeds,
+                                           SamplingParams(max_tokens=20, temperature=0.9))).token_ids for i in range(2)]
+    assert unseeded[0] != unseeded[1]  # it does sample
+
+
+def test_bad_requests_fail_alone(engines, cases):
+    engine = engines(8)
+    prompt, embeds, want = cases[1]
+
+    async def scenario():
+        good = [asyncio.ensure_future(engine.generate_output(f"good-{i}", prompt, embeds,
+                                                             SamplingParams(max_tokens=MAX_NEW))) for i in range(3)]
+        await asyncio.sleep(0.01)
+        bad = {
+            "too_long": engine.generate_output("bad-long", [5] * 600, [], SamplingParams()),
+            "count": engine.generate_output("bad-count", prompt, embeds[:0], SamplingParams()),
+            "shape": engine.generate_output("bad-shape", prompt, [embeds[0][:-1]], SamplingParams()),
+            "vocab": engine.generate_output("bad-vocab", [10 ** 6], [], SamplingParams()),
+            "params": engine.generate_output("bad-params", [5, 6], [], {"max_tokens": 3}),
+        }
+        errors = {}
+        for name, coro in bad.items():
+            with pytest.raises(InvalidInput) as info:
+                await coro
+            errors[name] = info.value
+        return [await g for g in good], errors
+
+    outs, errors = run(scenario())
+    assert errors["too_long"].code == "prompt_too_long"
+    assert errors["count"].code == errors["shape"].code == "image_count_mismatch"
+    assert all(out.token_ids == want for out in outs)
+    with pytest.raises(InvalidInput):
+        engine.check_request([5] * 600, SamplingParams())
+
+
+def test_more_requests_than_rows_wait_and_complete(engines, cases):
+    engine = engines(8, max_num_seqs=2, max_num_batched_tokens=512)
+
+    async def many():
+        return await asyncio.gather(*(engine.generate_output(f"wait-{i}", cases[i][0], cases[i][1],
+                                                             SamplingParams(max_tokens=10)) for i in range(6)))
+
+    outs = run(many())
+    assert [out.token_ids for out in outs] == [cases[i][2][:10] for i in range(6)]
+    stats = engine.stats()
+    assert stats["max_running_seen"] == 2 and stats["kv_cache_bytes"] == engine.runner.cache.nbytes
+
+
+def test_leaving_the_stream_aborts_and_frees_the_row(engines, cases):
+    engine = engines(1)
+    prompt, embeds, want = cases[0]
+
+    async def leave_early():
+        async for delta in engine.generate("leaver", prompt, embeds, SamplingParams(max_tokens=400, ignore_eos=True)):
+            assert delta.token_ids
+            break
+        for _ in range(200):
+            if engine.stats()["running"] == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    aborted = engine.stats()["requests_aborted"]
+    assert run(leave_early())
+    assert engine.stats()["requests_aborted"] == aborted + 1
+    out = run(engine.generate_output("after", prompt, embeds, SamplingParams(max_tokens=MAX_NEW)))
+    assert out.token_ids == want
