@@ -17,7 +17,7 @@ import pathlib
 import shutil
 import tempfile
 
-PRESET_VERSION = "v1"
+PRESET_VERSION = "v2"
 
 # Qwen's special tokens, in the order the real vocabulary has them.
 QWEN_SPECIAL_TOKENS = [
@@ -63,7 +63,7 @@ _QWEN2_5_VL_SHAPES = {
         text=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=2, mrope_section=[8, 12, 12]),
         min_pixels=28 * 28 * 4,
-        max_pixels=28 * 28 * 4096,
+        max_pixels=28 * 28 * 1024,  # Qwen2.5-VL ships 28*28*1280
     ),
 }
 

@@ -1,0 +1,160 @@
+"""`raypipe bench encode`: balancer quality on measured costs, Ray overhead, 2-vs-1 worker speed-up.
+
+(a) For a heavy-tailed mix of image sizes (thumbnails to 4K screenshots and documents), each
+    image's encode time is *measured* alone on an encoder worker; then for n = 2, 4, 8 simulated
+    workers we compute each strategy's makespan (slowest worker's summed measured time) over the
+    lower bound max(total / n, largest item): count-based even split (vLLM's
+    `run_dp_sharded_vision_model` style), greedy by patch count, greedy by attention cost.
+(b) Ray overhead: one encoder worker vs calling the same vision tower in this process.
+(c) Speed-up of 2 workers (1 thread each) over 1 worker (2 threads) on the same batch.
+All on the `small` preset (realistic shape, random weights) unless --model says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import ray
+import torch
+
+from raypipe.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
+from raypipe.bench.common import median_seconds, print_table, write_json
+from raypipe.jobs.sample_images import sample_image
+
+STRATEGIES = ("even split (count)", "greedy: patches", "greedy: attention")
+
+
+def heavy_tailed_sizes(count: int, seed: int = 0) -> list[tuple[int, int]]:
+    """Mostly small images, some photos, a few documents and 4K screenshots (sizes as H x W)."""
+    rng = np.random.default_rng(seed)
+    big = [(2160, 3840), (1440, 2560), (1080, 1920), (1754, 1240), (2200, 1700), (3300, 2550)]
+    sizes = []
+    for i in range(count):
+        kind = rng.random()
+        if kind < 0.45:  # thumbnails and icons
+            side = int(rng.uniform(48, 256))
+            sizes.append((side, int(side * rng.uniform(0.6, 1.6))))
+        elif kind < 0.8:  # photos
+            width = int(rng.uniform(320, 1024))
+            sizes.append((int(width * rng.choice([0.75, 0.5625, 1.33])), width))
+        else:  # documents and screenshots
+            sizes.append(big[int(rng.integers(len(big)))])
+    rng.shuffle(sizes)
+    return [tuple(map(int, s)) for s in sizes]
+
+
+def makespan_ratio(shards: list[list[int]], seconds: list[float]) -> float:
+    loads = [sum(seconds[i] for i in shard) for shard in shards]
+    lower_bound = max(sum(seconds) / len(shards), max(seconds))
+    return max(loads) / lower_bound
+
+
+def balancer_quality(adapter, items, seconds: list[float], worker_counts) -> list[dict]:
+    rows = []
+    for n in worker_counts:
+        row = {"workers": n}
+        row[STRATEGIES[0]] = makespan_ratio(even_split_assignment(len(items), n), seconds)
+        for name, cost_model in zip(STRATEGIES[1:], ("patches", "attention")):
+            sizes = [adapter.cost(item, cost_model) for item in items]
+            order, counts, _ = get_load_balance_assignment(sizes, n)
+            row[name] = makespan_ratio(split_by_counts(order, counts), seconds)
+        rows.append(row)
+    return rows
+
+
+def main(args) -> int:
+    from raypipe.encoder import RemoteEncoderWorker, pick_device
+    from raypipe.models.presets import resolve_model
+    from raypipe.models.registry import vision_adapter
+    from raypipe.pipeline import Pipeline, connect_ray
+    from raypipe.preprocess import ImageLimits, load_images
+
+    model = getattr(args, "model", None) or "small"
+    checkpoint = resolve_model(model)
+    adapter = vision_adapter(checkpoint)
+    count = 24 if args.quick else 48
+    sizes = heavy_tailed_sizes(count)
+    limits = ImageLimits(max_pixels=16_000_000)
+    decoded = load_images([sample_image(h, w, seed=i) for i, (h, w) in enumerate(sizes)], limits)
+    items = [adapter.make_item(d) for d in decoded]
+    cores = os.cpu_count() or 1
+    connect_ray()
+
+    # (a) per-image cost measured on one encoder worker (one thread: what each DP worker gets here)
+    probe = RemoteEncoderWorker.options(num_cpus=0).remote(str(checkpoint), num_threads=max(1, cores // 2))
+    seconds = ray.get(probe.encode_timed.remote(items, repeats=1 if args.quick else 3))
+    ray.kill(probe)
+    quality = balancer_quality(adapter, items, seconds, (2, 4, 8))
+
+    # (b) and (c) on one batch: a slice of the mix so a run stays within minutes
+    batch = decoded[: 12 if args.quick else 24]
+    repeats = 3 if args.quick else 5
+    torch.set_num_threads(cores)
+    tower = adapter.load_tower(pick_device(), torch.float32)
+    batch_items = [adapter.make_item(d) for d in batch]
+    in_process = median_seconds(lambda: tower.encode(batch_items), repeats)
+    del tower
+    timings = {}
+    for workers, threads in ((1, cores), (2, max(1, cores // 2))):
+        with Pipeline.from_pretrained(checkpoint, num_encoders=workers, cache_bytes=0, encoder_threads=threads,
+                                      image_limits=limits) as pipe:
+            timings[workers] = median_seconds(lambda: pipe.coordinator.encode(batch), repeats)
+    result = {
+        "model": str(model), "images": count, "sizes": sizes, "measured_seconds": seconds,
+        "balancer_makespan_over_lower_bound": quality,
+        "batch_images": len(batch), "in_process_s": in_process, "one_worker_s": timings[1],
+        "two_workers_s": timings[2], "ray_overhead_ratio": timings[1] / in_process,
+        "two_vs_one_speedup": timings[1] / timings[2], "cores": cores,
+    }
+    _report(result, args)
+    return 0
+
+
+def _report(result: dict, args) -> None:
+    out = write_json(args.out, "encode", result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    secs = result["measured_seconds"]
+    print(f"model {result['model']}: {result['images']} images, measured encode time per image "
+          f"min {min(secs) * 1e3:.1f} ms, median {np.median(secs) * 1e3:.1f} ms, max {max(secs) * 1e3:.0f} ms, "
+          f"total {sum(secs):.2f} s")
+    rows = [[r["workers"], *(r[s] for s in STRATEGIES)] for r in result["balancer_makespan_over_lower_bound"]]
+    print_table("(a) makespan / lower bound on measured costs (1.000 = perfect)", ["n", *STRATEGIES], rows)
+    print_table(f"(b, c) one batch of {result['batch_images']} images, median wall time",
+                ["setup", "seconds", "ratio"],
+                [["vision tower in-process", result["in_process_s"], 1.0],
+                 ["1 Ray encoder worker", result["one_worker_s"], result["ray_overhead_ratio"]],
+                 ["2 Ray encoder workers", result["two_workers_s"], result["two_workers_s"] / result["in_process_s"]]])
+    print(f"\nRay overhead (1 worker / in-process): {result['ray_overhead_ratio']:.3f}  (target <= 1.10)")
+    print(f"2 workers vs 1 worker speed-up:       {result['two_vs_one_speedup']:.2f}x (target >= 1.6, "
+          f"{result['cores']} cores)")
+    plot = _plot(result, args.out)
+    print(f"results: {out}" + (f", plot: {plot}" if plot else ""))
+
+
+def _plot(result: dict, out_dir: str):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = result["balancer_makespan_over_lower_bound"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.25
+    for k, strategy in enumerate(STRATEGIES):
+        xs = [i + (k - 1) * width for i in range(len(rows))]
+        ax.bar(xs, [r[strategy] for r in rows], width, label=strategy)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [f"n={r['workers']}" for r in rows])
+    ax.set_ylabel("makespan / lower bound (measured)")
+    ax.set_title(f"Encoder load balancing, {result['images']} heavy-tailed images")
+    ax.legend()
+    path = os.path.join(out_dir, "encode_balance.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
