@@ -1,0 +1,45 @@
+"""The command line as a user runs it: `raypipe demo` and `raypipe encode`, in subprocesses."""
+
+import os
+import subprocess
+import sys
+
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from tests.conftest import random_images, reference_embeddings
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, RAY_ADDRESS="")  # a private local Ray per command
+    return subprocess.run([sys.executable, "-m", "raypipe.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_demo_runs_and_verifies(tiny_ckpt):
+    proc = run_cli("demo", "--model", str(tiny_ckpt))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sharded embeddings equal the single-process vision tower: yes" in proc.stdout
+    assert "worker 0: images" in proc.stdout and "worker 1: images" in proc.stdout
+    assert "generated for images" in proc.stdout
+
+
+def test_encode_writes_embeddings(tmp_path, tiny_ckpt, hf_model):
+    images = random_images([(120, 90), (300, 400)], seed=11)
+    files = []
+    for i, image in enumerate(images):
+        path = tmp_path / f"img{i}.png"
+        Image.fromarray(image).save(path)
+        files.append(str(path))
+    out = tmp_path / "emb.safetensors"
+    proc = run_cli("encode", "--model", str(tiny_ckpt), "--num-encoders", "1", *files, "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tensors = load_file(out)
+    for i, ref in enumerate(reference_embeddings(hf_model, tiny_ckpt, images)):
+        torch.testing.assert_close(tensors[f"image_{i}"], ref, atol=1e-5, rtol=1e-4)
+
+
+def test_encode_reports_missing_file(tmp_path):
+    proc = run_cli("encode", "--model", "tiny", str(tmp_path / "nope.png"), "--out", str(tmp_path / "x.npz"))
+    assert proc.returncode == 2 and "no such file" in proc.stdout
