@@ -10,16 +10,11 @@ object store: callers get `ObjectRef`s, which they hand on to the decoder.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import ray
 from ray import serve
 
-from raypipe.coordinator import Coordinator
-from raypipe.encoder import RemoteEncoderWorker
-from raypipe.models.presets import resolve_model
-from raypipe.models.registry import vision_adapter
-from raypipe.pipeline import default_encoder_gpus
+from raypipe.pipeline import Pipeline
 from raypipe.preprocess import DecodedImage
 
 
@@ -27,19 +22,11 @@ from raypipe.preprocess import DecodedImage
 class EncoderGroup:
     def __init__(self, model: str = "tiny", num_encoders: int = 2, encoder_gpus: float | None = None,
                  cost_model: str = "patches", cache_bytes: int = 256 * 1024 * 1024,
-                 batch_window_s: float = 0.005, max_batch_images: int = 64, encoder_threads: int | None = None):
-        checkpoint = resolve_model(model)
-        gpus = default_encoder_gpus() if encoder_gpus is None else encoder_gpus
-        threads = encoder_threads or max(1, (os.cpu_count() or 1) // num_encoders)
-
-        def start_worker():
-            # num_cpus=0: the actor must not reserve a CPU slot (PLATFORM-NOTES); torch threads are set instead.
-            return RemoteEncoderWorker.options(num_cpus=0, num_gpus=gpus).remote(str(checkpoint), num_threads=threads)
-
-        workers = [start_worker() for _ in range(num_encoders)]
-        ray.get([worker.info.remote() for worker in workers])  # fail at deploy time if weights do not load
-        self.coordinator = Coordinator(vision_adapter(checkpoint), workers, cost_model=cost_model,
-                                       cache_bytes=cache_bytes, worker_factory=start_worker)
+                 batch_window_s: float = 0.005, max_batch_images: int = 64):
+        # A Pipeline that is only ever asked to encode: its workers and coordinator, no decode engine.
+        self.pipeline = Pipeline.from_pretrained(model, num_encoders=num_encoders, encoder_gpus=encoder_gpus,
+                                                 cost_model=cost_model, cache_bytes=cache_bytes)
+        self.coordinator = self.pipeline.coordinator
         self.encode.set_max_batch_size(max_batch_images)
         self.encode.set_batch_wait_timeout_s(batch_window_s)
         self.batching = {"batches": 0, "requests": 0, "images": 0, "max_requests_per_batch": 0}
@@ -82,5 +69,5 @@ class EncoderGroup:
         return {**self.coordinator.stats(), "batching": dict(self.batching)}
 
     def __del__(self):
-        for worker in getattr(getattr(self, "coordinator", None), "workers", []):
-            ray.kill(worker)
+        if hasattr(self, "pipeline"):
+            self.pipeline.shutdown()  # kills the worker actors (Ray itself belongs to Serve)
