@@ -1,0 +1,176 @@
+"""`raypipe bench decode`: engine throughput vs transformers' generate(), and K=8 vs K=1 through Ray.
+
+On the `small` preset (Qwen2.5-VL shape scaled to ~70M parameters, random weights), text prompts of
+varied length, greedy, `max_tokens` per request:
+(a) tokens/s of `LLMEngine` (in process, K=8) with 1, 8 and 32 concurrent requests, against
+    transformers' `generate()` run one request at a time and on one left-padded static batch;
+(b) tokens/s through Ray (`Pipeline.generate_stream`, all requests concurrent) with K=1 and K=8.
+Every engine output is checked token for token against the one-at-a-time `generate()` output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from raypipe.bench.common import print_table, write_json
+
+CONCURRENCY = (1, 8, 32)
+
+
+def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    words = ["the", "image", "shows", "a", "cat", "on", "red", "sofa", "near", "window", "light", "and", "blue"]
+    prompts = []
+    for _ in range(count):
+        text = " ".join(rng.choice(words, size=int(rng.integers(4, 24))))
+        messages = [{"role": "user", "content": text}]
+        prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False)))
+    return prompts
+
+
+def hf_sequential(model, prompts, max_tokens: int, eos: int) -> tuple[list[list[int]], float]:
+    outputs, start = [], time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+        outputs.append(_cut(out[0, len(prompt):].tolist(), eos))
+    return outputs, time.perf_counter() - start
+
+
+def hf_static_batch(model, prompts, max_tokens: int, eos: int, pad: int) -> tuple[list[list[int]], float]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False)
+    seconds = time.perf_counter() - start
+    return [_cut(row[width:].tolist(), eos) for row in out], seconds
+
+
+def _cut(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def engine_run(engine, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
+    from raypipe import SamplingParams
+
+    async def all_requests():
+        params = SamplingParams(max_tokens=max_tokens)
+        return await asyncio.gather(*(engine.generate_output(f"r{time.monotonic_ns()}-{i}", p, [], params)
+                                      for i, p in enumerate(prompts)))
+
+    start = time.perf_counter()
+    outs = asyncio.run(all_requests())
+    return [o.token_ids for o in outs], time.perf_counter() - start
+
+
+def ray_run(pipe, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
+    from raypipe import SamplingParams
+
+    async def one(prompt):
+        request = {"prompt_token_ids": prompt, "images": []}
+        return [t async for d in pipe.generate_stream(request, SamplingParams(max_tokens=max_tokens))
+                for t in d.token_ids]
+
+    async def all_requests():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    start = time.perf_counter()
+    outs = asyncio.run(all_requests())
+    return outs, time.perf_counter() - start
+
+
+def median_run(fn, repeats: int):
+    """First outputs and median seconds, after one unmeasured run (first use of each batch shape is slow)."""
+    fn()
+    runs = [fn() for _ in range(repeats)]
+    return runs[0][0], statistics.median(seconds for _, seconds in runs)
+
+
+def main(args) -> int:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from raypipe.models.presets import resolve_model
+    from raypipe.models.registry import language_adapter
+    from raypipe.pipeline import Pipeline
+
+    checkpoint = resolve_model(getattr(args, "model", None) or "small")
+    torch.set_num_threads(os.cpu_count() or 1)
+    adapter = language_adapter(checkpoint)
+    max_tokens = 16 if args.quick else 32
+    repeats = 1 if args.quick else 3
+    prompts = make_prompts(adapter.tokenizer, max(CONCURRENCY))
+    eos, pad = adapter.eos_token_ids[0], adapter.tokenizer.pad_token_id
+    config = EngineConfig(max_num_seqs=32, max_model_len=512, num_scheduler_steps=8)
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint).eval()
+    with torch.inference_mode():
+        hf_sequential(hf, prompts[:1], 4, eos)  # warm-up
+        reference, _ = hf_sequential(hf, prompts, max_tokens, eos)
+    engine = LLMEngine(checkpoint, config)
+    engine_run(engine, prompts[:4], 4)  # warm-up
+    rows, result = [], {"model": str(checkpoint), "max_tokens": max_tokens, "repeats": repeats, "engine": {}}
+    all_identical = True
+    for c in CONCURRENCY:
+        batch = prompts[:c]
+        with torch.inference_mode():
+            _, seq_s = median_run(lambda: hf_sequential(hf, batch, max_tokens, eos), repeats)
+            static_out, static_s = median_run(lambda: hf_static_batch(hf, batch, max_tokens, eos, pad), repeats)
+        engine_out, engine_s = median_run(lambda: engine_run(engine, batch, max_tokens), repeats)
+        tokens = sum(len(o) for o in engine_out)
+        identical = engine_out == reference[:c]
+        all_identical &= identical
+        static_same = sum(a == b for a, b in zip(static_out, reference[:c]))
+        row = {"concurrency": c, "tokens": tokens, "engine_tok_s": tokens / engine_s,
+               "sequential_tok_s": sum(len(o) for o in reference[:c]) / seq_s,
+               "static_batch_tok_s": sum(len(o) for o in static_out) / static_s,
+               "identical_to_generate": identical, "static_batch_rows_identical": static_same}
+        row["vs_sequential"] = row["engine_tok_s"] / row["sequential_tok_s"]
+        row["vs_static_batch"] = row["engine_tok_s"] / row["static_batch_tok_s"]
+        result["engine"][c] = row
+        rows.append([c, tokens, row["sequential_tok_s"], row["static_batch_tok_s"], row["engine_tok_s"],
+                     row["vs_sequential"], row["vs_static_batch"], "yes" if identical else "NO",
+                     f"{static_same}/{c}"])
+    result["engine_stats"] = engine.stats()
+    engine.shutdown()
+    del hf
+
+    ray_rows = []
+    ray_c = max(CONCURRENCY) if not args.quick else 8
+    result["ray"] = {}
+    for k in (1, 8):
+        with Pipeline.from_pretrained(checkpoint, num_encoders=1, num_scheduler_steps=k,
+                                      engine_config=config) as pipe:
+            ray_run(pipe, prompts[:4], 4)  # warm-up: engine start and first forward
+            out, seconds = median_run(lambda: ray_run(pipe, prompts[:ray_c], max_tokens), repeats)
+            identical = out == reference[:ray_c]
+            all_identical &= identical
+            tokens = sum(len(o) for o in out)
+            result["ray"][k] = {"concurrency": ray_c, "tok_s": tokens / seconds, "identical_to_generate": identical,
+                                "engine_stats": pipe.engine_stats()}
+            ray_rows.append([k, ray_c, tokens, tokens / seconds, "yes" if identical else "NO"])
+    result["ray_k8_vs_k1"] = result["ray"][8]["tok_s"] / result["ray"][1]["tok_s"]
+    result["all_identical"] = all_identical
+
+    write_json(args.out, "decode", result)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print_table(f"decode tokens/s, {checkpoint.name}, greedy, max_tokens={max_tokens}, median of {repeats}",
+                    ["requests", "tokens", "generate 1-by-1", "generate static batch", "engine K=8",
+                     "x 1-by-1", "x static", "identical", "static rows identical"], rows)
+        print_table(f"through Ray (Pipeline.generate_stream, {ray_c} concurrent requests)",
+                    ["K", "requests", "tokens", "tok/s", "identical"], ray_rows)
+        print(f"\nK=8 / K=1 through Ray: {result['ray_k8_vs_k1']:.2f}x; all engine outputs identical to generate(): "
+              f"{all_identical}")
+    return 0 if all_identical else 1
