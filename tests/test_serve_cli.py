@@ -1,0 +1,42 @@
+"""`raypipe serve` as a user runs it: its own process and Ray, a key from RAYPIPE_API_KEY, stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from tests.test_serve_api import free_port, image_url, user
+
+
+def test_raypipe_serve_command(tiny_ckpt, tmp_path):
+    port = free_port()
+    env = {**os.environ, "RAYPIPE_API_KEY": "env-key", "RAY_ADDRESS": ""}
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "raypipe.cli", "serve", "--model", "tiny", "--port", str(port),
+                             "--num-encoders", "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert proc.poll() is None, open(tmp_path / "serve.log").read()[-3000:]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="env-key", max_retries=0)
+        response = client.chat.completions.create(model="tiny", messages=user("hi", image_url(56, 56)), max_tokens=4,
+                                                  temperature=0)
+        assert response.usage.completion_tokens >= 1
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        log.close()
+    assert code == 0, open(tmp_path / "serve.log").read()[-3000:]
