@@ -18,7 +18,8 @@ from raypipe.pipeline import Pipeline
 from raypipe.preprocess import DecodedImage
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+# Calls wait here to be micro-batched: allow many more than Serve's default of 5 per replica.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128)
 class EncoderGroup:
     def __init__(self, model: str = "tiny", num_encoders: int = 2, encoder_gpus: float | None = None,
                  cost_model: str = "patches", cache_bytes: int = 256 * 1024 * 1024,

@@ -34,7 +34,8 @@ install_handlers(app)
 CHAT = "/v1/chat/completions"
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+# Serve's default of 5 ongoing requests per replica would cap the decode batch at 5.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128)
 @serve.ingress(app)
 class Ingress:
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, model: str = "tiny",

@@ -257,14 +257,15 @@ def test_malformed_requests_get_openai_errors(server, http, client):
 
 # --- concurrency, batching, cancellation, failures ----------------------------------------------
 
-async def _concurrent(server: str, n: int, seed: int, max_tokens: int = 16, on_started=None):
+async def _concurrent(server: str, n: int, seed: int, max_tokens: int = 16, on_started=None, images: int = 1):
     aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
     calls = [aclient.chat.completions.create(
-        model="tiny", messages=user(f"request {i}", image_url(28 + 28 * (i % 4), 56 + 14 * i, seed=seed + i)),
+        model="tiny", messages=user(f"request {i}", *[image_url(28 + 28 * (i % 4), 56 + 14 * i, seed=seed + 100 * j + i)
+                                                      for j in range(images)]),
         max_tokens=max_tokens, temperature=0) for i in range(n)]
     tasks = [asyncio.ensure_future(call) for call in calls]
     if on_started is not None:
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.1)
         on_started()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     await aclient.close()
@@ -316,6 +317,10 @@ def test_killed_encoder_worker_fails_no_request(server, http, pipe):
     victims = _serve_encoder_worker_pids(own)
     assert len(victims) == 2
     results = asyncio.run(_concurrent(server, n=8, seed=200, on_started=lambda: os.kill(victims[0], signal.SIGKILL)))
+    assert all(not isinstance(r, Exception) for r in results), results
+    # If the first wave was encoded before the kill landed, this one (two images per request, so
+    # every batch reaches both workers) meets the dead worker.
+    results = asyncio.run(_concurrent(server, n=4, seed=300, images=2))
     assert all(not isinstance(r, Exception) for r in results), results
     assert metric(http, "raypipe_encoder_workers_replaced") >= 1
     assert httpx.get(f"{server}/health").status_code == 200
