@@ -56,6 +56,7 @@ def reference_embeddings(hf_model, ckpt, images):
     processed = processor(images=list(images), return_tensors="pt")
     grid = processed["image_grid_thw"]
     with torch.no_grad():
-        out = hf_model.model.visual(processed["pixel_values"], grid_thw=grid).pooler_output
+        out = hf_model.model.visual(processed["pixel_values"].to(hf_model.device),
+                                    grid_thw=grid.to(hf_model.device)).pooler_output
     merge = hf_model.config.vision_config.spatial_merge_size
-    return list(torch.split(out, (grid.prod(-1) // merge**2).tolist()))
+    return [chunk.cpu() for chunk in torch.split(out, (grid.prod(-1) // merge**2).tolist())]

@@ -45,12 +45,14 @@ def embeddings(hf_model, ckpt, prompt) -> list[torch.Tensor]:
 
 def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: int, eos_token_id: int) -> list[int]:
     """Greedy `generate()` on the full transformers model; ids after the prompt, up to and including EOS."""
-    ids = torch.tensor([prompt.prompt_token_ids])
+    device = hf_model.device
+    ids = torch.tensor([prompt.prompt_token_ids], device=device)
     kwargs = {}
     if prompt.image_grids:
-        kwargs = dict(image_grid_thw=torch.tensor(prompt.image_grids),
+        pooled = tuple(e.to(device) for e in embeds)
+        kwargs = dict(image_grid_thw=torch.tensor(prompt.image_grids, device=device),
                       mm_token_type_ids=(ids == hf_model.config.image_token_id).int(),
-                      mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(embeds))})
+                      mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=pooled)})
     with torch.no_grad():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, **kwargs)

@@ -10,9 +10,11 @@ from tests.conftest import random_images, reference_embeddings
 SIZES = [(300, 200), (28, 28), (640, 480), (100, 900), (50, 80), (224, 224), (900, 120), (60, 60), (480, 360)]
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
+@pytest.fixture(scope="module", params=[(1, "patches"), (2, "patches"), (3, "patches"), (3, "attention")],
+                ids=lambda p: f"{p[0]}workers-{p[1]}")
 def pipe(request, ray_local, tiny_ckpt):
-    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=request.param) as p:
+    workers, cost_model = request.param
+    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=workers, cost_model=cost_model) as p:
         yield p
 
 
