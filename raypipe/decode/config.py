@@ -11,7 +11,7 @@ DEFAULT_MAX_MODEL_LEN = 4096  # when the checkpoint allows more: the KV cache is
 class EngineConfig:
     max_num_seqs: int = 32  # running sequences = KV cache rows
     max_model_len: int | None = None  # prompt + output tokens; None: min(model's limit, DEFAULT_MAX_MODEL_LEN)
-    max_num_batched_tokens: int = 8192  # prefill budget per round, counted as padded batch tokens
+    max_num_batched_tokens: int = 8192  # prefill budget per round in prompt tokens (padding adds <= 10%)
     num_scheduler_steps: int = 8  # K: decode steps per scheduling round
     dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
     num_threads: int | None = None  # torch CPU threads for the engine process (None: leave as is)

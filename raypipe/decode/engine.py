@@ -1,11 +1,19 @@
 """`LLMEngine`: continuous batching with multi-step rounds, usable in any process with an event loop.
 
-One background thread owns the model (transformers modules keep mutable state, and one thread
-means no lock around them) and runs rounds while there is work:
+One background thread owns the engine state and runs rounds while there is work; a second one
+only runs prefill forwards (the language model is driven with explicit positions and its own cache
+view per thread, so it keeps no per-call state that two threads could share):
 
-    apply aborts -> admit waiting requests (batched prefill, first token each)
-    -> K decode steps for the whole running batch -> per sequence: cut at its stop, emit one delta
-    -> free the rows of finished sequences
+    apply aborts -> admit waiting requests into rows after the running batch
+    -> [prefill thread] prefill the joining requests by groups of similar length, first token each
+       || [engine thread] K decode steps for the sequences that were already running
+    -> per sequence: cut at its stop, emit one delta -> free the rows of finished sequences
+
+Prefill and decode overlap because, on a CPU, each is a single-threaded stream of GEMMs that can
+have a core of its own; run one after the other, a round took prefill + decode time and
+profiling showed prefill at ~40% of the engine's time. They touch disjoint cache rows and join at
+the round boundary, so rows are only moved (finished ones released) while nothing runs. Joining
+requests enter the decode batch one round later; their outputs do not change.
 
 Callers `await` deltas from `generate()`; validation happens in the caller's task before a
 request is queued, so a bad request fails alone. The engine needs no Ray actor around it: image
@@ -18,6 +26,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
@@ -58,6 +67,7 @@ class LLMEngine:
         self._live: dict[str, Sequence] = {}  # submitted, not yet finished (guarded by _cond)
         self._outbox: list[tuple[Sequence, RequestDelta]] = []  # delivered once rows are freed
         self._stopping = False
+        self._prefill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raypipe-prefill")
         self._thread = threading.Thread(target=self._loop, name="raypipe-decode", daemon=True)
         self._thread.start()
 
@@ -136,6 +146,7 @@ class LLMEngine:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        self._prefill_thread.shutdown(wait=False)
 
     def _submit(self, seq: Sequence) -> None:
         with self._cond:
@@ -171,17 +182,26 @@ class LLMEngine:
             self._flush()
 
     def _round(self) -> None:
-        admitted = self.scheduler.admit()
-        if admitted:
-            first = self.runner.prefill(admitted)
+        running = list(self.scheduler.running)  # rows 0..n-1; joining requests get the rows after
+        groups = self.scheduler.admit()
+        prefill = self._prefill_thread.submit(self._prefill, groups) if groups else None
+        try:
+            if running:
+                self._decode(running)
+        finally:
+            first = prefill.result() if prefill is not None else []  # never leave a prefill running
+        for group, tokens in zip(groups, first):
             self._counters["prefills"] += 1
-            self._counters["prefill_tokens"] += sum(s.prompt_len for s in admitted)
-            for seq, token in zip(admitted, first):
+            self._counters["prefill_tokens"] += sum(s.prompt_len for s in group)
+            for seq, token in zip(group, tokens):
                 self._emit(seq, self.output.append(seq, [token]))
-            self._release_finished()
-        running = list(self.scheduler.running)
-        if not running:
-            return
+        self._release_finished()
+
+    def _prefill(self, groups: list[list[Sequence]]) -> list[list[int]]:
+        """First token ids per group (on the prefill thread: no engine state is touched)."""
+        return [self.runner.prefill(group) for group in groups]
+
+    def _decode(self, running: list[Sequence]) -> None:
         self._counters["rounds"] += 1
         self._counters["max_running"] = max(self._counters["max_running"], len(running))
         new_ids: list[list[int]] = [[] for _ in running]
@@ -201,7 +221,6 @@ class LLMEngine:
         self._counters["decode_row_steps"] += steps * len(running)
         for seq, ids in zip(running, new_ids):
             self._emit(seq, self.output.append(seq, ids))
-        self._release_finished()
 
     def _emit(self, seq: Sequence, delta: RequestDelta) -> None:
         self._counters["tokens_generated"] += len(delta.token_ids)

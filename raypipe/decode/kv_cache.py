@@ -13,6 +13,8 @@ passes a 4-D mask it builds (transformers passes 4-D masks through untouched).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -33,6 +35,13 @@ class SlotKVCache(Cache):
         self._write_index: torch.Tensor | None = None
         self._row_ids: torch.Tensor | None = None
         self._kv_len = 0
+
+    def view(self) -> "SlotKVCache":
+        """The same K/V tensors with a write pattern of its own, so two threads can run forwards at
+        once on disjoint rows (prefill of joining rows while the running rows decode)."""
+        other = copy.copy(self)
+        other._rows, other._write_index, other._row_ids, other._kv_len = slice(0, 0), None, None, 0
+        return other
 
     @property
     def nbytes(self) -> int:

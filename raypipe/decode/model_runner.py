@@ -1,8 +1,9 @@
 """The language model, its KV cache and the two batched forwards: prefill and a K-step decode round.
 
-`prefill` runs all joining prompts as one right-padded batch into their cache rows and samples
-each one's first token. `decode` runs K steps for the whole running batch: every step feeds the
-previous step's sampled ids (still on the device) back in, so the model never waits for the host.
+`prefill` runs one group of joining prompts (the scheduler groups them by length) as one
+right-padded batch into their cache rows and samples each one's first token. `decode` runs K
+steps for the whole running batch: every step feeds the previous step's sampled ids (still on the
+device) back in, so the model never waits for the host.
 Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
 stream, read one step late so the copy overlaps the next step's kernels; on CPU directly.
 """
@@ -34,6 +35,7 @@ class ModelRunner:
                                  max_model_len=max_model_len, num_kv_heads=text.num_key_value_heads,
                                  head_dim=text.hidden_size // text.num_attention_heads, device=self.device,
                                  dtype=dtype)
+        self.prefill_cache = self.cache.view()  # prefill may run on another thread than decode
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -57,9 +59,9 @@ class ModelRunner:
         image_embeds = torch.cat(images).to(self.device) if images else None
         lengths_t = torch.tensor(lengths, device=self.device)
         ids, positions = ids.to(self.device), positions.to(self.device)
-        self.cache.prepare_prefill(seqs[0].row, len(seqs), width)
+        self.prefill_cache.prepare_prefill(seqs[0].row, len(seqs), width)
         hidden = self.model(self.model.embed(ids, image_embeds), positions,
-                            prefill_mask(lengths_t, width, self.dtype), self.cache)
+                            prefill_mask(lengths_t, width, self.dtype), self.prefill_cache)
         last = hidden[torch.arange(len(seqs), device=self.device), lengths_t - 1]
         return sample(self.model.logits(last), self.sampling_batch(seqs)).tolist()
 
