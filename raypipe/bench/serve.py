@@ -143,7 +143,7 @@ def main(args) -> int:
     duration = 10.0 if args.quick else 30.0
     # Short answers leave image encoding and prefill (the same work on both sides) dominant;
     # long ones are decode-bound, where batching across requests pays.
-    scenarios = [128] if args.quick else [32, 128]
+    scenarios = [128] if args.quick else [32, 128, 256]
     resolve_model(model)
     connect_ray()
     port = _free_port()
@@ -206,7 +206,9 @@ def _report(result: dict) -> None:
     print_table(f"raypipe bench serve: {result['model']}, {result['clients']} clients, {result['duration_s']:.0f} s "
                 f"per run, {result['cores']} cores", headers, rows)
     for s in result["scenarios"].values():
-        print(f"\nmax_tokens={s['max_tokens']}: throughput raypipe/baseline {s['throughput_ratio']:.2f}x (target >= 3x), "
-              f"p99 ratio {s['p99_ratio']:.2f} (target <= 1), greedy outputs identical: {s['outputs_identical']}")
+        print(f"\nmax_tokens={s['max_tokens']}, {result['clients']} clients: throughput raypipe/baseline "
+              f"{s['throughput_ratio']:.2f}x (target >= 3x), p99 latency raypipe/baseline {s['p99_ratio']:.2f} "
+              f"(target <= 1): {'met' if s['targets_met'] else 'NOT met'}; greedy outputs identical: "
+              f"{s['outputs_identical']}")
         print("  raypipe batching: " + ", ".join(f"{k.removeprefix('raypipe_')}={v:g}"
                                                  for k, v in s["raypipe_metrics"].items()))
