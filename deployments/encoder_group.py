@@ -32,7 +32,9 @@ class EncoderGroup:
         self.encode.set_batch_wait_timeout_s(batch_window_s)
         self.batching = {"batches": 0, "requests": 0, "images": 0, "max_requests_per_batch": 0}
 
-    @serve.batch(batch_size_fn=lambda calls: sum(len(images) for images in calls))
+    # Two batches may encode at once: the coordinator balances the second against the first's
+    # work still in flight, so a lone image lands on an idle worker instead of queueing.
+    @serve.batch(batch_size_fn=lambda calls: sum(len(images) for images in calls), max_concurrent_batches=2)
     async def encode(self, calls: list[list[DecodedImage]]) -> list[list[ray.ObjectRef]]:
         """Per call, one embedding `ObjectRef` per image (in order). Batch size counts images, not calls."""
         flat = [image for images in calls for image in images]

@@ -65,6 +65,7 @@ class Coordinator:
         self.max_shard_attempts = max_shard_attempts
         self.last_report: EncodeReport | None = None
         self.total_loads = [0.0] * len(self.workers)
+        self.inflight_loads = [0.0] * len(self.workers)
         self.workers_replaced = 0
         self._lock = threading.Lock()
 
@@ -93,12 +94,17 @@ class Coordinator:
                     todo.append(item)
                     todo_inputs.append([index])
 
-        with self._lock:
-            workers = list(self.workers)
         sizes = [self.adapter.cost(item, self.cost_model) for item in todo]
-        order, counts, loads = get_load_balance_assignment(sizes, len(workers))
+        with self._lock:  # concurrent calls (a Serve replica) see each other's work in flight
+            workers = list(self.workers)
+            order, counts, loads = get_load_balance_assignment(sizes, len(workers), self.inflight_loads)
+            self.inflight_loads = [a + b for a, b in zip(self.inflight_loads, loads)]
         shards = split_by_counts(order, counts)
-        retried = self._run_shards(todo, shards, workers, refs)
+        try:
+            retried = self._run_shards(todo, shards, workers, refs)
+        finally:
+            with self._lock:
+                self.inflight_loads = [a - b for a, b in zip(self.inflight_loads, loads)]
 
         for item in todo:
             self.cache.put(item.content_hash, refs[item.content_hash], self.adapter.embedding_nbytes(item))

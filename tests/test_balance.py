@@ -76,3 +76,12 @@ def test_cost_models_order_images(tiny_ckpt):
     assert ratio_attention > ratio_patches
     with pytest.raises(ValueError):
         adapter.cost(small, "bogus")
+
+
+def test_initial_loads_steer_new_work_away_from_busy_workers():
+    # Worker 0 already has 10 in flight: a lone item goes to worker 1, not to the lowest index.
+    assert get_load_balance_assignment([3], 2, initial_loads=[10, 0]) == ([0], [0, 1], [0, 3])
+    # The third list stays this batch's own sums; zeros reproduce the plain contract.
+    assert get_load_balance_assignment([4, 9, 2, 7], 2, [0, 0]) == get_load_balance_assignment([4, 9, 2, 7], 2)
+    with pytest.raises(ValueError):
+        get_load_balance_assignment([1], 2, initial_loads=[0])

@@ -98,3 +98,21 @@ def test_bad_input_then_next_call_works(pipe):
     with pytest.raises(InvalidInput):
         pipe.encode([np.zeros((1, 1, 3), np.uint8)])
     assert pipe.encode([good])[0].shape[1] == 64
+
+
+def test_concurrent_calls_are_correct_and_leave_nothing_in_flight(pipe, hf_model, tiny_ckpt):
+    batches = [random_images([(200 + 28 * i, 160), (90, 90 + 14 * i)], seed=30 + i) for i in range(4)]
+    results = [None] * len(batches)
+
+    def call(i):
+        results[i] = pipe.encode(batches[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for images, got in zip(batches, results):
+        for ours, ref in zip(got, reference_embeddings(hf_model, tiny_ckpt, images)):
+            torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+    assert pipe.coordinator.inflight_loads == [0.0, 0.0]
