@@ -108,3 +108,23 @@ def test_invalid_input_survives_pickling():
 
     err = pickle.loads(pickle.dumps(InvalidInput("bad", item="images[3]", code="x")))
     assert (err.item, err.code, str(err)) == ("images[3]", "x", "images[3]: bad")
+
+
+def test_allowed_http_url_is_fetched_from_loopback(tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "img.png").write_bytes(png_bytes(RGB))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}/"
+        limits = ImageLimits(allowed_url_prefixes=(base,))
+        np.testing.assert_array_equal(load_image(base + "img.png", limits).pixels, RGB)
+        with pytest.raises(InvalidInput) as err:
+            load_image(base + "missing.png", limits)
+        assert err.value.code == "image_fetch_failed"
+    finally:
+        server.shutdown()
