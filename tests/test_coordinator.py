@@ -116,3 +116,11 @@ def test_concurrent_calls_are_correct_and_leave_nothing_in_flight(pipe, hf_model
         for ours, ref in zip(got, reference_embeddings(hf_model, tiny_ckpt, images)):
             torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
     assert pipe.coordinator.inflight_loads == [0.0, 0.0]
+
+
+def test_unknown_cost_model_fails_at_start(ray_local, tiny_ckpt):
+    from raypipe.coordinator import Coordinator
+    from raypipe.models.registry import vision_adapter
+
+    with pytest.raises(ValueError, match="unknown cost model"):
+        Coordinator(vision_adapter(tiny_ckpt), [object()], cost_model="pixels")
