@@ -19,7 +19,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raypipe.balance import get_load_balance_assignment, split_by_counts
 from raypipe.cache import EmbeddingCache
-from raypipe.models.base import COST_MODELS, VisionAdapter, VisionItem
+from raypipe.models.base import VisionAdapter, VisionItem, check_cost_model
 from raypipe.preprocess import DecodedImage
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,7 @@ class Coordinator:
                  max_shard_attempts: int = 3):
         if not workers:
             raise ValueError("Coordinator needs at least one encoder worker")
-        if cost_model not in COST_MODELS:  # fail at start-up, not on the first batch
-            raise ValueError(f"unknown cost model {cost_model!r}; expected one of {COST_MODELS}")
+        check_cost_model(cost_model)  # at start-up, not on the first batch
         self.adapter = adapter
         self.workers = list(workers)
         self.cost_model = cost_model

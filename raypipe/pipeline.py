@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import RayTaskError
 
 from raypipe.coordinator import Coordinator
+from raypipe.models.base import check_cost_model
 from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
@@ -80,6 +81,7 @@ class Pipeline:
         """
         if num_encoders < 1:
             raise ValueError(f"num_encoders must be >= 1, got {num_encoders}")
+        check_cost_model(cost_model)  # before any actor starts
         checkpoint = resolve_model(model)  # writes a preset once, before any actor races to
         adapter = vision_adapter(checkpoint)
         owns_ray = not ray.is_initialized()

@@ -24,6 +24,11 @@ from raypipe.preprocess import DecodedImage
 COST_MODELS = ("patches", "attention")
 
 
+def check_cost_model(name: str) -> None:
+    if name not in COST_MODELS:
+        raise ValueError(f"unknown cost model {name!r}; expected one of {COST_MODELS}")
+
+
 @dataclasses.dataclass(slots=True)
 class VisionItem:
     """One unit of vision-tower work, as it travels to an encoder worker."""

@@ -10,7 +10,7 @@ import pathlib
 
 import torch
 
-from raypipe.models.base import COST_MODELS, VisionAdapter, VisionItem, VisionTower
+from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 from raypipe.preprocess import DecodedImage
 
@@ -43,12 +43,10 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         return (1, h // self.processor.patch_size, w // self.processor.patch_size)
 
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
-        patches = item.grid[0] * item.grid[1] * item.grid[2]
-        if cost_model == "patches":
-            return float(patches)
+        check_cost_model(cost_model)
         if cost_model == "attention":
             return self._flops(item.grid)
-        raise ValueError(f"unknown cost model {cost_model!r}; expected one of {COST_MODELS}")
+        return float(item.grid[0] * item.grid[1] * item.grid[2])  # patches
 
     def load_tower(self, device: torch.device, dtype: torch.dtype) -> "Qwen2_5_VLVisionTower":
         return Qwen2_5_VLVisionTower(self, device, dtype)
