@@ -118,7 +118,7 @@ def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_ad
     a run already of the image's exact length.
     """
     pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    runs = _runs(ids, pad)
+    runs = token_runs(ids, pad)
     if len(runs) != len(images):
         raise InvalidInput(f"prompt has {len(runs)} image placeholders but {len(images)} images were given",
                            item="images", code="image_count_mismatch")
@@ -137,7 +137,7 @@ def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_ad
                           sum(item.num_tokens for item in items))
 
 
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+def token_runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
     """`(start, length)` of each maximal run of `token`."""
     runs, i = [], 0
     while i < len(ids):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from raypipe.errors import InvalidInput
-from raypipe.prompt import PreparedPrompt
+from raypipe.prompt import PreparedPrompt, token_runs
 from raypipe.sampling import SamplingParams
 
 
@@ -45,15 +45,7 @@ def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tu
 
 def _check_image_runs(ids: list[int], grids: list[tuple], adapter) -> None:
     """Each run of image tokens must be exactly one image's size, in order; runs must not touch."""
-    runs, i = [], 0
-    while i < len(ids):
-        if ids[i] == adapter.image_token_id:
-            start = i
-            while i < len(ids) and ids[i] == adapter.image_token_id:
-                i += 1
-            runs.append(i - start)
-        else:
-            i += 1
+    runs = [length for _, length in token_runs(ids, adapter.image_token_id)]
     want = [adapter.tokens_per_image(g) for g in grids]
     if runs != want:
         raise InvalidInput(f"image token runs {runs} do not match the images' token counts {want}",
