@@ -46,8 +46,13 @@ class EncodeReport:
 
     @property
     def imbalance(self) -> float:
-        mean = sum(self.loads) / len(self.loads) if self.loads else 0.0
-        return max(self.loads) / mean if mean else 1.0
+        return imbalance(self.loads)
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """Max worker load over mean worker load: 1.0 is perfectly even (and the value for no load)."""
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean else 1.0
 
 
 class Coordinator:
@@ -109,8 +114,7 @@ class Coordinator:
         for item in todo:
             self.cache.put(item.content_hash, refs[item.content_hash], self.adapter.embedding_nbytes(item))
         with self._lock:
-            for w, load in enumerate(loads[: len(self.total_loads)]):
-                self.total_loads[w] += load
+            self.total_loads = [a + b for a, b in zip(self.total_loads, loads)]
         self.last_report = EncodeReport(
             assignment=[[i for t in shard for i in todo_inputs[t]] for shard in shards],
             loads=list(loads), cache_hits=sum(1 for item in items if item.content_hash in cached_keys),
@@ -159,9 +163,8 @@ class Coordinator:
     def stats(self) -> dict:
         with self._lock:
             loads = list(self.total_loads)
-        mean = sum(loads) / len(loads) if loads else 0.0
         report = self.last_report
         return {"workers": len(self.workers), "cost_model": self.cost_model, "cache": self.cache.stats(),
-                "worker_total_load": loads, "total_imbalance": max(loads) / mean if mean else 1.0,
+                "worker_total_load": loads, "total_imbalance": imbalance(loads),
                 "last_call_loads": report.loads if report else [], "last_call_imbalance":
                 report.imbalance if report else 1.0, "workers_replaced": self.workers_replaced}

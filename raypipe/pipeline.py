@@ -49,8 +49,7 @@ def default_encoder_gpus() -> float:
 
 
 class Pipeline:
-    def __init__(self, checkpoint: pathlib.Path, coordinator: Coordinator, workers: list,
-                 image_limits: ImageLimits, owns_ray: bool, engine_config: EngineConfig | None = None,
+    def __init__(self, checkpoint: pathlib.Path, coordinator: Coordinator, image_limits: ImageLimits, owns_ray: bool, engine_config: EngineConfig | None = None,
                  decode_gpus: float = 0.0):
         self.checkpoint = checkpoint
         self.coordinator = coordinator
@@ -99,7 +98,7 @@ class Pipeline:
         coordinator = Coordinator(adapter, workers, cost_model=cost_model, cache_bytes=cache_bytes,
                                   worker_factory=start_worker)
         engine_config = dataclasses.replace(engine_config or EngineConfig(), num_scheduler_steps=num_scheduler_steps)
-        return cls(checkpoint, coordinator, workers, image_limits or ImageLimits(), owns_ray, engine_config,
+        return cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config,
                    default_encoder_gpus() if decode_gpus is None else decode_gpus)
 
     def encode(self, images: Sequence) -> list:

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 
 import torch
 
 from raypipe.sampling import SamplingParams
-
-FINISH_REASONS = ("stop", "length", "abort")
-
 
 @dataclasses.dataclass(slots=True)
 class RequestDelta:
@@ -46,9 +42,6 @@ class RequestOutput:
         self.finish_reason = delta.finish_reason
 
 
-_arrivals = itertools.count()
-
-
 @dataclasses.dataclass(slots=True, eq=False)
 class Sequence:
     """One request's engine-side state. Only the engine thread mutates it after submission."""
@@ -64,7 +57,6 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None  # KV cache row while running
     finish_reason: str | None = None
-    arrival: int = dataclasses.field(default_factory=lambda: next(_arrivals))
     # Incremental text state (see output.py).
     text: str = ""
     checked_chars: int = 0

@@ -26,10 +26,6 @@ VISION_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_vision}
 LANGUAGE_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_language}
 
 
-def model_type(model: str | os.PathLike) -> str:
-    return read_config(resolve_model(model)).get("model_type", "")
-
-
 def vision_adapter(model: str | os.PathLike) -> VisionAdapter:
     """The vision adapter for a preset name or a local checkpoint folder."""
     return _pick(VISION_ADAPTERS, model)
