@@ -25,12 +25,12 @@ def run_serve(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
+        api_key = args.api_key or os.environ.get("RAYPIPE_API_KEY")
         app = build_app(AppArgs(model=args.model, num_encoders=args.num_encoders, encoder_gpus=args.encoder_gpus,
-                                cost_model=args.cost_model, api_key=args.api_key or os.environ.get("RAYPIPE_API_KEY")))
+                                cost_model=args.cost_model, api_key=api_key))
         serve.run(app, name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
-        auth = "on" if (args.api_key or os.environ.get("RAYPIPE_API_KEY")) else "off"
-        print(f"raypipe: serving {args.model!r} at http://{args.host}:{args.port}/v1 (API key {auth}); Ctrl-C stops",
-              flush=True)
+        print(f"raypipe: serving {args.model!r} at http://{args.host}:{args.port}/v1 "
+              f"(API key {'on' if api_key else 'off'}); Ctrl-C stops", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

@@ -18,17 +18,17 @@ import ray
 from ray.exceptions import RayTaskError
 
 from raypipe.coordinator import Coordinator
-from raypipe.models.base import check_cost_model
 from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
 from raypipe.encoder import RemoteEncoderWorker
 from raypipe.errors import InvalidInput
+from raypipe.models.base import check_cost_model
 from raypipe.models.presets import resolve_model
 from raypipe.models.registry import language_adapter, vision_adapter
+from raypipe.preprocess import ImageLimits, load_images
 from raypipe.prompt import PreparedPrompt, build_prompt
 from raypipe.sampling import SamplingParams
-from raypipe.preprocess import ImageLimits, load_images
 
 
 def connect_ray(address: str | None = None) -> None:
@@ -224,8 +224,7 @@ def _unwrap_ray(call):
     try:
         return call()
     except RayTaskError as exc:
-        if isinstance(exc.cause, InvalidInput):
-            raise exc.cause from None
+        _raise_invalid_input_cause(exc)
         raise
 
 
@@ -233,6 +232,10 @@ async def _unwrap_async(ref):
     try:
         return await ref
     except RayTaskError as exc:
-        if isinstance(exc.cause, InvalidInput):
-            raise exc.cause from None
+        _raise_invalid_input_cause(exc)
         raise
+
+
+def _raise_invalid_input_cause(exc: RayTaskError) -> None:
+    if isinstance(exc.cause, InvalidInput):
+        raise exc.cause from None
