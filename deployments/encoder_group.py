@@ -5,6 +5,10 @@ short window (or while the previous batch is still encoding) into one `Coordinat
 load balancer spreads the images of many concurrent requests over the workers at once, instead of
 sending each request's one or two images to whichever worker is first. The embeddings stay in the
 object store: callers get `ObjectRef`s, which they hand on to the decoder.
+
+Serve calls `check_health` every `health_check_period_s`; it pings the workers and replaces dead
+ones, so the group repairs itself with no request in flight. Pings run on each worker's own health
+thread: a busy worker is alive, not dead.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from raypipe.preprocess import DecodedImage
 
 
 # Calls wait here to be micro-batched: allow many more than Serve's default of 5 per replica.
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128, health_check_period_s=1.0)
 class EncoderGroup:
     def __init__(self, config: ModelConfig | None = None, batch_window_s: float = 0.005, max_batch_images: int = 64):
         # A Pipeline that is only ever asked to encode: its workers and coordinator, no decode engine.
@@ -53,18 +57,12 @@ class EncoderGroup:
         self.batching["max_requests_per_batch"] = max(self.batching["max_requests_per_batch"], with_images)
 
     async def ping(self, timeout_s: float = 5.0) -> dict:
-        """How many workers answer within `timeout_s` (for /health)."""
-        workers = list(self.coordinator.workers)
-        ready, _ = await asyncio.to_thread(ray.wait, [w.info.remote() for w in workers], num_returns=len(workers),
-                                           timeout=timeout_s)
-        alive = 0
-        for ref in ready:
-            try:
-                await ref
-                alive += 1
-            except ray.exceptions.RayError:
-                pass
-        return {"workers": len(workers), "alive": alive}
+        """How many workers are alive (answer a ping within `timeout_s`) and how many are loading (for /health)."""
+        return await asyncio.to_thread(self.coordinator.check_workers, timeout_s)
+
+    async def check_health(self) -> None:
+        # Never raises: a dead worker is replaced here, not a reason for Serve to restart this replica.
+        await asyncio.to_thread(self.coordinator.check_workers, 5.0)
 
     def stats(self) -> dict:
         return {**self.coordinator.stats(), "batching": dict(self.batching)}

@@ -5,6 +5,11 @@ duplicates inside the batch encoded once -> balancer over the live workers -> on
 shard and one task per non-empty shard, returning one object per item -> wait for the small
 receipts only; a shard whose worker died is re-run on a live worker while a replacement actor is
 started. Embeddings never pass through this process: callers get `ObjectRef`s in input order.
+
+A replacement gets no shard until it has loaded its weights (its first `ping` answered): until
+then the balancer sees only the ready workers. `check_workers` pings every worker on its own
+thread (never queued behind encode calls) and replaces the dead ones, so a service can repair
+itself before any request meets a dead worker.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class Coordinator:
         self.total_loads = [0.0] * len(self.workers)
         self.inflight_loads = [0.0] * len(self.workers)
         self.workers_replaced = 0
+        self._loading: dict[int, ray.ObjectRef] = {}  # worker index -> first ping of a replacement
         self._lock = threading.Lock()
 
     def encode(self, images: Sequence[DecodedImage]) -> list:
@@ -100,11 +106,16 @@ class Coordinator:
                     todo_inputs.append([index])
 
         sizes = [self.adapter.cost(item, self.cost_model) for item in todo]
+        ready = self._wait_ready() if todo else list(range(len(self.workers)))
         with self._lock:  # concurrent calls (a Serve replica) see each other's work in flight
             workers = list(self.workers)
-            order, counts, loads = get_load_balance_assignment(sizes, len(workers), self.inflight_loads)
+            order, counts, ready_loads = get_load_balance_assignment(
+                sizes, len(ready), [self.inflight_loads[i] for i in ready])
+            loads = [0.0] * len(workers)
+            shards: list[list[int]] = [[] for _ in workers]
+            for i, shard, load in zip(ready, split_by_counts(order, counts), ready_loads):
+                shards[i], loads[i] = shard, load
             self.inflight_loads = [a + b for a, b in zip(self.inflight_loads, loads)]
-        shards = split_by_counts(order, counts)
         try:
             retried = self._run_shards(todo, shards, workers, refs)
         finally:
@@ -153,12 +164,55 @@ class Coordinator:
     def _replace_and_pick(self, dead, dead_index: int) -> int:
         """Swap a replacement in for `dead` (if we can build one) and return a worker index to retry on."""
         with self._lock:
-            if self.workers[dead_index] is dead and self.worker_factory is not None:
-                self.workers[dead_index] = self.worker_factory()
-                self.workers_replaced += 1
-            # Prefer a worker that has been alive all along: the replacement still has to load weights.
-            others = [i for i in range(len(self.workers)) if i != dead_index]
+            self._replace(dead, dead_index)
+            # Prefer a ready worker: the replacement still has to load weights.
+            others = [i for i in self._ready_locked() if i != dead_index]
             return others[0] if others else dead_index
+
+    def _replace(self, dead, index: int) -> None:
+        """Start a replacement for `dead` at `index` unless that already happened (call under the lock)."""
+        if self.workers[index] is dead and self.worker_factory is not None:
+            log.warning("replacing encoder worker %d", index)
+            self.workers[index] = self.worker_factory()
+            self._loading[index] = self.workers[index].ping.remote()
+            self.workers_replaced += 1
+
+    def _ready_locked(self) -> list[int]:
+        """Indices of workers that have loaded their weights (call under the lock)."""
+        if self._loading:
+            done, _ = ray.wait(list(self._loading.values()), num_returns=len(self._loading), timeout=0)
+            for index in [i for i, ref in self._loading.items() if ref in done]:
+                del self._loading[index]  # a replacement that died loading fails its first shard: retried
+        return [i for i in range(len(self.workers)) if i not in self._loading]
+
+    def _wait_ready(self) -> list[int]:
+        """Ready worker indices, waiting for a replacement to load if none is ready."""
+        while True:
+            with self._lock:
+                ready, loading = self._ready_locked(), list(self._loading.values())
+            if ready:
+                return ready
+            ray.wait(loading, num_returns=1)
+
+    def check_workers(self, timeout_s: float = 5.0) -> dict:
+        """Ping every worker (on its health thread); replace the dead. Loading replacements are not alive yet."""
+        with self._lock:
+            workers, ready = list(self.workers), set(self._ready_locked())
+        pings = {index: workers[index].ping.remote() for index in ready}
+        answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)
+        alive = 0
+        for index, ref in pings.items():
+            if ref not in answered:
+                continue  # hung or overloaded host: not alive now, but not known dead either
+            try:
+                ray.get(ref)
+                alive += 1
+            except WORKER_LOST:
+                with self._lock:
+                    self._replace(workers[index], index)
+        with self._lock:
+            loading = len(self._loading)
+        return {"workers": len(workers), "alive": alive, "loading": loading}
 
     def stats(self) -> dict:
         with self._lock:
@@ -167,4 +221,5 @@ class Coordinator:
         return {"workers": len(self.workers), "cost_model": self.cost_model, "cache": self.cache.stats(),
                 "worker_total_load": loads, "total_imbalance": imbalance(loads),
                 "last_call_loads": report.loads if report else [], "last_call_imbalance":
-                report.imbalance if report else 1.0, "workers_replaced": self.workers_replaced}
+                report.imbalance if report else 1.0, "workers_replaced": self.workers_replaced,
+                "workers_loading": len(self._loading)}

@@ -39,6 +39,11 @@ class EncoderWorker:
         self.tower = self.adapter.load_tower(self.device, self.dtype)
         self.items_encoded = 0
 
+    # Its own thread ("health" group), so a liveness probe never queues behind encode calls.
+    @ray.method(concurrency_group="health")
+    def ping(self) -> int:
+        return os.getpid()
+
     def info(self) -> dict:
         return {"pid": os.getpid(), "device": str(self.device), "dtype": str(self.dtype),
                 "threads": torch.get_num_threads(), "node": ray.get_runtime_context().get_node_id(),
@@ -77,4 +82,5 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ValueError(f"unknown dtype {dtype!r}") from None
 
 
-RemoteEncoderWorker = ray.remote(EncoderWorker)
+# encode() and info() keep the default group (one at a time); ping() has a thread of its own.
+RemoteEncoderWorker = ray.remote(concurrency_groups={"health": 1})(EncoderWorker)

@@ -118,7 +118,8 @@ class Pipeline:
         Images may be PIL images, uint8 arrays, encoded bytes or data: URLs; a bad one raises
         `InvalidInput` naming its index before any work is sent.
         """
-        return self.coordinator.encode(load_images(images, self.image_limits))
+        adapter = self.coordinator.adapter
+        return self.coordinator.encode([adapter.resize_for_tower(image) for image in load_images(images, self.image_limits)])
 
     def generate(self, requests: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

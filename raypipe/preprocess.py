@@ -1,12 +1,18 @@
 """Turn what users send as images into validated RGB pixel arrays.
 
-Accepted: PIL images, numpy arrays (HxW, HxWx1/3/4, uint8), raw encoded bytes, and `data:` URLs.
+Accepted: PIL images, numpy arrays (HxW, HxWx1/3/4, uint8), raw encoded bytes, and `data:` URLs
+(scheme in any case, base64 possibly line-wrapped as `base64.encodebytes` writes it).
 `http(s)://` and `file://` URLs are refused unless their prefix is explicitly allowed. Dimensions
 are read from the file header *before* decoding, so a decompression bomb is refused without ever
 allocating its pixels. Every refusal is an `InvalidInput` naming the item and the reason.
 
-The model-specific image processor (resize, normalise, patchify) runs later, inside the encoder
-worker, so that this CPU work is spread over the workers too.
+Images are turned upright by their EXIF orientation (a phone photo stored sideways reaches the model
+as it is viewed), and high-bit-depth modes are converted to 8 bits: 16-bit integer images keep their
+top 8 bits; float images are read as 0..1 when their maximum is at most 1, else as 0..255 (clipped).
+
+Each model family's adapter then resizes the decoded image to what its vision tower consumes
+(`VisionAdapter.resize_for_tower`), where the image is decoded, so only those pixels travel to the
+encoder workers. Normalising and patchifying run inside the workers.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ import warnings
 from collections.abc import Sequence
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from raypipe.errors import InvalidInput
 
 # Modes PIL can convert to RGB without guessing a value range.
 _CONVERTIBLE_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "La"}
+# Single-channel modes with more than 8 bits, converted to "L" by `_to_8_bit`.
+_HIGH_DEPTH_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,18 +113,33 @@ def _check_size(width: int, height: int, limits: ImageLimits, item: str) -> None
 
 def _pil_to_rgb(image: Image.Image, limits: ImageLimits, item: str) -> np.ndarray:
     _check_size(image.width, image.height, limits, item)
-    if image.mode not in _CONVERTIBLE_MODES:
+    if image.mode not in _CONVERTIBLE_MODES | _HIGH_DEPTH_MODES:
         raise InvalidInput(f"unsupported image mode {image.mode!r}", item=item, code="unsupported_image_mode")
     try:
         image.load()
+        image = ImageOps.exif_transpose(image)  # upright as viewers show it (EXIF Orientation)
     except (OSError, SyntaxError, ValueError) as exc:  # PIL reports truncation and corruption as these
         raise InvalidInput(f"image data is truncated or corrupt ({exc})", item=item, code="corrupt_image") from None
+    if image.mode in _HIGH_DEPTH_MODES:
+        image = _to_8_bit(image)
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
         # Composite on white, as viewers show it, rather than keeping whatever the hidden RGB holds.
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, rgba)
     return np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8))
+
+
+def _to_8_bit(image: Image.Image) -> Image.Image:
+    values = np.asarray(image)
+    if image.mode == "F":
+        values = values.astype(np.float64)
+        values = np.nan_to_num(values, nan=0.0, posinf=255.0, neginf=0.0)
+        scaled = values * 255.0 if values.size and values.max() <= 1.0 else values
+        return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), "L")
+    values = values.astype(np.int64)
+    # 16-bit data (also 16-bit PNGs that PIL opens as 32-bit "I"): keep the top 8 bits, rounded.
+    return Image.fromarray(np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8), "L")
 
 
 def _array_to_rgb(array: np.ndarray, limits: ImageLimits, item: str) -> np.ndarray:
@@ -158,7 +181,7 @@ def _decode_bytes(data: bytes, limits: ImageLimits, item: str) -> np.ndarray:
 
 
 def _read_url(url: str, limits: ImageLimits, item: str) -> bytes:
-    if url.startswith("data:"):
+    if url[:5].lower() == "data:":
         return _decode_data_url(url, item)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme not in ("http", "https", "file"):
@@ -179,10 +202,11 @@ def _decode_data_url(url: str, item: str) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep:
         raise InvalidInput("malformed data: URL (no comma)", item=item, code="invalid_image_url")
-    if not header.endswith(";base64"):
+    if not header.lower().endswith(";base64"):
         raise InvalidInput("data: URL must be base64-encoded (data:image/...;base64,...)", item=item,
                            code="invalid_image_url")
     try:
-        return base64.b64decode(payload, validate=True)
+        # Line-wrapped base64 (MIME, `base64.encodebytes`) is still base64; any other stray byte is not.
+        return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
         raise InvalidInput("data: URL payload is not valid base64", item=item, code="invalid_base64") from None

@@ -5,11 +5,18 @@ A request is OpenAI-style chat `messages` (content parts `text`, `image_url` wit
 `prompt_token_ids` and `images`. The checkpoint's chat template renders one
 `<|vision_start|><|image_pad|><|vision_end|>` per image; each `<|image_pad|>` is then expanded to
 that image's token count, which the vision adapter computes from the image size alone.
+
+Text that users (or assistants) supply is plain text: `"<|im_end|>"` typed into a message is the
+characters `<`, `|`, ... , never the control token, or a user could forge a system turn. Only the
+chat template's own markers become control tokens (`chat_template_ids`, `plain_text_ids`; every
+model family's prompt builder goes through them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import uuid
 from collections.abc import Sequence
 
 from raypipe.errors import InvalidInput
@@ -37,7 +44,8 @@ class PreparedPrompt:
 
 
 def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
-                 image_limits: ImageLimits = ImageLimits()) -> PreparedPrompt:
+                 image_limits: ImageLimits = ImageLimits(), *, max_text_chars: int | None = None) -> PreparedPrompt:
+    """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it."""
     if isinstance(request, dict) and "prompt_token_ids" in request:
         return _from_token_ids(request, tokenizer, vision_adapter, image_limits)
     messages = request.get("messages") if isinstance(request, dict) else request
@@ -45,15 +53,100 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
         raise InvalidInput("a request is a non-empty messages list, a dict with 'messages', or a dict with "
                            "'prompt_token_ids'", item="messages", code="invalid_request")
     template_messages, raw_images = _split_images(messages)
-    images = [load_image(raw, image_limits, item=f"images[{i}]") for i, raw in enumerate(raw_images)]
+    if max_text_chars is not None:
+        check_text_chars(sum(len(text) for text in _texts(template_messages)), max_text_chars)
+    images = [_load_for_tower(raw, image_limits, vision_adapter, f"images[{i}]") for i, raw in enumerate(raw_images)]
+    ids = chat_template_ids(tokenizer, template_messages)
+    return _expand(ids, images, tokenizer, vision_adapter, allow_expanded=False)
+
+
+def _load_for_tower(raw, image_limits: ImageLimits, vision_adapter: VisionAdapter, item: str) -> DecodedImage:
+    # Resized where it is decoded: only what the tower consumes travels to the encoders.
+    return vision_adapter.resize_for_tower(load_image(raw, image_limits, item=item))
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one non-control token can stand for (its vocabulary string is at least as long).
+
+    So `len(text) / max_chars_per_token` tokens at least: text longer than that many times the
+    context is refused before the (slow, memory-hungry) tokenizer ever sees it.
+    """
+    added = set(tokenizer.get_added_vocab())
+    return max(len(token) for token in tokenizer.get_vocab() if token not in added)
+
+
+def check_text_chars(num_chars: int, max_text_chars: int) -> None:
+    if num_chars > max_text_chars:
+        raise InvalidInput(f"the prompt text is {num_chars} characters, more than the model's maximum context "
+                           f"length can hold (at most {max_text_chars} characters)", item="messages",
+                           code="context_length_exceeded")
+
+
+def plain_text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of user- or assistant-supplied text: control-token strings in it stay plain text."""
+    if not text:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Render `messages` with the tokenizer's chat template; only the template's own markers are control tokens.
+
+    Each supplied text is swapped for a unique marker before rendering, so the template's markers
+    can be told apart from look-alikes in the text. The rendered string is then cut at the
+    template's control tokens, as the tokenizer itself would cut it, and each stretch between them
+    (template text and supplied text together, so merges across their boundary are unchanged) is
+    tokenized with control-token parsing off. Without look-alikes the ids equal
+    `apply_chat_template(..., tokenize=True)`.
+    """
+    nonce = uuid.uuid4().hex
+    texts: list[str] = []
+
+    def mark(text: str) -> str:
+        texts.append(text)
+        return f"\ue000{nonce}{len(texts) - 1}\ue001"
+
+    marked = [{**m, "content": mark(m["content"]) if isinstance(m["content"], str) else
+               [{**p, "text": mark(p["text"])} if p.get("type") == "text" else p for p in m["content"]]}
+              for m in messages]
     try:
-        ids = tokenizer.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+        rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja errors on shapes the template does not know
         raise InvalidInput(f"chat template failed: {exc}", item="messages", code="invalid_request") from None
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return _expand(list(ids), images, tokenizer, vision_adapter, allow_expanded=False)
+    control = _control_token_pattern(tokenizer)
+    ids: list[int] = []
+    stretch: list[str] = []  # text since the last control token
+
+    def flush():
+        ids.extend(plain_text_ids(tokenizer, "".join(stretch)))
+        stretch.clear()
+
+    for k, piece in enumerate(re.split(f"\ue000{nonce}(\\d+)\ue001", rendered)):
+        if k % 2:  # a marker: the supplied text it stands for, as plain text
+            stretch.append(texts[int(piece)])
+            continue
+        for j, part in enumerate(control.split(piece)):
+            if j % 2:
+                flush()
+                ids.append(tokenizer.convert_tokens_to_ids(part))
+            elif part:
+                stretch.append(part)
+    flush()
+    return ids
+
+
+def _control_token_pattern(tokenizer) -> re.Pattern:
+    tokens = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)  # longest first, like the tokenizer
+    return re.compile("(" + "|".join(re.escape(token) for token in tokens) + ")")
+
+
+def _texts(messages: list[dict]):
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            yield content
+        else:
+            yield from (part["text"] for part in content if part.get("type") == "text")
 
 
 def _split_images(messages: list) -> tuple[list[dict], list]:
@@ -106,7 +199,7 @@ def _from_token_ids(request: dict, tokenizer, vision_adapter, image_limits) -> P
                                                                    for t in ids):
         raise InvalidInput("must be a non-empty list of integers", item="prompt_token_ids", code="invalid_request")
     raw_images = request.get("images") or []
-    images = [load_image(raw, image_limits, item=f"images[{i}]") for i, raw in enumerate(raw_images)]
+    images = [_load_for_tower(raw, image_limits, vision_adapter, f"images[{i}]") for i, raw in enumerate(raw_images)]
     return _expand(list(ids), images, tokenizer, vision_adapter, allow_expanded=True)
 
 

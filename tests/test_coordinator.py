@@ -124,3 +124,50 @@ def test_unknown_cost_model_fails_at_start(ray_local, tiny_ckpt):
 
     with pytest.raises(ValueError, match="unknown cost model"):
         Coordinator(vision_adapter(tiny_ckpt), [object()], cost_model="pixels")
+
+
+# --- issue 9: liveness apart from busyness, proactive replacement, routing around loading workers -
+
+def test_ping_answers_while_worker_is_busy(pipe):
+    item = pipe.coordinator.adapter.make_item(
+        pipe.coordinator.adapter.resize_for_tower(__import__("raypipe").preprocess.load_image(
+            random_images([(448, 448)], seed=40)[0])))
+    busy = [w.encode_timed.remote([item], repeats=400) for w in pipe.coordinator.workers]  # seconds of work each
+    time.sleep(0.5)
+    start = time.monotonic()
+    health = pipe.coordinator.check_workers(timeout_s=2.0)
+    assert health == {"workers": 2, "alive": 2, "loading": 0} and time.monotonic() - start < 2.0
+    assert ray.wait(busy, num_returns=2, timeout=0)[0] == []  # the encode work was indeed still running
+    for ref in busy:
+        ray.cancel(ref, force=False)
+
+
+def test_dead_workers_are_replaced_without_a_request(pipe, hf_model, tiny_ckpt):
+    for worker in pipe.coordinator.workers:
+        ray.kill(worker)
+    time.sleep(0.5)
+    first = pipe.coordinator.check_workers(timeout_s=2.0)
+    assert first["alive"] == 0 and pipe.coordinator.workers_replaced == 2
+    deadline = time.monotonic() + 90
+    while pipe.coordinator.check_workers(timeout_s=2.0)["alive"] < 2:
+        assert time.monotonic() < deadline, "replacements never came up"
+        time.sleep(0.2)
+    images = random_images([(120, 90), (64, 200)], seed=41)
+    for ours, ref in zip(pipe.encode(images), reference_embeddings(hf_model, tiny_ckpt, images)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+    assert pipe.coordinator.last_report.retried_shards == 0
+
+
+def test_loading_replacement_gets_no_shard(pipe, hf_model, tiny_ckpt):
+    ray.kill(pipe.coordinator.workers[0])
+    pipe.encode(random_images([(200, 200), (150, 150)], seed=42))  # meets the dead worker: replaced, retried
+    assert pipe.coordinator.last_report.retried_shards == 1
+    images = random_images([(90, 90), (100, 60), (70, 140), (60, 60)], seed=43)
+    start = time.monotonic()
+    got = pipe.encode(images)  # the replacement is still loading its weights: everything goes to worker 1
+    elapsed = time.monotonic() - start
+    assert pipe.coordinator.last_report.assignment[0] == [], pipe.coordinator.last_report
+    assert sorted(pipe.coordinator.last_report.assignment[1]) == [0, 1, 2, 3]
+    for ours, ref in zip(got, reference_embeddings(hf_model, tiny_ckpt, images)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+    assert elapsed < 3.0  # not stalled behind the replacement's start-up (~4 s: process, imports, weights)

@@ -36,3 +36,22 @@ def test_matches_transformers(pipe, hf_model, tiny_ckpt, count):
 
 def test_empty_input(pipe):
     assert pipe.encode([]) == []
+
+
+def test_large_images_travel_at_tower_size(pipe, hf_model, tiny_ckpt):
+    """Issue 9 item 7: images are resized where decoded; embeddings still equal the tower on the ORIGINAL."""
+    sizes = [(1000, 700), (333, 1500), (2000, 2000)]
+    images = random_images(sizes, seed=11)
+    coordinator = pipe.coordinator
+    shipped = []
+    submit = coordinator.submit
+    coordinator.submit = lambda decoded: shipped.extend(image.pixels.shape for image in decoded) or submit(decoded)
+    try:
+        got = pipe.encode(images)
+    finally:
+        del coordinator.submit  # back to the class's method
+    adapter = coordinator.adapter
+    assert shipped == [(*adapter.tower_size(h, w), 3) for h, w in sizes]
+    assert sum(h * w * 3 for h, w, _ in shipped) * 5 < sum(h * w * 3 for h, w in sizes)
+    for ours, ref in zip(got, reference_embeddings(hf_model, tiny_ckpt, images)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)

@@ -70,7 +70,7 @@ BAD = {
     "bomb": (bomb_png(100_000, 100_000), "image_too_large"),
     "float_array": (RGB.astype(np.float32), "unsupported_image_mode"),
     "wrong_shape": (np.zeros((4, 4, 4, 4), np.uint8), "not_an_image"),
-    "sixteen_bit_mode": (Image.new("I;16", (32, 32)), "unsupported_image_mode"),
+    "hsv_mode": (Image.new("HSV", (32, 32)), "unsupported_image_mode"),  # 16-bit is converted (issue 9)
     "bad_base64": ("data:image/png;base64,@@@not-base64@@@", "invalid_base64"),
     "data_url_no_base64": ("data:image/png,rawdata", "invalid_image_url"),
     "http_url": ("https://example.com/cat.png", "url_not_allowed"),
@@ -128,3 +128,56 @@ def test_allowed_http_url_is_fetched_from_loopback(tmp_path):
         assert err.value.code == "image_fetch_failed"
     finally:
         server.shutdown()
+
+
+# --- issue 9: orientation, encodings and bit depths real clients send ----------------------------
+
+def _jpeg_with_orientation(array: np.ndarray, orientation: int) -> bytes:
+    image = Image.fromarray(array)
+    exif = image.getexif()
+    exif[0x0112] = orientation  # Orientation
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=95, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def test_exif_orientation_is_applied():
+    # A phone photo stored 200 wide x 100 high, to be shown rotated 90 degrees clockwise (Orientation=6).
+    stored = np.zeros((100, 200, 3), np.uint8)
+    stored[:, :100] = 255  # left half white in storage -> top half white when upright
+    decoded = load_image(_jpeg_with_orientation(stored, 6)).pixels
+    assert decoded.shape == (200, 100, 3)
+    assert decoded[:90].mean() > 240 and decoded[110:].mean() < 15
+    plain = load_image(_jpeg_with_orientation(stored, 1)).pixels  # Orientation=1: as stored
+    assert plain.shape == (100, 200, 3)
+
+
+def test_line_wrapped_base64_and_upper_case_scheme():
+    data = png_bytes(RGB)
+    for url in ("data:image/png;base64," + base64.encodebytes(data).decode(),  # newline every 76 chars
+                "DATA:image/png;BASE64," + base64.b64encode(data).decode(),
+                "data:image/png;base64,\r\n" + base64.encodebytes(data).decode().replace("\n", "\r\n")):
+        np.testing.assert_array_equal(load_image(url).pixels, RGB)
+    with pytest.raises(InvalidInput) as info:
+        load_image("data:image/png;base64," + base64.b64encode(data).decode()[:40] + "!!" + "AAAA")
+    assert info.value.code == "invalid_base64"
+
+
+def test_sixteen_bit_grayscale_png_is_converted():
+    gray16 = (np.arange(40 * 60, dtype=np.uint32).reshape(40, 60) * 27 % 65536).astype(np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(gray16).save(buf, format="PNG")
+    pixels = load_image(buf.getvalue()).pixels
+    expected = np.rint(gray16 / 257.0).astype(np.uint8)
+    np.testing.assert_array_equal(pixels, np.repeat(expected[..., None], 3, axis=-1))
+
+
+@pytest.mark.parametrize("scale", [1.0, 255.0], ids=["unit-range", "byte-range"])
+def test_float_tiff_is_converted(scale):
+    values = np.random.default_rng(1).random((40, 60)).astype(np.float32)
+    buf = io.BytesIO()
+    Image.fromarray(values * scale, "F").save(buf, format="TIFF")
+    pixels = load_image(buf.getvalue()).pixels
+    expected = np.clip(np.rint(values.astype(np.float64) * 255.0), 0, 255).astype(np.uint8)
+    assert pixels.shape == (40, 60, 3)
+    assert np.abs(pixels[..., 0].astype(int) - expected).max() <= 1  # float32 rounding at .5 only

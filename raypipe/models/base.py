@@ -59,6 +59,15 @@ class VisionAdapter(abc.ABC):
     def make_item(self, image: DecodedImage) -> VisionItem:
         """Geometry and token count of a validated image, without running the encoder."""
 
+    def resize_for_tower(self, image: DecodedImage) -> DecodedImage:
+        """`image` at the size the tower consumes, resized exactly as the family's image processor would.
+
+        Called where images are decoded (Serve ingress, `Pipeline`, batch preprocessing) so that
+        only these pixels travel to the encoder workers; the processor's own resize on the worker
+        is then the identity. Families whose processor does not resize return `image` unchanged.
+        """
+        return image
+
     @abc.abstractmethod
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
         """Relative compute of encoding `item` under `cost_model` (one of `COST_MODELS`)."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pathlib
 
+import numpy as np
 import torch
 
 from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
-from raypipe.preprocess import DecodedImage
+from raypipe.preprocess import DecodedImage, pixel_hash
 
 VISION_PREFIXES = ("visual.", "model.visual.")
 
@@ -35,12 +36,29 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         return VisionItem(image.pixels, image.content_hash, grid, num_tokens)
 
     def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
+        h, w = self.tower_size(height, width)
+        return (1, h // self.processor.patch_size, w // self.processor.patch_size)
+
+    def tower_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) the image processor resizes an image to (`smart_resize`; idempotent)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         factor = self.processor.patch_size * self.processor.merge_size
-        h, w = smart_resize(height, width, factor, min_pixels=self.processor.size["shortest_edge"],
+        return smart_resize(height, width, factor, min_pixels=self.processor.size["shortest_edge"],
                             max_pixels=self.processor.size["longest_edge"])
-        return (1, h // self.processor.patch_size, w // self.processor.patch_size)
+
+    def resize_for_tower(self, image: DecodedImage) -> DecodedImage:
+        from transformers.image_transforms import resize
+        from transformers.image_utils import ChannelDimension
+
+        size = self.tower_size(image.height, image.width)
+        if size == (image.height, image.width):
+            return image
+        # The very function (and resample filter) the processor resizes with: identical uint8 pixels.
+        pixels = np.ascontiguousarray(resize(image.pixels, size, resample=self.processor.resample,
+                                             data_format=ChannelDimension.LAST,
+                                             input_data_format=ChannelDimension.LAST))
+        return DecodedImage(pixels, pixel_hash(pixels))
 
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
         check_cost_model(cost_model)
