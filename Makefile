@@ -25,7 +25,7 @@ test: $(STAMP)
 # The wheel cluster.yaml syncs to every node (file_mounts): exactly this checkout's code.
 wheel: $(STAMP)
 	rm -rf dist
-	$(VENV)/bin/pip wheel -q --no-deps -w dist .
+	$(VENV)/bin/pip wheel -q --no-deps --no-build-isolation -w dist .
 
 bench: $(STAMP)
 	$(VENV)/bin/raypipe bench encode
