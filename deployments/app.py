@@ -8,6 +8,7 @@ deployment options: set them in config.yaml's `deployments:` section, not here.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -16,6 +17,7 @@ from ray.serve import Application
 from deployments.decoder import Decoder
 from deployments.encoder_group import EncoderGroup
 from deployments.ingress import Ingress
+from raypipe.config import ModelConfig
 
 
 class AppArgs(BaseModel):
@@ -33,12 +35,16 @@ class AppArgs(BaseModel):
     engine: dict = {}  # raypipe.decode.config.EngineConfig fields (max_num_seqs, max_model_len, ...)
     limits: dict = {}  # deployments.limits.ServeLimits fields (body size, images, pixels, default max_tokens)
 
+    def as_model_config(self) -> ModelConfig:
+        """The model and encoder fields as the `ModelConfig` that `Pipeline` and batch take too."""
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)
+                              if f.name in type(self).model_fields})
+
 
 def build_app(args: AppArgs | dict | None = None) -> Application:
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
-    encoder = EncoderGroup.bind(model=args.model, num_encoders=args.num_encoders, encoder_gpus=args.encoder_gpus,
-                                cost_model=args.cost_model, cache_bytes=args.cache_bytes,
-                                batch_window_s=args.batch_window_s, max_batch_images=args.max_batch_images)
+    encoder = EncoderGroup.bind(args.as_model_config(), batch_window_s=args.batch_window_s,
+                                max_batch_images=args.max_batch_images)
     decoder = Decoder.bind(model=args.model, engine=args.engine)
     return Ingress.bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
                         api_key=args.api_key, limits=args.limits)

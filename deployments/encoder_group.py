@@ -14,6 +14,7 @@ import asyncio
 import ray
 from ray import serve
 
+from raypipe.config import ModelConfig
 from raypipe.pipeline import Pipeline
 from raypipe.preprocess import DecodedImage
 
@@ -21,12 +22,9 @@ from raypipe.preprocess import DecodedImage
 # Calls wait here to be micro-batched: allow many more than Serve's default of 5 per replica.
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128)
 class EncoderGroup:
-    def __init__(self, model: str = "tiny", num_encoders: int = 2, encoder_gpus: float | None = None,
-                 cost_model: str = "patches", cache_bytes: int = 256 * 1024 * 1024,
-                 batch_window_s: float = 0.005, max_batch_images: int = 64):
+    def __init__(self, config: ModelConfig | None = None, batch_window_s: float = 0.005, max_batch_images: int = 64):
         # A Pipeline that is only ever asked to encode: its workers and coordinator, no decode engine.
-        self.pipeline = Pipeline.from_pretrained(model, num_encoders=num_encoders, encoder_gpus=encoder_gpus,
-                                                 cost_model=cost_model, cache_bytes=cache_bytes)
+        self.pipeline = Pipeline.from_config(config or ModelConfig())
         self.coordinator = self.pipeline.coordinator
         self.encode.set_max_batch_size(max_batch_images)
         self.encode.set_batch_wait_timeout_s(batch_window_s)

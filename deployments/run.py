@@ -26,8 +26,8 @@ def run_serve(args) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         api_key = args.api_key or os.environ.get("RAYPIPE_API_KEY")
-        app = build_app(AppArgs(model=args.model, num_encoders=args.num_encoders, encoder_gpus=args.encoder_gpus,
-                                cost_model=args.cost_model, api_key=api_key))
+        shared = {name: getattr(args, name) for name in AppArgs.model_fields if hasattr(args, name)}
+        app = build_app(AppArgs(**{**shared, "api_key": api_key}))
         serve.run(app, name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
         print(f"raypipe: serving {args.model!r} at http://{args.host}:{args.port}/v1 "
               f"(API key {'on' if api_key else 'off'}); Ctrl-C stops", flush=True)

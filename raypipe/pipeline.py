@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator, Sequence
 import ray
 from ray.exceptions import RayTaskError
 
+from raypipe.config import ModelConfig
 from raypipe.coordinator import Coordinator
 from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
 from raypipe.encoder import RemoteEncoderWorker
 from raypipe.errors import InvalidInput
-from raypipe.models.base import check_cost_model
 from raypipe.models.presets import resolve_model
 from raypipe.models.registry import language_adapter, vision_adapter
 from raypipe.preprocess import ImageLimits, load_images
@@ -70,36 +70,47 @@ class Pipeline:
                         engine_config: EngineConfig | None = None, decode_gpus: float | None = None) -> "Pipeline":
         """Start `num_encoders` vision-tower replicas for `model` (a preset name or a local folder).
 
+        The keyword arguments are `ModelConfig`'s fields (see `from_config`); `num_scheduler_steps`
+        overrides the one in `engine_config`.
+        """
+        config = ModelConfig(model=model, num_encoders=num_encoders, encoder_gpus=encoder_gpus,
+                             cost_model=cost_model, cache_bytes=cache_bytes, dtype=dtype,
+                             encoder_threads=encoder_threads, decode_gpus=decode_gpus)
+        engine_config = dataclasses.replace(engine_config or EngineConfig(), num_scheduler_steps=num_scheduler_steps)
+        return cls.from_config(config, engine_config=engine_config, image_limits=image_limits,
+                               ray_address=ray_address)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, *, engine_config: EngineConfig | None = None,
+                    image_limits: ImageLimits | None = None, ray_address: str | None = None) -> "Pipeline":
+        """Start `config.num_encoders` vision-tower replicas for `config.model`.
+
         `encoder_gpus` is the GPU share each encoder actor requests (fractions pack several per GPU,
         0 runs on CPU); by default 1 when the cluster has GPUs, else 0. On CPU each encoder gets
         `encoder_threads` torch threads (default: the machine's cores split evenly).
 
         The decode engine (language model only) starts with the first `generate` call, in its own
         actor with `decode_gpus` (default like `encoder_gpus`) and `engine_config` (limits, dtype,
-        threads), whose `num_scheduler_steps` is set to the argument of that name.
+        threads, decode steps per round).
         """
-        if num_encoders < 1:
-            raise ValueError(f"num_encoders must be >= 1, got {num_encoders}")
-        check_cost_model(cost_model)  # before any actor starts
-        checkpoint = resolve_model(model)  # writes a preset once, before any actor races to
+        checkpoint = resolve_model(config.model)  # writes a preset once, before any actor races to
         adapter = vision_adapter(checkpoint)
         owns_ray = not ray.is_initialized()
         connect_ray(ray_address)
-        gpus = default_encoder_gpus() if encoder_gpus is None else encoder_gpus
-        threads = encoder_threads or max(1, (os.cpu_count() or 1) // num_encoders)
+        gpus = default_encoder_gpus() if config.encoder_gpus is None else config.encoder_gpus
+        threads = config.encoder_threads or max(1, (os.cpu_count() or 1) // config.num_encoders)
 
         def start_worker():
             # num_cpus=0: a worker must not pin a whole CPU slot on small machines (see PLATFORM-NOTES).
             return RemoteEncoderWorker.options(num_cpus=0, num_gpus=gpus).remote(
-                str(checkpoint), dtype=dtype, num_threads=threads)
+                str(checkpoint), dtype=config.dtype, num_threads=threads)
 
-        workers = [start_worker() for _ in range(num_encoders)]
+        workers = [start_worker() for _ in range(config.num_encoders)]
         ray.get([w.info.remote() for w in workers])  # surface load errors here, not on first call
-        coordinator = Coordinator(adapter, workers, cost_model=cost_model, cache_bytes=cache_bytes,
+        coordinator = Coordinator(adapter, workers, cost_model=config.cost_model, cache_bytes=config.cache_bytes,
                                   worker_factory=start_worker)
-        engine_config = dataclasses.replace(engine_config or EngineConfig(), num_scheduler_steps=num_scheduler_steps)
-        return cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config,
-                   default_encoder_gpus() if decode_gpus is None else decode_gpus)
+        return cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config or EngineConfig(),
+                   default_encoder_gpus() if config.decode_gpus is None else config.decode_gpus)
 
     def encode(self, images: Sequence) -> list:
         """One `(tokens_i, hidden)` tensor per image, in input order.

@@ -16,13 +16,13 @@ from raypipe.jobs.sample_images import DEMO_SIZES, sample_images
 
 def run_demo(args) -> int:
     from raypipe import Pipeline
+    from raypipe.config import model_config_from_args
     from raypipe.encoder import pick_device, resolve_dtype
     from raypipe.preprocess import load_images
 
     images = sample_images()
     t0 = time.perf_counter()
-    with Pipeline.from_pretrained(args.model, num_encoders=args.num_encoders, encoder_gpus=args.encoder_gpus,
-                                  cost_model=args.cost_model) as pipe:
+    with Pipeline.from_config(model_config_from_args(args)) as pipe:
         startup = time.perf_counter() - t0
         t1 = time.perf_counter()
         embeddings = pipe.encode(images)

@@ -8,6 +8,7 @@ import pathlib
 
 def run_encode(args) -> int:
     from raypipe import Pipeline
+    from raypipe.config import model_config_from_args
 
     paths = [pathlib.Path(p) for p in args.images]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -18,8 +19,7 @@ def run_encode(args) -> int:
     if out.suffix not in (".safetensors", ".npz"):
         print("error: --out must end in .safetensors or .npz")
         return 2
-    with Pipeline.from_pretrained(args.model, num_encoders=args.num_encoders, encoder_gpus=args.encoder_gpus,
-                                  cost_model=args.cost_model) as pipe:
+    with Pipeline.from_config(model_config_from_args(args)) as pipe:
         embeddings = pipe.encode([p.read_bytes() for p in paths])
     tensors = {f"image_{i}": emb.contiguous() for i, emb in enumerate(embeddings)}
     sources = json.dumps([str(p) for p in paths])

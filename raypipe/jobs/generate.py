@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 from raypipe import InvalidInput, Pipeline, SamplingParams
+from raypipe.config import EngineConfig, model_config_from_args
 
 
 def run_generate(args) -> int:
@@ -16,8 +17,8 @@ def run_generate(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     content = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": args.prompt}]
-    with Pipeline.from_pretrained(args.model, num_encoders=args.num_encoders, encoder_gpus=args.encoder_gpus,
-                                  cost_model=args.cost_model, num_scheduler_steps=args.num_scheduler_steps) as pipe:
+    with Pipeline.from_config(model_config_from_args(args),
+                              engine_config=EngineConfig(num_scheduler_steps=args.num_scheduler_steps)) as pipe:
         try:
             (out,) = pipe.generate([[{"role": "user", "content": content}]], params)
         except InvalidInput as exc:

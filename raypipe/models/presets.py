@@ -76,15 +76,20 @@ def default_cache_dir() -> pathlib.Path:
 
 
 def resolve_model(model: str | os.PathLike) -> pathlib.Path:
-    """`tiny`/`small` name a preset (written on first use); anything else is a local folder."""
+    """`tiny`/`small` name a preset (written on first use); `s3://...` a checkpoint in object storage
+    (copied to this node's cache once, see `raypipe.models.remote`); anything else is a local folder."""
     if isinstance(model, str) and model in _QWEN2_5_VL_SHAPES:
         return preset_checkpoint(model)
+    if isinstance(model, str) and model.startswith("s3://"):
+        from raypipe.models.remote import fetch_model
+
+        return fetch_model(model)
     path = pathlib.Path(model)
     if not (path / "config.json").is_file():
         from raypipe.errors import InvalidInput
 
-        raise InvalidInput(f"no config.json in {str(path)!r}: expected a preset name {PRESETS} or a local HF "
-                           "checkpoint folder", item="model")
+        raise InvalidInput(f"no config.json in {str(path)!r}: expected a preset name {PRESETS}, a local HF "
+                           "checkpoint folder or an s3:// URI", item="model")
     return path
 
 

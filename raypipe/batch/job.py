@@ -1,0 +1,179 @@
+"""`run_batch`: one offline job over object storage or local folders, on Ray Data.
+
+    inputs (listing or manifest) - ids already in the output -> Ray Data:
+      read_and_pack (CPU tasks) -> EncodeStage (autoscaling actor pool)
+      -> GenerateStage (autoscaling actor pool, task=generate) -> write_rows (CPU tasks)
+
+Re-running the same command carries on where a killed run stopped: the ids already written are
+read back from the output's part files and left out (see `raypipe.batch.output` for why this, and
+not Ray Data's checkpointing, gives exactly once). The CLI (`raypipe batch`) and Python callers
+both come here with a `BatchOptions`; the summary is returned, not printed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import time
+from typing import Literal
+
+from raypipe.batch import output
+from raypipe.batch.inputs import list_inputs
+from raypipe.config import EngineConfig, ImageLimits, ModelConfig
+from raypipe.storage import S3Options, open_filesystem
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOptions:
+    input: str  # s3://bucket/prefix/, a local folder, or a manifest (.parquet / .jsonl) of image paths
+    output: str  # s3://bucket/prefix/ or a local folder: Parquet part files
+    task: Literal["embed", "generate"] = "embed"
+    model: ModelConfig = ModelConfig(num_encoders=1)  # model, encoder pool (num..max), cost model, dtype
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # decode engine limits (generate)
+    image_limits: ImageLimits = ImageLimits()
+    prompt: str = "Describe this image."  # for rows without a prompt of their own
+    prompt_column: str | None = None  # manifest column with a per-row prompt
+    path_column: str = "path"  # manifest column with image paths or URIs
+    id_column: str = "id"  # manifest column with ids (default: the path)
+    max_tokens: int = 32
+    pooling: Literal["mean", "none"] = "mean"
+    num_decoders: tuple[int, int] = (1, 1)  # decode actor pool (min, max)
+    batching: Literal["cost", "count"] = "cost"  # how encoder batches are formed
+    batch_cost: float = 4.0  # cost budget per encoder batch, in units of the model's largest image
+    batch_images: int = 8  # images per encoder batch with batching="count"
+    read_batch: int = 32  # inputs per CPU decode task (packs are formed within one)
+    rows_per_file: int = 256  # rows per output part file (the unit of resume)
+    limit: int | None = None  # process at most this many of the missing inputs
+    dry_run: bool = False  # list what would be processed; load no model
+    s3: S3Options | None = None  # endpoint/region/keys; None: the AWS environment variables
+
+    def __post_init__(self):
+        if self.task not in ("embed", "generate"):
+            raise ValueError(f"task must be embed or generate, got {self.task!r}")
+        if self.pooling not in ("mean", "none"):
+            raise ValueError(f"pooling must be mean or none, got {self.pooling!r}")
+        if self.batching not in ("cost", "count"):
+            raise ValueError(f"batching must be cost or count, got {self.batching!r}")
+        lo, hi = self.num_decoders
+        if not 1 <= lo <= hi:
+            raise ValueError(f"num_decoders must be N or MIN:MAX with 1 <= MIN <= MAX, got {self.num_decoders}")
+        for name in ("rows_per_file", "read_batch", "batch_images", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def fingerprint(self) -> dict:
+        """What decides the content of an output row: a re-run into the same output must match it."""
+        fields = {"model": self.model.model, "task": self.task}
+        if self.task == "embed":
+            fields["pooling"] = self.pooling
+        else:
+            fields.update(prompt=self.prompt, prompt_column=self.prompt_column, max_tokens=self.max_tokens)
+        return fields
+
+
+@dataclasses.dataclass
+class BatchSummary:
+    inputs: int  # inputs listed
+    skipped: int  # already in the output before this run
+    processed: int  # rows written by this run
+    errors: dict[str, int]  # error code -> rows, among this run's rows
+    seconds: float
+    output: str
+    dry_run: bool = False
+    to_process: int = 0  # what this run set out to do (after skip and limit)
+    duplicates_removed: int = 0
+
+    @property
+    def images_per_s(self) -> float:
+        return self.processed / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "images_per_s": self.images_per_s}
+
+    def describe(self) -> str:
+        if self.dry_run:
+            return (f"dry run: {self.inputs} inputs, {self.skipped} already in {self.output}, "
+                    f"would process {self.to_process}")
+        errors = ", ".join(f"{code}={n}" for code, n in sorted(self.errors.items())) or "none"
+        return (f"{self.inputs} inputs | written {self.processed} | skipped (already done) {self.skipped} | "
+                f"errors {errors} | {self.images_per_s:.1f} images/s over {self.seconds:.1f} s | "
+                f"output {self.output}")
+
+
+def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> BatchSummary:
+    start = time.perf_counter()
+    inputs = list_inputs(options.input, options.s3, path_column=options.path_column, id_column=options.id_column,
+                         prompt_column=options.prompt_column)
+    fs, root = open_filesystem(options.output, options.s3)
+    removed = 0
+    if not options.dry_run:
+        output.check_job(fs, root, options.fingerprint())
+        removed = output.reconcile(fs, root)  # a previous run may have died mid-way
+    done = output.done_ids(fs, root)
+    ids = inputs.column("id").to_pylist()
+    todo = inputs.take([i for i, id_ in enumerate(ids) if id_ not in done])
+    if options.limit is not None:
+        todo = todo.slice(0, options.limit)
+    skipped = len(ids) - sum(1 for id_ in ids if id_ not in done)
+    summary = BatchSummary(inputs=len(ids), skipped=skipped, processed=0, errors={}, seconds=0.0,
+                           output=options.output, dry_run=options.dry_run, to_process=todo.num_rows,
+                           duplicates_removed=removed)
+    if options.dry_run or todo.num_rows == 0:
+        summary.seconds = time.perf_counter() - start
+        return summary
+
+    errors: collections.Counter = collections.Counter()
+    for batch in _dataset(options, todo, ray_address).iter_batches(batch_size=None, batch_format="pyarrow"):
+        for counts in batch.column("errors").to_pylist():
+            errors.update(json.loads(counts))
+    summary.duplicates_removed += output.reconcile(fs, root)
+    summary.processed = len(output.done_ids(fs, root)) - len(done)
+    summary.errors = dict(errors)
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _dataset(options: BatchOptions, todo, ray_address: str | None):
+    import ray
+
+    from raypipe.batch import stages
+    from raypipe.models.presets import resolve_model
+    from raypipe.pipeline import connect_ray, default_encoder_gpus
+
+    config = options.model
+    resolve_model(config.model)  # copy or write it on this node once, before the actors race to
+    connect_ray(ray_address)
+    ray.data.DataContext.get_current().enable_progress_bars = True
+    budget = (options.batch_cost * stages.max_image_cost(config.model, config.cost_model)
+              if options.batching == "cost" else None)
+    lo, hi = config.encoder_range
+    encoder_gpus = default_encoder_gpus() if config.encoder_gpus is None else config.encoder_gpus
+    threads = config.encoder_threads or max(1, (os.cpu_count() or 1) // hi)
+    # Actors ask for no CPU (they would pin a whole slot each on small machines; see PLATFORM-NOTES);
+    # Ray restarts a dead actor and re-runs its calls: a row is written only by write_rows.
+    actor_options = dict(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+
+    blocks = [todo.slice(i, options.read_batch) for i in range(0, todo.num_rows, options.read_batch)]
+    ds = ray.data.from_arrow(blocks)
+    ds = ds.map_batches(stages.read_and_pack, batch_format="pyarrow", batch_size=options.read_batch,
+                        fn_kwargs=dict(model=config.model, image_limits=options.image_limits, s3=options.s3,
+                                       cost_model=config.cost_model, budget=budget, per_pack=options.batch_images),
+                        num_cpus=1, max_retries=3)
+    ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1, concurrency=(lo, hi),
+                        fn_constructor_kwargs=dict(model=config.model, dtype=config.dtype, num_threads=threads),
+                        num_gpus=encoder_gpus, **actor_options)
+    if options.task == "generate":
+        decode_gpus = config.decode_gpus if config.decode_gpus is not None else encoder_gpus
+        ds = ds.map_batches(stages.GenerateStage, batch_format="pyarrow", batch_size=options.engine.max_num_seqs,
+                            concurrency=options.num_decoders, num_gpus=decode_gpus,
+                            fn_constructor_kwargs=dict(model=config.model, engine_config=options.engine,
+                                                       image_limits=options.image_limits,
+                                                       max_tokens=options.max_tokens,
+                                                       default_prompt=options.prompt),
+                            **actor_options)
+    return ds.map_batches(stages.write_rows, batch_format="pyarrow", batch_size=options.rows_per_file,
+                          fn_kwargs=dict(output=options.output, s3=options.s3, task=options.task,
+                                         pooling=options.pooling, model_name=config.model),
+                          num_cpus=0.25, max_retries=3)

@@ -1,0 +1,225 @@
+"""The Ray Data stages of a batch job; each wraps a piece the online path uses too.
+
+    read_and_pack   (CPU tasks)   bytes from storage -> `preprocess.load_image` (same limits and
+                                  error codes as the endpoint) -> geometry and cost from the vision
+                                  adapter -> packs of about equal cost (`packing`)
+    EncodeStage     (actor pool)  one `EncoderWorker` (the same class the coordinator drives) per actor
+    GenerateStage   (actor pool)  one `LLMEngine` per actor: all rows of a batch decode together in
+                                  multi-step rounds, built with the same `build_prompt` as `Pipeline`
+    write_rows      (CPU tasks)   one atomic Parquet part file per batch (`output`)
+
+Between stages a row is one image (`ROW_SCHEMA`); a pack travels as a single row holding those rows
+in Arrow IPC form, so that Ray Data cannot regroup it. Pixels and embeddings travel as raw bytes
+(float32 / uint8) rather than tensor columns: rows that failed have none, and Ray Data's tensor
+columns do not mix with nulls. A bad input never raises: it becomes a row with `error` set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import io
+import json
+
+import numpy as np
+import pyarrow as pa
+
+from raypipe.batch import packing
+from raypipe.batch.output import write_part
+from raypipe.errors import InvalidInput
+from raypipe.preprocess import DecodedImage, ImageLimits, load_image
+from raypipe.storage import S3Options, is_s3, open_filesystem, read_bytes
+
+ROW_SCHEMA = pa.schema([
+    ("id", pa.string()), ("uri", pa.string()), ("prompt", pa.string()),
+    ("width", pa.int32()), ("height", pa.int32()), ("num_tokens", pa.int32()), ("cost", pa.float64()),
+    ("pixels", pa.large_binary()),  # (height, width, 3) uint8 after decoding; null once encoded
+    ("embedding", pa.large_binary()),  # (num_tokens, hidden) float32 after encoding
+    ("hidden", pa.int32()),
+    ("text", pa.string()), ("finish_reason", pa.string()),
+    ("error", pa.string()), ("error_message", pa.string()),
+])
+PACK_SCHEMA = pa.schema([("pack", pa.large_binary()), ("images", pa.int32()), ("cost", pa.float64())])
+SUMMARY_SCHEMA = pa.schema([("file", pa.string()), ("rows", pa.int64()), ("errors", pa.string())])  # errors: JSON code -> rows
+UNREADABLE = "unreadable_object"
+
+
+@functools.lru_cache(maxsize=4)
+def _vision_adapter(model: str):
+    from raypipe.models.registry import vision_adapter
+
+    return vision_adapter(model)
+
+
+@functools.lru_cache(maxsize=8)
+def _filesystem(scheme_root: str, s3: S3Options | None):
+    return open_filesystem(scheme_root, s3)[0]
+
+
+def _read(uri: str, s3: S3Options | None, max_bytes: int) -> bytes:
+    fs = _filesystem("s3://" if is_s3(uri) else "/", s3)
+    return read_bytes(fs, uri[len("s3://"):] if is_s3(uri) else uri, max_bytes)
+
+
+def max_image_cost(model: str, cost_model: str) -> float:
+    """Cost of the largest image the model's processor produces (any bigger one is resized down)."""
+    adapter = _vision_adapter(model)
+    huge = np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (16384, 16384, 3))  # shape only, no memory
+    return adapter.cost(adapter.make_item(DecodedImage(huge, "")), cost_model)
+
+
+def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3: S3Options | None,
+                  cost_model: str, budget: float | None, per_pack: int) -> pa.Table:
+    """Decode a slice of inputs and return it as packs: by cost (`budget`) or by count (`per_pack`)."""
+    adapter = _vision_adapter(model)
+    rows = []
+    prompts = batch.column("prompt").to_pylist() if "prompt" in batch.column_names else [None] * batch.num_rows
+    for id_, uri, prompt in zip(batch.column("id").to_pylist(), batch.column("uri").to_pylist(), prompts):
+        row = {"id": id_, "uri": uri, "prompt": prompt}
+        try:
+            image = load_image(_read(uri, s3, image_limits.max_bytes), image_limits, item=id_)
+            item = adapter.make_item(image)
+            row.update(width=image.width, height=image.height, num_tokens=item.num_tokens,
+                       cost=adapter.cost(item, cost_model), pixels=image.pixels.tobytes())
+        except InvalidInput as exc:
+            row.update(error=exc.code, error_message=exc.reason)
+        except OSError as exc:  # missing, forbidden or unreachable object
+            row.update(error=UNREADABLE, error_message=f"{type(exc).__name__}: {exc}")
+        rows.append(row)
+    good = [r for r in rows if r.get("error") is None]
+    groups = (packing.by_cost([r["cost"] for r in good], budget) if budget is not None
+              else packing.by_count(len(good), per_pack))
+    packs = [[good[i] for i in group] for group in groups]
+    bad = [r for r in rows if r.get("error") is not None]
+    if bad:
+        packs.append(bad)  # passes through the encoder untouched
+    return pa.table({"pack": pa.array([_to_ipc(pa.Table.from_pylist(p, ROW_SCHEMA)) for p in packs], pa.large_binary()),
+                     "images": pa.array([len(p) for p in packs], pa.int32()),
+                     "cost": pa.array([sum(r.get("cost") or 0.0 for r in p) for p in packs], pa.float64())},
+                    schema=PACK_SCHEMA)
+
+
+class EncodeStage:
+    """An encoder actor: one `EncoderWorker` in-process, encoding one pack per call."""
+
+    def __init__(self, model: str, dtype: str = "auto", num_threads: int | None = None):
+        from raypipe.encoder import EncoderWorker
+        from raypipe.models.presets import resolve_model
+
+        self.worker = EncoderWorker(str(resolve_model(model)), dtype=dtype, num_threads=num_threads)
+
+    def __call__(self, packs: pa.Table) -> pa.Table:
+        rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
+        todo = [r for r in rows if r["error"] is None]
+        items = [self.worker.adapter.make_item(DecodedImage(_pixels(r), "")) for r in todo]
+        embeddings = self.worker.encode(items)[:-1] if items else ()  # the last return is a receipt
+        for row, embedding in zip(todo, embeddings):
+            matrix = embedding.float().numpy()
+            row.update(pixels=None, embedding=matrix.tobytes(), hidden=matrix.shape[1])
+        for row in rows:
+            row["pixels"] = None
+        return pa.Table.from_pylist(rows, ROW_SCHEMA)
+
+
+class GenerateStage:
+    """A decode actor: one `LLMEngine`; every row of a call is one request, all decoded together."""
+
+    def __init__(self, model: str, engine_config, image_limits: ImageLimits, max_tokens: int, default_prompt: str):
+        from raypipe.decode.engine import LLMEngine
+        from raypipe.models.presets import resolve_model
+        from raypipe.sampling import SamplingParams
+
+        checkpoint = resolve_model(model)
+        self.engine = LLMEngine(checkpoint, engine_config)
+        self.vision = _vision_adapter(str(checkpoint))
+        self.image_limits = image_limits
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        self.default_prompt = default_prompt
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        asyncio.run(self._generate_all([r for r in rows if r["error"] is None]))
+        for row in rows:
+            row["embedding"] = None
+        return pa.Table.from_pylist(rows, ROW_SCHEMA)
+
+    async def _generate_all(self, rows: list[dict]) -> None:
+        await asyncio.gather(*(self._generate(row) for row in rows))
+
+    async def _generate(self, row: dict) -> None:
+        import torch
+
+        from raypipe.prompt import build_prompt
+
+        # Only the image's size matters to the prompt (placeholder count): a zero-stride array carries it.
+        shape_only = DecodedImage(np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (row["height"], row["width"], 3)), "")
+        messages = [{"role": "user", "content": [{"type": "image", "image": shape_only},
+                                                 {"type": "text", "text": row["prompt"] or self.default_prompt}]}]
+        embedding = torch.from_numpy(np.frombuffer(row["embedding"], np.float32).reshape(-1, row["hidden"]).copy())
+        try:
+            prompt = build_prompt(messages, self.engine.tokenizer, self.vision, self.image_limits)
+            out = await self.engine.generate_output(row["id"], prompt.without_pixels(), [embedding], self.params)
+        except InvalidInput as exc:
+            row.update(error=exc.code, error_message=exc.reason)
+            return
+        row.update(text=out.text, finish_reason=out.finish_reason)
+
+
+def write_rows(batch: pa.Table, *, output: str, s3: S3Options | None, task: str, pooling: str,
+               model_name: str) -> pa.Table:
+    """Write one part file of final rows; returns one summary row."""
+    fs, root = open_filesystem(output, s3)
+    table = final_table(batch.to_pylist(), task, pooling, model_name)
+    path = write_part(fs, root, table)
+    errors = collections.Counter(code for code in table.column("error").to_pylist() if code is not None)
+    return pa.table({"file": [path], "rows": [table.num_rows], "errors": [json.dumps(errors)]}, schema=SUMMARY_SCHEMA)
+
+
+def output_schema(task: str, pooling: str) -> pa.Schema:
+    vector = pa.list_(pa.float32())
+    fields = [("id", pa.string()), ("path", pa.string()), ("width", pa.int32()), ("height", pa.int32()),
+              ("num_tokens", pa.int32())]
+    if task == "embed":
+        fields.append(("embedding", vector if pooling == "mean" else pa.list_(vector)))
+    else:
+        fields += [("prompt", pa.string()), ("text", pa.string()), ("finish_reason", pa.string())]
+    fields += [("error", pa.string()), ("error_message", pa.string()), ("model", pa.string())]
+    return pa.schema(fields)
+
+
+def final_table(rows: list[dict], task: str, pooling: str, model_name: str) -> pa.Table:
+    out = []
+    for row in rows:
+        final = {"id": row["id"], "path": row["uri"], "width": row["width"], "height": row["height"],
+                 "num_tokens": row["num_tokens"], "error": row["error"], "error_message": row["error_message"],
+                 "model": model_name}
+        if task == "embed":
+            final["embedding"] = pool(row, pooling)
+        else:
+            final.update(prompt=row["prompt"], text=row["text"], finish_reason=row["finish_reason"])
+        out.append(final)
+    return pa.Table.from_pylist(out, output_schema(task, pooling))
+
+
+def pool(row: dict, pooling: str):
+    """`mean`: the float32 mean over the image's tokens; `none`: the whole (tokens, hidden) matrix."""
+    if row["embedding"] is None:
+        return None
+    matrix = np.frombuffer(row["embedding"], np.float32).reshape(-1, row["hidden"])
+    return matrix.mean(axis=0, dtype=np.float32) if pooling == "mean" else matrix
+
+
+def _pixels(row: dict) -> np.ndarray:
+    return np.frombuffer(row["pixels"], np.uint8).reshape(row["height"], row["width"], 3)
+
+
+def _to_ipc(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def _from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(data).read_all()

@@ -1,0 +1,56 @@
+"""One configuration object per concern, shared by the CLI, `Pipeline`, Serve's `AppArgs` and batch.
+
+- `ModelConfig` (here): which checkpoint, how many vision-tower replicas and where they run, how the
+  balancer weighs images, the embedding cache, dtypes.
+- `EngineConfig` (`raypipe.decode.config`): the decode engine's limits.
+- `ImageLimits` (`raypipe.preprocess`): what an input image may be.
+
+Each front end builds these objects once and hands them down, instead of re-listing the same knobs
+as keyword arguments at every layer. CLI flags use the field names as their `dest`, so
+`model_config_from_args` needs no second list of names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from raypipe.decode.config import EngineConfig
+from raypipe.models.base import check_cost_model
+from raypipe.preprocess import ImageLimits
+
+__all__ = ["EngineConfig", "ImageLimits", "ModelConfig", "model_config_from_args"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str = "tiny"  # preset name (tiny, small), local HF checkpoint folder, or s3://bucket/prefix/
+    num_encoders: int = 2  # vision-tower replicas (the minimum when an autoscaling pool allows more)
+    max_encoders: int | None = None  # upper bound of an autoscaling encoder pool (batch); None: fixed size
+    encoder_gpus: float | None = None  # GPU share per encoder; None: 1 if the cluster has GPUs, else 0
+    cost_model: str = "patches"  # how the load balancer weighs images: patches or attention
+    cache_bytes: int = 256 * 1024 * 1024  # content-hash embedding cache (per coordinator)
+    dtype: str = "auto"  # encoder dtype: fp32 on CPU, bf16 on CUDA
+    encoder_threads: int | None = None  # torch threads per CPU encoder; None: cores split evenly
+    decode_gpus: float | None = None  # GPU share of the decode engine; None: like encoder_gpus
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", os.fspath(self.model))
+        if self.num_encoders < 1:
+            raise ValueError(f"num_encoders must be >= 1, got {self.num_encoders}")
+        if self.max_encoders is not None and self.max_encoders < self.num_encoders:
+            raise ValueError(f"max_encoders ({self.max_encoders}) must be >= num_encoders ({self.num_encoders})")
+        check_cost_model(self.cost_model)
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+
+    @property
+    def encoder_range(self) -> tuple[int, int]:
+        """(min, max) replicas: equal for a fixed pool."""
+        return self.num_encoders, self.max_encoders or self.num_encoders
+
+
+def model_config_from_args(args, **overrides) -> ModelConfig:
+    """The `ModelConfig` named by parsed CLI arguments (flags whose dest is a field name)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig) if hasattr(args, f.name)}
+    return ModelConfig(**{**values, **overrides})

@@ -1,0 +1,37 @@
+"""`raypipe batch`: CLI arguments -> `BatchOptions` -> `run_batch` -> the summary on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from raypipe.errors import InvalidInput
+
+
+def options_from_args(args):
+    from raypipe.batch import BatchOptions
+    from raypipe.config import EngineConfig, model_config_from_args
+    from raypipe.storage import S3Options
+
+    lo, hi = args.num_encoders
+    s3 = S3Options(endpoint_url=args.s3_endpoint, region=args.s3_region) if args.s3_endpoint or args.s3_region else None
+    return BatchOptions(
+        input=args.input, output=args.output, task=args.task,
+        model=model_config_from_args(args, num_encoders=lo, max_encoders=hi),
+        engine=EngineConfig(num_scheduler_steps=args.num_scheduler_steps),
+        prompt=args.prompt, prompt_column=args.prompt_column, path_column=args.path_column, id_column=args.id_column,
+        max_tokens=args.max_tokens, pooling=args.pooling, num_decoders=args.num_decoders, batching=args.batching,
+        batch_cost=args.batch_cost, batch_images=args.batch_images, read_batch=args.read_batch, rows_per_file=args.rows_per_file,
+        limit=args.limit, dry_run=args.dry_run, s3=s3)
+
+
+def run_batch_command(args) -> int:
+    from raypipe.batch import run_batch
+
+    try:
+        summary = run_batch(options_from_args(args))
+    except (InvalidInput, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary.as_dict()) if args.json else summary.describe(), flush=True)
+    return 0
