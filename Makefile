@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean wheel
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider tests
 
+# The wheel cluster.yaml syncs to every node (file_mounts): exactly this checkout's code.
+wheel: $(STAMP)
+	rm -rf dist
+	$(VENV)/bin/pip wheel -q --no-deps --no-build-isolation -w dist .
+
 bench: $(STAMP)
 	$(VENV)/bin/raypipe bench encode
 	$(VENV)/bin/raypipe bench decode
 	$(VENV)/bin/raypipe bench serve
 
 clean:
-	rm -rf $(VENV) bench-results
+	rm -rf $(VENV) bench-results dist
