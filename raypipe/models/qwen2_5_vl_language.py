@@ -63,6 +63,10 @@ class Qwen2_5_VLLanguageAdapter:
         t, h, w = grid
         return t * h * w // self.merge**2
 
+    def image_token_runs(self, grid: Sequence[int]) -> list[int]:
+        """An image is one run of `<|image_pad|>` in the prompt."""
+        return [self.tokens_per_image(grid)]
+
     def positions(self, token_ids: Sequence[int], grids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
         """`(position_ids (3, L), rope_delta)` of one prompt; decode position = index + rope_delta."""
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
