@@ -122,9 +122,9 @@ class Qwen2_5_VLLanguageModel(torch.nn.Module):
             embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
         return embeds
 
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache) -> torch.Tensor:
-        """Final hidden states `(B, L, hidden)`; `attention_mask` is 4-D additive and passed through as-is."""
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: dict, cache) -> torch.Tensor:
+        """Final hidden states `(B, L, hidden)`; `attention_mask` maps each layer type to its mask (4-D
+        additive for attention), which transformers passes to the layers as-is."""
         out = self.model(inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=attention_mask,
                          past_key_values=cache, use_cache=True)
         return out.last_hidden_state
