@@ -114,8 +114,9 @@ def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_ad
             *, allow_expanded: bool) -> PreparedPrompt:
     """Replace each image's placeholder with its tokens (`vision_adapter.placeholder_ids`).
 
-    A placeholder is a run of one image token (expanded here) or, for raw token ids, the image's
-    full expansion already in place (whatever layout tokens it has around its image tokens).
+    From a chat template, each image token is one image's placeholder (Step3's template puts those
+    of consecutive images side by side). In raw token ids, a placeholder is a run of one image
+    token or the image's full expansion already in place (with its layout tokens around it).
     """
     pad = tokenizer.convert_tokens_to_ids(vision_adapter.image_placeholder)
     items = [vision_adapter.make_item(image) for image in images]
@@ -133,7 +134,7 @@ def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_ad
             cursor = begin + len(expansion)
             continue
         length = next((j for j in range(start, len(ids)) if ids[j] != pad), len(ids)) - start
-        if length != 1:
+        if allow_expanded and length != 1:
             raise InvalidInput(f"placeholder {i} has {length} image tokens; image {i} needs 1 (to expand) or its "
                                f"full expansion ({item.num_tokens} image tokens)", item=f"images[{i}]",
                                code="image_count_mismatch")

@@ -12,9 +12,12 @@ and move together across kinds.
   sequence length. A recurrent state cannot skip padding, so the runner prefills such models in
   groups of equal length (`PADDED_PREFILL_EXACT = False`).
 
-A new kind (e.g. `sliding_attention` for Step3: a ring of `sliding_window` K/V per row) subclasses
+- `sliding_attention` (Step3): a ring of `sliding_window` K/V per row; memory bounded by the window.
+
+A new kind subclasses
 `LayerRows`, implements the methods its transformers layer calls (`update` for attention layers),
-its masks and `move_row`, and registers itself in `CACHE_KINDS` under its `layer_types` name.
+its masks and `move_row`, and registers itself in `CACHE_KINDS` under its `layer_types` name. Masks
+are asked of one instance per kind, so a kind may build them from its config (the window).
 """
 
 from __future__ import annotations
@@ -175,9 +178,69 @@ class LinearAttentionRows(LayerRows):
         return None  # a generated token is never padding
 
 
+class SlidingWindowRows(LayerRows):
+    """K/V rings of `sliding_window` tokens per row (Step3's `sliding_attention` layers).
+
+    transformers' sliding layers let position q attend to keys k with `q - window < k <= q`, so a
+    row never needs more than its last `window` tokens: token p lives in slot `p % ring`, memory is
+    `max_num_seqs x ring` whatever the sequence length (ring = min(window, max_model_len)).
+
+    Prefill attends over the prompt's own fresh keys (returned as they are, masked to the window)
+    and then keeps each row's last `ring` real tokens. Decode writes slot `write_index % ring` and
+    attends over the whole ring; slot j of a row at position c holds position
+    `c - ((c - j) mod ring)`, which is in the window exactly when it is >= 0 (slots not yet written
+    are masked). Keys come in ring order, not position order: attention does not care.
+    """
+
+    layer_type = "sliding_attention"
+
+    def __init__(self, text_config, limits: CacheLimits):
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self.window = text_config.sliding_window
+        self.ring = min(self.window, limits.max_model_len)
+        shape = (limits.max_num_seqs, text_config.num_key_value_heads, self.ring, head_dim)
+        self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
+        self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, pattern: WritePattern):
+        if pattern.is_prefill:
+            # Positions lengths-ring .. lengths-1 of each row; negative ones are slots no mask admits.
+            positions = pattern.lengths[:, None] - self.ring + torch.arange(self.ring, device=key_states.device)
+            take = positions.clamp(min=0)[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
+            slots = positions.remainder(self.ring)[:, None, :, None].expand_as(take)
+            for cache, fresh in ((self.keys, key_states), (self.values, value_states)):
+                cache[pattern.rows] = torch.empty_like(cache[pattern.rows]).scatter_(2, slots, fresh.gather(2, take))
+            return key_states, value_states
+        slot = pattern.write_index.remainder(self.ring)
+        self.keys[pattern.row_ids, :, slot] = key_states[:, :, 0]
+        self.values[pattern.row_ids, :, slot] = value_states[:, :, 0]
+        return self.keys[pattern.rows], self.values[pattern.rows]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.keys[dst] = self.keys[src]
+        self.values[dst] = self.values[src]
+
+    def prefill_mask(self, pattern, width, dtype):
+        pos = torch.arange(width, device=pattern.lengths.device)
+        in_window = (pos[:, None] - pos[None, :]) < self.window
+        causal = (pos[None, :] <= pos[:, None]) & in_window
+        allowed = causal[None] & (pos[None, None, :] < pattern.lengths[:, None, None])
+        return _additive(allowed[:, None], dtype)
+
+    def decode_mask(self, pattern, dtype):
+        slots = torch.arange(self.ring, device=pattern.write_index.device)
+        current = pattern.write_index[:, None]
+        held = current - (current - slots[None, :]).remainder(self.ring)  # position each slot holds
+        return _additive((held >= 0)[:, None, None], dtype)
+
+
 CACHE_KINDS: dict[str, type[LayerRows]] = {
     FullAttentionRows.layer_type: FullAttentionRows,
     LinearAttentionRows.layer_type: LinearAttentionRows,
+    SlidingWindowRows.layer_type: SlidingWindowRows,
 }
 
 

@@ -30,7 +30,7 @@ class SlotKVCache(Cache):
         limits = CacheLimits(max_num_seqs, max_model_len, torch.device(device), dtype)
         self.layer_types = layer_types(text_config)
         self.rows: list[LayerRows] = [CACHE_KINDS[kind](text_config, limits) for kind in self.layer_types]
-        self.kinds = {kind: CACHE_KINDS[kind] for kind in self.layer_types}
+        self.kinds = {kind: rows for kind, rows in zip(self.layer_types, self.rows)}  # one instance per kind
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.device = limits.device
