@@ -1,10 +1,12 @@
 """Shard a batch of images over encoder workers, gather per-image embeddings in input order.
 
-Flow of `submit`: geometry and cost per image (adapter) -> cache lookup by content hash, and
-duplicates inside the batch encoded once -> balancer over the live workers -> one `ray.put` per
+Flow of `submit`: geometry per image (adapter) -> cache lookup by content hash, and duplicates
+inside the batch encoded once -> each image split into units of work (`adapter.split`: the image
+itself, or e.g. Step3's crops and global view) with a cost each -> balancer over the live workers -> one `ray.put` per
 shard and one task per non-empty shard, returning one object per item -> wait for the small
 receipts only; a shard whose worker died is re-run on a live worker while a replacement actor is
-started. Embeddings never pass through this process: callers get `ObjectRef`s in input order.
+started. An image of several units gets one small Ray task that concatenates its units' outputs.
+Embeddings never pass through this process: callers get `ObjectRef`s in input order.
 
 A replacement gets no shard until it has loaded its weights (its first `ping` answered): until
 then the balancer sees only the ready workers. `check_workers` pings every worker on its own
@@ -42,16 +44,31 @@ class EncodedImage:
 
 @dataclasses.dataclass(slots=True)
 class EncodeReport:
-    """What the last `submit` did: which input indices each worker got, and their loads."""
+    """What the last `submit` did: which input indices each worker got (an image split into
+    several units appears under every worker that got one of them), and their loads."""
 
     assignment: list[list[int]]
     loads: list[float]
     cache_hits: int
     retried_shards: int
+    units_per_worker: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def imbalance(self) -> float:
         return imbalance(self.loads)
+
+
+@ray.remote(num_cpus=0)
+def concat_rows(*parts):
+    """One image's embedding from its units' embeddings (Ray resolves the refs), where the units ran."""
+    import torch
+
+    return torch.cat(parts)
+
+
+def _inputs_of(shard: list[int], unit_owner: list[int], todo_inputs: list[list[int]]) -> list[int]:
+    seen = dict.fromkeys(unit_owner[u] for u in shard)  # ordered, without repeats
+    return [i for t in seen for i in todo_inputs[t]]
 
 
 def imbalance(loads: Sequence[float]) -> float:
@@ -105,7 +122,11 @@ class Coordinator:
                     todo.append(item)
                     todo_inputs.append([index])
 
-        sizes = [self.adapter.cost(item, self.cost_model) for item in todo]
+        # The balancer sees units of work (an image, or its views), not images.
+        units_of = [self.adapter.split(item) for item in todo]
+        units = [unit for split in units_of for unit in split]
+        unit_owner = [t for t, split in enumerate(units_of) for _ in split]
+        sizes = [self.adapter.cost(unit, self.cost_model) for unit in units]
         ready = self._wait_ready() if todo else list(range(len(self.workers)))
         with self._lock:  # concurrent calls (a Serve replica) see each other's work in flight
             workers = list(self.workers)
@@ -117,28 +138,30 @@ class Coordinator:
                 shards[i], loads[i] = shard, load
             self.inflight_loads = [a + b for a, b in zip(self.inflight_loads, loads)]
         try:
-            retried = self._run_shards(todo, shards, workers, refs)
+            retried = self._run_shards(units, shards, workers, refs)
         finally:
             with self._lock:
                 self.inflight_loads = [a - b for a, b in zip(self.inflight_loads, loads)]
 
-        for item in todo:
+        for item, split in zip(todo, units_of):
+            parts = [refs[unit.content_hash] for unit in split]
+            refs[item.content_hash] = parts[0] if len(parts) == 1 else concat_rows.remote(*parts)
             self.cache.put(item.content_hash, refs[item.content_hash], self.adapter.embedding_nbytes(item))
         with self._lock:
             self.total_loads = [a + b for a, b in zip(self.total_loads, loads)]
         self.last_report = EncodeReport(
-            assignment=[[i for t in shard for i in todo_inputs[t]] for shard in shards],
+            assignment=[_inputs_of(shard, unit_owner, todo_inputs) for shard in shards],
             loads=list(loads), cache_hits=sum(1 for item in items if item.content_hash in cached_keys),
-            retried_shards=retried)
+            retried_shards=retried, units_per_worker=[len(shard) for shard in shards])
         return [EncodedImage(refs[item.content_hash], item.num_tokens, item.grid, item.content_hash,
                              item.content_hash in cached_keys) for item in items]
 
-    def _run_shards(self, todo: list[VisionItem], shards: list[list[int]], workers: list,
+    def _run_shards(self, units: list[VisionItem], shards: list[list[int]], workers: list,
                     refs: dict[str, ray.ObjectRef]) -> int:
         pending = {}  # receipt ref -> (worker index, shard, attempt)
         for w, shard in enumerate(shards):
             if shard:
-                pending[self._launch(workers[w], todo, shard, refs)] = (w, shard, 1)
+                pending[self._launch(workers[w], units, shard, refs)] = (w, shard, 1)
         retried = 0
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
@@ -151,14 +174,14 @@ class Coordinator:
                 log.warning("encoder worker %d lost (%s); re-running its %d items", w, type(exc).__name__, len(shard))
                 retry_on = self._replace_and_pick(workers[w], w)
                 retried += 1
-                pending[self._launch(self.workers[retry_on], todo, shard, refs)] = (retry_on, shard, attempt + 1)
+                pending[self._launch(self.workers[retry_on], units, shard, refs)] = (retry_on, shard, attempt + 1)
         return retried
 
-    def _launch(self, worker, todo: list[VisionItem], shard: list[int], refs: dict) -> ray.ObjectRef:
-        payload = ray.put([todo[t] for t in shard])  # exactly this worker's shard, once
+    def _launch(self, worker, units: list[VisionItem], shard: list[int], refs: dict) -> ray.ObjectRef:
+        payload = ray.put([units[t] for t in shard])  # exactly this worker's shard, once
         out = worker.encode.options(num_returns=len(shard) + 1).remote(payload)
         for t, ref in zip(shard, out[:-1]):
-            refs[todo[t].content_hash] = ref
+            refs[units[t].content_hash] = ref
         return out[-1]
 
     def _replace_and_pick(self, dead, dead_index: int) -> int:

@@ -2,9 +2,10 @@
 
 A request is OpenAI-style chat `messages` (content parts `text`, `image_url` with a data: URL, or
 `image` with a PIL image / array / bytes), a dict holding `messages`, or a dict holding raw
-`prompt_token_ids` and `images`. The checkpoint's chat template renders one
-`<|vision_start|><|image_pad|><|vision_end|>` per image; each `<|image_pad|>` is then expanded to
-that image's token count, which the vision adapter computes from the image size alone.
+`prompt_token_ids` and `images`. The checkpoint's chat template renders one placeholder per image
+(Qwen: `<|vision_start|><|image_pad|><|vision_end|>`; Step3: `<im_patch>`); the vision adapter
+replaces it with the image's tokens, computed from the image size alone (Qwen: one `<|image_pad|>`
+per embedding row; Step3: crop and global-view runs with their layout tokens).
 
 Text that users (or assistants) supply is plain text: `"<|im_end|>"` typed into a message is the
 characters `<`, `|`, ... , never the control token, or a user could forge a system turn. Only the
@@ -23,7 +24,6 @@ from raypipe.errors import InvalidInput
 from raypipe.models.base import VisionAdapter
 from raypipe.preprocess import DecodedImage, ImageLimits, load_image
 
-IMAGE_PAD = "<|image_pad|>"
 IMAGE_PART_TYPES = ("image", "image_url")
 
 
@@ -205,29 +205,44 @@ def _from_token_ids(request: dict, tokenizer, vision_adapter, image_limits) -> P
 
 def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_adapter,
             *, allow_expanded: bool) -> PreparedPrompt:
-    """Replace each image's placeholder with `num_tokens` image tokens.
+    """Replace each image's placeholder with its tokens (`vision_adapter.placeholder_ids`).
 
-    A placeholder is a run of image tokens: a single one (expanded here) or, for raw token ids,
-    a run already of the image's exact length.
+    From a chat template, each image token is one image's placeholder (Step3's template puts those
+    of consecutive images side by side). In raw token ids, a placeholder is a run of one image
+    token or the image's full expansion already in place (with its layout tokens around it).
     """
-    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    runs = token_runs(ids, pad)
-    if len(runs) != len(images):
-        raise InvalidInput(f"prompt has {len(runs)} image placeholders but {len(images)} images were given",
-                           item="images", code="image_count_mismatch")
+    pad = tokenizer.convert_tokens_to_ids(vision_adapter.image_placeholder)
     items = [vision_adapter.make_item(image) for image in images]
+    expansions = [vision_adapter.placeholder_ids(item, tokenizer) for item in items]
     out: list[int] = []
     cursor = 0
-    for i, ((start, length), item) in enumerate(zip(runs, items)):
-        if length != 1 and not (allow_expanded and length == item.num_tokens):
-            raise InvalidInput(f"placeholder {i} has {length} image tokens; image {i} needs 1 (to expand) or "
-                               f"{item.num_tokens}", item=f"images[{i}]", code="image_count_mismatch")
-        out += ids[cursor:start]
-        out += [pad] * item.num_tokens
-        cursor = start + length
+    for i, (item, expansion) in enumerate(zip(items, expansions)):
+        start = next((j for j in range(cursor, len(ids)) if ids[j] == pad), None)
+        if start is None:
+            raise _count_mismatch(ids, pad, len(images))
+        lead = expansion.index(pad)  # layout tokens before the image's first image token
+        begin = start - lead
+        if allow_expanded and begin >= cursor and ids[begin: begin + len(expansion)] == expansion:
+            out += ids[cursor: begin + len(expansion)]
+            cursor = begin + len(expansion)
+            continue
+        length = next((j for j in range(start, len(ids)) if ids[j] != pad), len(ids)) - start
+        if allow_expanded and length != 1:
+            raise InvalidInput(f"placeholder {i} has {length} image tokens; image {i} needs 1 (to expand) or its "
+                               f"full expansion ({item.num_tokens} image tokens)", item=f"images[{i}]",
+                               code="image_count_mismatch")
+        out += ids[cursor:start] + expansion
+        cursor = start + 1
+    if pad in ids[cursor:]:
+        raise _count_mismatch(ids, pad, len(images))
     out += ids[cursor:]
     return PreparedPrompt(out, list(images), [tuple(item.grid) for item in items],
                           sum(item.num_tokens for item in items))
+
+
+def _count_mismatch(ids: list[int], pad: int, num_images: int) -> InvalidInput:
+    return InvalidInput(f"prompt has {len(token_runs(ids, pad))} image placeholders but {num_images} images were "
+                        "given", item="images", code="image_count_mismatch")
 
 
 def token_runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:

@@ -60,3 +60,18 @@ def reference_embeddings(hf_model, ckpt, images):
                                     grid_thw=grid.to(hf_model.device)).pooler_output
     merge = hf_model.config.vision_config.spatial_merge_size
     return [chunk.cpu() for chunk in torch.split(out, (grid.prod(-1) // merge**2).tolist())]
+
+
+@pytest.fixture(scope="session")
+def step3_ckpt():
+    from raypipe.models.presets import preset_checkpoint
+
+    return preset_checkpoint("tiny-step3")
+
+
+@pytest.fixture(scope="session")
+def step3_hf_model(step3_ckpt):
+    """transformers' own Step3p7ForConditionalGeneration: the Step3 reference."""
+    from transformers import Step3p7ForConditionalGeneration
+
+    return Step3p7ForConditionalGeneration.from_pretrained(step3_ckpt).eval()

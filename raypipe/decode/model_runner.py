@@ -1,7 +1,8 @@
-"""The language model, its KV cache and the two batched forwards: prefill and a K-step decode round.
+"""The language model, its slot cache and the two batched forwards: prefill and a K-step decode round.
 
 `prefill` runs one group of joining prompts (the scheduler groups them by length) as one
-right-padded batch into their cache rows and samples each one's first token. `decode` runs K
+right-padded batch into their cache rows and samples each one's first token. Where a layer kind
+cannot skip padding (linear-attention state), the group runs as sub-batches of equal length. `decode` runs K
 steps for the whole running batch: every step feeds the previous step's sampled ids (still on the
 device) back in, so the model never waits for the host.
 Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from raypipe.decode.kv_cache import SlotKVCache, decode_mask, prefill_mask
+from raypipe.decode.kv_cache import SlotKVCache
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence
 
@@ -31,10 +32,8 @@ class ModelRunner:
         text = language_adapter.text_config
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len
-        self.cache = SlotKVCache(num_layers=text.num_hidden_layers, max_num_seqs=max_num_seqs,
-                                 max_model_len=max_model_len, num_kv_heads=text.num_key_value_heads,
-                                 head_dim=text.hidden_size // text.num_attention_heads, device=self.device,
-                                 dtype=dtype)
+        self.cache = SlotKVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                 device=self.device, dtype=dtype)
         self.prefill_cache = self.cache.view()  # prefill may run on another thread than decode
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -44,6 +43,21 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], batch: SamplingBatch) -> list[int]:
         """Fill the cache rows of `seqs` (consecutive, starting at `seqs[0].row`); first sampled ids."""
+        if self.cache.padded_prefill_exact:
+            runs = [seqs]
+        else:
+            runs: list[list[Sequence]] = []
+            for seq in seqs:
+                if runs and runs[-1][0].prompt_len == seq.prompt_len:
+                    runs[-1].append(seq)
+                else:
+                    runs.append([seq])
+        # One sampling call over the whole group: `batch` rows are the group's rows.
+        return sample(torch.cat([self._prefill_logits(run) for run in runs]), batch).tolist()
+
+    @torch.inference_mode()
+    def _prefill_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Last-position logits of a right-padded run of `seqs` whose cache rows it fills."""
         lengths = [s.prompt_len for s in seqs]
         width = max(lengths)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -55,11 +69,11 @@ class ModelRunner:
         image_embeds = torch.cat(images).to(self.device) if images else None
         lengths_t = torch.tensor(lengths, device=self.device)
         ids, positions = ids.to(self.device), positions.to(self.device)
-        self.prefill_cache.prepare_prefill(seqs[0].row, len(seqs), width)
-        hidden = self.model(self.model.embed(ids, image_embeds), positions,
-                            prefill_mask(lengths_t, width, self.dtype), self.prefill_cache)
+        self.prefill_cache.prepare_prefill(seqs[0].row, lengths_t, width)
+        hidden = self.model(self.model.embed(ids, image_embeds), positions, self.prefill_cache.masks(self.dtype),
+                            self.prefill_cache)
         last = hidden[torch.arange(len(seqs), device=self.device), lengths_t - 1]
-        return sample(self.model.logits(last), batch).tolist()
+        return self.model.logits(last)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], batch: SamplingBatch, steps: int, on_step: StepCallback) -> int:
@@ -77,8 +91,8 @@ class ModelRunner:
             kv_len = min(longest + step, self.max_model_len - 1) + 1
             self.cache.prepare_decode(n, write_index, kv_len)
             positions = (cache_len + step + rope_delta).view(1, n, 1).expand(3, n, 1)
-            hidden = self.model(self.model.embed(tokens[:, None]), positions,
-                                decode_mask(write_index, kv_len, self.dtype), self.cache)
+            hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),
+                                self.cache)
             tokens = sample(self.model.logits(hidden[:, -1]), batch)
             if not self.cuda:
                 if on_step(step, tokens.tolist()):

@@ -4,10 +4,11 @@ A `VisionAdapter` is built from a checkpoint's config alone (no weights), so the
 compute each item's geometry, token count and cost without touching a GPU. Workers call
 `load_tower` once and then `encode` shards of items.
 
-An item is whatever the family's vision tower consumes as one unit and produces one embedding
-tensor for: a whole variable-size image (Qwen2.5-VL), a fixed-size image or its crops stacked
-(LLaVA/SigLIP, Step3), or an image's slices (MiniCPM-V). The coordinator only ever sees `cost`,
-`num_tokens` and `content_hash`, so new families plug in without touching it.
+`make_item` describes a whole image (its geometry and the embedding rows it yields). `split` cuts
+it into units of encoder work — the image itself (Qwen2.5-VL), or its views (Step3: each crop and
+the global view), each balanced on its own — whose embeddings, concatenated in `split`'s order,
+are the image's embedding. The coordinator only ever sees `cost`, `num_tokens` and `content_hash`,
+so new families plug in without touching it.
 """
 
 from __future__ import annotations
@@ -68,9 +69,21 @@ class VisionAdapter(abc.ABC):
         """
         return image
 
+    def split(self, item: VisionItem) -> list[VisionItem]:
+        """Units of encoder work for one image, in the order their embeddings concatenate; each
+        unit's `content_hash` is unique to it. By default the image is one unit."""
+        return [item]
+
+    # What the chat template renders once per image; `placeholder_ids` replaces it in the prompt.
+    image_placeholder: str = "<|image_pad|>"
+
+    def placeholder_ids(self, item: VisionItem, tokenizer) -> list[int]:
+        """The image's tokens in the prompt: by default `num_tokens` copies of the placeholder."""
+        return [tokenizer.convert_tokens_to_ids(self.image_placeholder)] * item.num_tokens
+
     @abc.abstractmethod
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
-        """Relative compute of encoding `item` under `cost_model` (one of `COST_MODELS`)."""
+        """Relative compute of encoding one unit (from `split`) under `cost_model` (one of `COST_MODELS`)."""
 
     @abc.abstractmethod
     def load_tower(self, device: torch.device, dtype: torch.dtype) -> VisionTower:

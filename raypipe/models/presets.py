@@ -67,7 +67,14 @@ _QWEN2_5_VL_SHAPES = {
     ),
 }
 
-PRESETS = tuple(_QWEN2_5_VL_SHAPES)
+def _preset_families() -> dict[str, str]:
+    """Preset name -> model family (`model_type`) of the checkpoint it writes."""
+    from raypipe.models.step3_preset import STEP3_SHAPES
+
+    return {**{name: "qwen2_5_vl" for name in _QWEN2_5_VL_SHAPES}, **{name: "step3p7" for name in STEP3_SHAPES}}
+
+
+PRESETS = tuple(_preset_families())
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -76,9 +83,9 @@ def default_cache_dir() -> pathlib.Path:
 
 
 def resolve_model(model: str | os.PathLike) -> pathlib.Path:
-    """`tiny`/`small` name a preset (written on first use); `s3://...` a checkpoint in object storage
-    (copied to this node's cache once, see `raypipe.models.remote`); anything else is a local folder."""
-    if isinstance(model, str) and model in _QWEN2_5_VL_SHAPES:
+    """A preset name (`tiny`, `small`, `tiny-step3`; written on first use), `s3://...` a checkpoint
+    in object storage (copied to this node's cache once, see `raypipe.models.remote`), or a local folder."""
+    if isinstance(model, str) and model in PRESETS:
         return preset_checkpoint(model)
     if isinstance(model, str) and model.startswith("s3://"):
         from raypipe.models.remote import fetch_model
@@ -99,14 +106,20 @@ def tiny_checkpoint(path: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def preset_checkpoint(name: str, path: str | os.PathLike | None = None) -> pathlib.Path:
-    target = pathlib.Path(path) if path is not None else default_cache_dir() / f"{name}-qwen2_5_vl-{PRESET_VERSION}"
+    family = _preset_families()[name]
+    target = pathlib.Path(path) if path is not None else default_cache_dir() / f"{name}-{family}-{PRESET_VERSION}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename: concurrent actors may race to create the same preset.
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_qwen2_5_vl(staging, _QWEN2_5_VL_SHAPES[name])
+        if family == "step3p7":
+            from raypipe.models.step3_preset import write_step3
+
+            write_step3(staging, name, PRESET_VERSION)
+        else:
+            _write_qwen2_5_vl(staging, _QWEN2_5_VL_SHAPES[name])
         try:
             staging.rename(target)
         except OSError:
@@ -117,16 +130,16 @@ def preset_checkpoint(name: str, path: str | os.PathLike | None = None) -> pathl
     return target
 
 
-def _build_tokenizer():
+def build_byte_tokenizer(special_tokens: list[str], chat_template: str, *, eos: str, pad: str):
+    """Byte-level BPE without merges (lossless for any text) plus a family's special tokens."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_symbols = list(bytes_to_unicode().values())
     vocab = {symbol: i for i, symbol in enumerate(byte_symbols)}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token="<|endoftext|>",
-                               eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS})
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=special_tokens[0], eos_token=eos, pad_token=pad)
+    tokenizer.add_special_tokens({"additional_special_tokens": special_tokens})
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -135,7 +148,7 @@ def _write_qwen2_5_vl(folder: pathlib.Path, shape: dict) -> None:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = _build_tokenizer()
+    tokenizer = build_byte_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_CHAT_TEMPLATE, eos="<|im_end|>", pad="<|endoftext|>")
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
     vocab_size = 64 * -(-len(tokenizer) // 64)  # rounded up, like real checkpoints
     text = dict(shape["text"])

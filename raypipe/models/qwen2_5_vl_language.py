@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from raypipe.models.checkpoint import load_module_weights, load_tensors
+from raypipe.models.language_model import DecoderLM, eos_ids
 
 # Both layouts occur: the original release (`model.layers...`) and newer transformers saves.
 LANGUAGE_PREFIXES = ("model.language_model.", "model.")
@@ -56,12 +57,16 @@ class Qwen2_5_VLLanguageAdapter:
         self.vision_start_token_id = self.config.vision_start_token_id
         self.vision_end_token_id = self.config.vision_end_token_id
         self.merge = self.config.vision_config.spatial_merge_size
-        self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
+        self.eos_token_ids = eos_ids(self.config, self.tokenizer)
         self._rope_index = _RopeIndex(self.config)
 
     def tokens_per_image(self, grid: Sequence[int]) -> int:
         t, h, w = grid
         return t * h * w // self.merge**2
+
+    def image_token_runs(self, grid: Sequence[int]) -> list[int]:
+        """An image is one run of `<|image_pad|>` in the prompt."""
+        return [self.tokens_per_image(grid)]
 
     def positions(self, token_ids: Sequence[int], grids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
         """`(position_ids (3, L), rope_delta)` of one prompt; decode position = index + rope_delta."""
@@ -77,15 +82,7 @@ class Qwen2_5_VLLanguageAdapter:
         return Qwen2_5_VLLanguageModel(self, device, dtype)
 
 
-def _eos_ids(config, tokenizer) -> tuple[int, ...]:
-    found = config.text_config.eos_token_id
-    if found is None:
-        found = tokenizer.eos_token_id
-    ids = found if isinstance(found, (list, tuple)) else [found]
-    return tuple(int(i) for i in ids if i is not None)
-
-
-class Qwen2_5_VLLanguageModel(torch.nn.Module):
+class Qwen2_5_VLLanguageModel(DecoderLM):
     """Token embeddings, decoder stack, final norm and lm_head of Qwen2.5-VL on one device."""
 
     def __init__(self, adapter: Qwen2_5_VLLanguageAdapter, device: torch.device, dtype: torch.dtype):
@@ -110,20 +107,3 @@ class Qwen2_5_VLLanguageModel(torch.nn.Module):
         self.dtype = dtype
         self.image_token_id = adapter.image_token_id
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Text embeddings with image rows written over the image tokens, row-major over the batch."""
-        embeds = self.model.embed_tokens(input_ids)
-        if image_embeds is not None and image_embeds.numel():
-            mask = (input_ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
-            embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
-        return embeds
-
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache) -> torch.Tensor:
-        """Final hidden states `(B, L, hidden)`; `attention_mask` is 4-D additive and passed through as-is."""
-        out = self.model(inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=cache, use_cache=True)
-        return out.last_hidden_state
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()

@@ -22,8 +22,20 @@ def _qwen2_5_vl_language(path):
     return Qwen2_5_VLLanguageAdapter(path)
 
 
-VISION_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_vision}
-LANGUAGE_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_language}
+def _step3_vision(path):
+    from raypipe.models.step3_vision import Step3VisionAdapter
+
+    return Step3VisionAdapter(path)
+
+
+def _step3_language(path):
+    from raypipe.models.step3_language import Step3LanguageAdapter
+
+    return Step3LanguageAdapter(path)
+
+
+VISION_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_vision, "step3p7": _step3_vision}
+LANGUAGE_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_language, "step3p7": _step3_language}
 
 
 def vision_adapter(model: str | os.PathLike) -> VisionAdapter:

@@ -1,0 +1,72 @@
+"""Step3 language side: tokenizer facts, plain 1-D positions, and the MoE text model alone.
+
+The decode engine runs transformers' `Step3p7TextModel` (gated attention, sliding-window and
+full-attention layers per `layer_types`, mixture-of-experts MLPs with a shared expert) plus
+`lm_head`, fed `inputs_embeds` with the image rows scattered over the `<im_patch>` tokens, explicit
+positions and one mask per layer type (the slot cache's `sliding_attention` rows keep only the
+window). MTP layers (`num_nextn_predict_layers`) are not run: greedy decoding does not need them.
+
+Step3 has no multimodal rope: a prompt token's position is its index, image tokens included.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+
+import torch
+
+from raypipe.models.language_model import DecoderLM, eos_ids
+from raypipe.models.step3_geometry import IMAGE_TOKEN, Step3Geometry
+from raypipe.models.step3_image_processor import load_image_processor
+from raypipe.models.step3_loading import load_step3_model
+
+
+class Step3LanguageAdapter:
+    """Config-level knowledge of the language side (no weights): tokens, limits, positions."""
+
+    def __init__(self, checkpoint: str | pathlib.Path):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.checkpoint = pathlib.Path(checkpoint)
+        self.config = AutoConfig.from_pretrained(self.checkpoint)
+        self.text_config = self.config.text_config
+        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+        self.hidden_size = self.text_config.hidden_size
+        self.vocab_size = self.text_config.vocab_size
+        self.max_position_embeddings = self.text_config.max_position_embeddings
+        self.image_token_id = self.config.image_token_id
+        if self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) != self.image_token_id:
+            raise ValueError(f"{checkpoint}: config image_token_id {self.image_token_id} is not {IMAGE_TOKEN!r}")
+        self.geometry = Step3Geometry(load_image_processor(self.checkpoint))
+        self.eos_token_ids = eos_ids(self.config, self.tokenizer)
+
+    def tokens_per_image(self, grid: Sequence[int]) -> int:
+        return self.geometry.num_tokens(tuple(grid))
+
+    def image_token_runs(self, grid: Sequence[int]) -> list[int]:
+        return self.geometry.image_token_runs(tuple(grid))
+
+    def positions(self, token_ids: Sequence[int], grids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
+        """`(position_ids (3, L), rope_delta=0)`: the engine's 3-row layout, the same index on each row."""
+        return torch.arange(len(token_ids)).expand(3, -1).clone(), 0
+
+    def load_model(self, device: torch.device, dtype: torch.dtype) -> "Step3LanguageModel":
+        return Step3LanguageModel(self, device, dtype)
+
+
+class Step3LanguageModel(DecoderLM):
+    """Token embeddings, decoder stack, final norm and lm_head of Step3 on one device."""
+
+    def __init__(self, adapter: Step3LanguageAdapter, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        full = load_step3_model(adapter.checkpoint, dtype)
+        self.model = full.model.language_model
+        self.lm_head = full.lm_head
+        self.to(device).eval()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.image_token_id = adapter.image_token_id
+
+    def model_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return position_ids[0]  # 1-D rope: all three rows are equal
