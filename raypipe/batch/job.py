@@ -19,6 +19,8 @@ import os
 import time
 from typing import Literal
 
+import pyarrow as pa
+
 from raypipe.batch import output
 from raypipe.batch.inputs import list_inputs
 from raypipe.config import EngineConfig, ImageLimits, ModelConfig
@@ -113,7 +115,7 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> Batch
         removed = output.reconcile(fs, root)  # a previous run may have died mid-way
     done = output.done_ids(fs, root)
     ids = inputs.column("id").to_pylist()
-    todo = inputs.take([i for i, id_ in enumerate(ids) if id_ not in done])
+    todo = inputs.take(pa.array([i for i, id_ in enumerate(ids) if id_ not in done], pa.int64()))
     if options.limit is not None:
         todo = todo.slice(0, options.limit)
     skipped = len(ids) - sum(1 for id_ in ids if id_ not in done)
@@ -160,14 +162,17 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     ds = ds.map_batches(stages.read_and_pack, batch_format="pyarrow", batch_size=options.read_batch,
                         fn_kwargs=dict(model=config.model, image_limits=options.image_limits, s3=options.s3,
                                        cost_model=config.cost_model, budget=budget, per_pack=options.batch_images),
-                        num_cpus=1, max_retries=3)
-    ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1, concurrency=(lo, hi),
+                        num_cpus=0.5, max_retries=3)  # half a CPU: fits Ray Data's per-stage budget on 2 cores
+    ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1,
+                        compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
                         fn_constructor_kwargs=dict(model=config.model, dtype=config.dtype, num_threads=threads),
                         num_gpus=encoder_gpus, **actor_options)
     if options.task == "generate":
         decode_gpus = config.decode_gpus if config.decode_gpus is not None else encoder_gpus
         ds = ds.map_batches(stages.GenerateStage, batch_format="pyarrow", batch_size=options.engine.max_num_seqs,
-                            concurrency=options.num_decoders, num_gpus=decode_gpus,
+                            compute=ray.data.ActorPoolStrategy(min_size=options.num_decoders[0],
+                                                               max_size=options.num_decoders[1]),
+                            num_gpus=decode_gpus,
                             fn_constructor_kwargs=dict(model=config.model, engine_config=options.engine,
                                                        image_limits=options.image_limits,
                                                        max_tokens=options.max_tokens,
@@ -176,4 +181,4 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     return ds.map_batches(stages.write_rows, batch_format="pyarrow", batch_size=options.rows_per_file,
                           fn_kwargs=dict(output=options.output, s3=options.s3, task=options.task,
                                          pooling=options.pooling, model_name=config.model),
-                          num_cpus=0.25, max_retries=3)
+                          num_cpus=0.1, max_retries=3)
