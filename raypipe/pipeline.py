@@ -24,7 +24,7 @@ from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
 from raypipe.encoder import RemoteEncoderWorker
 from raypipe.errors import InvalidInput
-from raypipe.models.presets import resolve_model
+from raypipe.models.presets import model_for_actors, resolve_model
 from raypipe.models.registry import language_adapter, vision_adapter
 from raypipe.preprocess import ImageLimits, load_images
 from raypipe.prompt import PreparedPrompt, build_prompt
@@ -56,6 +56,7 @@ class Pipeline:
         self.image_limits = image_limits
         self.engine_config = engine_config or EngineConfig()
         self.decode_gpus = decode_gpus
+        self.actor_model = str(checkpoint)  # what actors load: an s3:// URI resolves on their own node
         self._engine = None  # DecodeEngine actor, started by the first generate()
         self._tokenizer = None
         self._owns_ray = owns_ray
@@ -103,14 +104,16 @@ class Pipeline:
         def start_worker():
             # num_cpus=0: a worker must not pin a whole CPU slot on small machines (see PLATFORM-NOTES).
             return RemoteEncoderWorker.options(num_cpus=0, num_gpus=gpus).remote(
-                str(checkpoint), dtype=config.dtype, num_threads=threads)
+                model_for_actors(config.model, checkpoint), dtype=config.dtype, num_threads=threads)
 
         workers = [start_worker() for _ in range(config.num_encoders)]
         ray.get([w.info.remote() for w in workers])  # surface load errors here, not on first call
         coordinator = Coordinator(adapter, workers, cost_model=config.cost_model, cache_bytes=config.cache_bytes,
                                   worker_factory=start_worker)
-        return cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config or EngineConfig(),
-                   default_encoder_gpus() if config.decode_gpus is None else config.decode_gpus)
+        pipeline = cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config or EngineConfig(),
+                       default_encoder_gpus() if config.decode_gpus is None else config.decode_gpus)
+        pipeline.actor_model = model_for_actors(config.model, checkpoint)
+        return pipeline
 
     def encode(self, images: Sequence) -> list:
         """One `(tokens_i, hidden)` tensor per image, in input order.
@@ -181,7 +184,7 @@ class Pipeline:
         if self._engine is None:
             # num_cpus=0 like the encoders (see PLATFORM-NOTES); it picks its device itself.
             engine = RemoteDecodeEngine.options(num_cpus=0, num_gpus=self.decode_gpus).remote(
-                str(self.checkpoint), self.engine_config)
+                self.actor_model, self.engine_config)
             ray.get(engine.info.remote())  # surface load errors here
             self._engine = engine
         return self._engine

@@ -19,6 +19,8 @@ import os
 import time
 from typing import Literal
 
+import pyarrow as pa
+
 from raypipe.batch import output
 from raypipe.batch.inputs import list_inputs
 from raypipe.config import EngineConfig, ImageLimits, ModelConfig
@@ -113,7 +115,7 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> Batch
         removed = output.reconcile(fs, root)  # a previous run may have died mid-way
     done = output.done_ids(fs, root)
     ids = inputs.column("id").to_pylist()
-    todo = inputs.take([i for i, id_ in enumerate(ids) if id_ not in done])
+    todo = inputs.take(pa.array([i for i, id_ in enumerate(ids) if id_ not in done], pa.int64()))
     if options.limit is not None:
         todo = todo.slice(0, options.limit)
     skipped = len(ids) - sum(1 for id_ in ids if id_ not in done)
@@ -139,14 +141,15 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     import ray
 
     from raypipe.batch import stages
-    from raypipe.models.presets import resolve_model
+    from raypipe.models.presets import model_for_actors, resolve_model
     from raypipe.pipeline import connect_ray, default_encoder_gpus
 
     config = options.model
-    resolve_model(config.model)  # copy or write it on this node once, before the actors race to
+    # Copy or write it on this node once, before the actors race to; actors get a name every node can resolve.
+    model = model_for_actors(config.model, resolve_model(config.model))
     connect_ray(ray_address)
     ray.data.DataContext.get_current().enable_progress_bars = True
-    budget = (options.batch_cost * stages.max_image_cost(config.model, config.cost_model)
+    budget = (options.batch_cost * stages.max_image_cost(model, config.cost_model)
               if options.batching == "cost" else None)
     lo, hi = config.encoder_range
     encoder_gpus = default_encoder_gpus() if config.encoder_gpus is None else config.encoder_gpus
@@ -158,17 +161,20 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     blocks = [todo.slice(i, options.read_batch) for i in range(0, todo.num_rows, options.read_batch)]
     ds = ray.data.from_arrow(blocks)
     ds = ds.map_batches(stages.read_and_pack, batch_format="pyarrow", batch_size=options.read_batch,
-                        fn_kwargs=dict(model=config.model, image_limits=options.image_limits, s3=options.s3,
+                        fn_kwargs=dict(model=model, image_limits=options.image_limits, s3=options.s3,
                                        cost_model=config.cost_model, budget=budget, per_pack=options.batch_images),
-                        num_cpus=1, max_retries=3)
-    ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1, concurrency=(lo, hi),
-                        fn_constructor_kwargs=dict(model=config.model, dtype=config.dtype, num_threads=threads),
+                        num_cpus=0.5, max_retries=3)  # half a CPU: fits Ray Data's per-stage budget on 2 cores
+    ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1,
+                        compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
+                        fn_constructor_kwargs=dict(model=model, dtype=config.dtype, num_threads=threads),
                         num_gpus=encoder_gpus, **actor_options)
     if options.task == "generate":
         decode_gpus = config.decode_gpus if config.decode_gpus is not None else encoder_gpus
         ds = ds.map_batches(stages.GenerateStage, batch_format="pyarrow", batch_size=options.engine.max_num_seqs,
-                            concurrency=options.num_decoders, num_gpus=decode_gpus,
-                            fn_constructor_kwargs=dict(model=config.model, engine_config=options.engine,
+                            compute=ray.data.ActorPoolStrategy(min_size=options.num_decoders[0],
+                                                               max_size=options.num_decoders[1]),
+                            num_gpus=decode_gpus,
+                            fn_constructor_kwargs=dict(model=model, engine_config=options.engine,
                                                        image_limits=options.image_limits,
                                                        max_tokens=options.max_tokens,
                                                        default_prompt=options.prompt),
@@ -176,4 +182,4 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     return ds.map_batches(stages.write_rows, batch_format="pyarrow", batch_size=options.rows_per_file,
                           fn_kwargs=dict(output=options.output, s3=options.s3, task=options.task,
                                          pooling=options.pooling, model_name=config.model),
-                          num_cpus=0.25, max_retries=3)
+                          num_cpus=0.1, max_retries=3)

@@ -100,6 +100,13 @@ def resolve_model(model: str | os.PathLike) -> pathlib.Path:
     return path
 
 
+def model_for_actors(model: str | os.PathLike, checkpoint: pathlib.Path) -> str:
+    """What to hand actors that may start on other nodes: a preset name or an s3:// URI, which each
+    node resolves to its own local copy, else the local folder's absolute path."""
+    model = os.fspath(model)
+    return model if model in _QWEN2_5_VL_SHAPES or model.startswith("s3://") else str(checkpoint.resolve())
+
+
 def tiny_checkpoint(path: str | os.PathLike | None = None) -> pathlib.Path:
     """The tiny Qwen2.5-VL checkpoint folder, written once (deterministically) and reused."""
     return preset_checkpoint("tiny", path)

@@ -1,0 +1,303 @@
+"""`raypipe batch` against a real S3-protocol server (moto, loopback) and local folders.
+
+Every expected value comes from `Pipeline` (itself checked against transformers elsewhere) or from
+the inputs we wrote, never from the batch code under test.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from raypipe.batch import BatchOptions, run_batch
+from raypipe.config import ModelConfig
+from raypipe.storage import S3Options, list_files, open_filesystem
+
+pytestmark = pytest.mark.slow
+
+KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+FORMATS = ["PNG", "JPEG", "WEBP", "BMP", "GIF"]
+# Expected error code per bad file: preprocess's codes, the same the endpoint returns.
+BAD_FILES = {
+    "bad/not_an_image.jpg": "not_an_image",
+    "bad/empty.png": "not_an_image",
+    "bad/truncated.jpg": "corrupt_image",
+    "bad/too_small.png": "image_too_small",
+    "bad/too_large.png": "image_too_large",
+    "bad/bomb.png": "image_too_large",
+}
+
+
+def _encode(pixels: np.ndarray, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buffer.getvalue()
+
+
+def _images(count: int, seed: int = 0) -> dict[str, bytes]:
+    """Mixed sizes (thumbnails to a few hundred pixels, wide and tall) and formats."""
+    rng = np.random.default_rng(seed)
+    files = {}
+    for i in range(count):
+        h, w = int(rng.integers(16, 120)), int(rng.integers(16, 120))
+        if i % 7 == 0:
+            h, w = h * 3, w  # tall
+        if i % 11 == 0:
+            h, w = h, w * 4  # wide
+        fmt = FORMATS[i % len(FORMATS)]
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        ext = {"JPEG": "jpg"}.get(fmt, fmt.lower())
+        files[f"{'sub/' if i % 3 == 0 else ''}img{i:03d}.{ext}"] = _encode(pixels, fmt)
+    return files
+
+
+def _bad_files() -> dict[str, bytes]:
+    jpeg = _encode(np.random.default_rng(1).integers(0, 256, (96, 96, 3), dtype=np.uint8), "JPEG")
+    big = io.BytesIO()
+    Image.new("1", (7000, 7000)).save(big, format="PNG")  # 49 Mpx > ImageLimits.max_pixels (40 M)
+    bomb = io.BytesIO()
+    Image.new("1", (14000, 14000)).save(bomb, format="PNG")  # 196 Mpx: PIL's decompression-bomb guard
+    return {"bad/not_an_image.jpg": b"this is text, not a JPEG", "bad/empty.png": b"",
+            "bad/truncated.jpg": jpeg[: len(jpeg) * 2 // 3],  # header whole, scan data cut
+            "bad/too_small.png": _encode(np.zeros((10, 10, 3), np.uint8), "PNG"),
+            "bad/too_large.png": big.getvalue(), "bad/bomb.png": bomb.getvalue()}
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server):
+    options = S3Options(endpoint_url=s3_server, region="us-east-1", access_key="testing", secret_key="testing")
+    _make_buckets(options, "photos", "results", "models")
+    return options
+
+
+@pytest.fixture(scope="module")
+def env(s3_server):
+    """Environment for `raypipe batch` subprocesses: the standard AWS variables."""
+    # RAY_ADDRESS=local: a Ray of its own, never a cluster someone else started with `ray start`.
+    return {**os.environ, **KEYS, "AWS_ENDPOINT_URL_S3": s3_server, "RAY_ADDRESS": "local"}
+
+
+def _make_buckets(s3, *names: str) -> None:
+    import pyarrow.fs as pafs
+
+    host = s3.endpoint_url.removeprefix("http://")
+    fs = pafs.S3FileSystem(endpoint_override=host, scheme="http", region=s3.region, access_key=s3.access_key,
+                           secret_key=s3.secret_key, allow_bucket_creation=True)
+    for name in names:
+        fs.create_dir(name)
+
+
+def _put(s3, uri: str, files: dict[str, bytes]) -> None:
+    fs, root = open_filesystem(uri, s3)
+    for name, data in files.items():
+        with fs.open_output_stream(f"{root}/{name}") as out:
+            out.write(data)
+
+
+@pytest.fixture(scope="module")
+def photos(s3):
+    images = _images(44)
+    _put(s3, "s3://photos/in", {**images, **_bad_files(), "notes.txt": b"not listed: no image extension"})
+    return images
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_ckpt, ray_local):
+    from raypipe import Pipeline
+
+    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=1, cache_bytes=0) as p:
+        yield p
+
+
+def _read_output(uri: str, s3) -> "pa.Table":  # noqa: F821
+    import pyarrow as pa
+
+    fs, root = open_filesystem(uri, s3)
+    parts = [i.path for i in list_files(fs, root, recursive=False) if i.base_name.startswith("part-")]
+    return pa.concat_tables([pq.read_table(p, filesystem=fs) for p in parts]) if parts else None
+
+
+def _batch_cli(args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "raypipe.cli", "batch", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_embed_s3_to_s3_matches_pipeline(photos, s3, pipe, tiny_ckpt):
+    summary = run_batch(BatchOptions(input="s3://photos/in/", output="s3://results/embed/", s3=s3,
+                                     model=ModelConfig(str(tiny_ckpt), num_encoders=2), rows_per_file=16))
+    table = _read_output("s3://results/embed/", s3)
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert sorted(rows) == sorted([*photos, *BAD_FILES]) and table.num_rows == len(rows)  # each exactly once
+    assert summary.inputs == len(rows) == summary.processed and summary.skipped == 0
+    assert summary.errors == {code: list(BAD_FILES.values()).count(code) for code in set(BAD_FILES.values())}
+    for name, code in BAD_FILES.items():
+        assert rows[name]["error"] == code and rows[name]["embedding"] is None and rows[name]["error_message"]
+    names = sorted(photos)
+    reference = pipe.encode([photos[n] for n in names])
+    for name, emb in zip(names, reference):
+        row = rows[name]
+        assert row["error"] is None and row["model"] == str(tiny_ckpt)
+        assert row["path"] == f"s3://photos/in/{name}"
+        image = Image.open(io.BytesIO(photos[name]))
+        assert (row["width"], row["height"]) == image.size and row["num_tokens"] == emb.shape[0]
+        np.testing.assert_allclose(np.asarray(row["embedding"], np.float32), emb.float().mean(0).numpy(),
+                                   atol=1e-5, rtol=0)
+    # The same command again: nothing left to do, nothing written twice.
+    again = run_batch(BatchOptions(input="s3://photos/in/", output="s3://results/embed/", s3=s3,
+                                   model=ModelConfig(str(tiny_ckpt), num_encoders=2), rows_per_file=16))
+    assert (again.skipped, again.processed) == (len(rows), 0)
+    assert _read_output("s3://results/embed/", s3).num_rows == len(rows)
+
+
+def test_manifest_prompts_generate_matches_pipeline(tmp_path, pipe, tiny_ckpt):
+    from raypipe import SamplingParams
+
+    folder = tmp_path / "images"
+    images = dict(list(_images(6, seed=3).items()))
+    for name, data in images.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    names = sorted(images)
+    prompts = ["Describe this image.", "What colour dominates?", "Count the objects.", None, "Tag it.", "OCR?"]
+    lines = [{"path": name, "key": f"k{i}", "question": p} for i, (name, p) in enumerate(zip(names, prompts))]
+    lines.append({"path": "missing/nowhere.png", "key": "k-missing", "question": "?"})
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text("\n".join(json.dumps(line) for line in lines))
+    out = tmp_path / "out"
+    summary = run_batch(BatchOptions(input=str(manifest), output=str(out), task="generate", max_tokens=6,
+                                     prompt="Default prompt.", prompt_column="question", id_column="key",
+                                     model=ModelConfig(str(tiny_ckpt), num_encoders=1), rows_per_file=4))
+    rows = {r["id"]: r for r in _read_output(str(out), None).to_pylist()}
+    assert sorted(rows) == sorted(line["key"] for line in lines) and summary.processed == len(lines)
+    assert rows["k-missing"]["error"] == "unreadable_object" and rows["k-missing"]["text"] is None
+    requests = [[{"role": "user", "content": [{"type": "image", "image": images[name]},
+                                              {"type": "text", "text": p or "Default prompt."}]}]
+                for name, p in zip(names, prompts)]
+    expected = pipe.generate(requests, SamplingParams(max_tokens=6, temperature=0.0))
+    for i, (name, out_ref) in enumerate(zip(names, expected)):
+        row = rows[f"k{i}"]
+        assert row["path"] == str(folder / name) and row["error"] is None
+        assert row["prompt"] == prompts[i] and row["text"] == out_ref.text
+        assert row["finish_reason"] == out_ref.finish_reason
+
+
+def test_local_folders_and_pooling_none(tmp_path, pipe, tiny_ckpt):
+    images = _images(5, seed=5)
+    for name, data in images.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_bytes(data)
+    dry = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), dry_run=True,
+                                 model=ModelConfig(str(tiny_ckpt))))
+    assert (dry.inputs, dry.to_process, dry.processed) == (5, 5, 0) and not (tmp_path / "out").exists()
+    run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), pooling="none",
+                           model=ModelConfig(str(tiny_ckpt))))
+    rows = {r["id"]: r for r in _read_output(str(tmp_path / "out"), None).to_pylist()}
+    names = sorted(images)
+    for name, emb in zip(names, pipe.encode([images[n] for n in names])):
+        np.testing.assert_allclose(np.asarray(rows[name]["embedding"], np.float32), emb.numpy(), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="different pooling"):  # same output, different job: refused
+        run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), pooling="mean",
+                               model=ModelConfig(str(tiny_ckpt))))
+
+
+def test_kill_driver_and_resume_exactly_once(photos, s3, env, tiny_ckpt):
+    out = "s3://results/killed/"
+    args = ["--model", str(tiny_ckpt), "--input", "s3://photos/in/", "--output", out, "--rows-per-file", "2",
+            "--batching", "count", "--batch-images", "1", "--read-batch", "2", "--json"]
+    first = _batch_cli(args, env)
+    fs, root = open_filesystem(out, s3)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None:
+        if len([i for i in list_files(fs, root) if i.base_name.startswith("part-")]) >= 2:
+            break
+        time.sleep(0.1)
+    assert first.poll() is None, f"the job ended before it could be killed: {first.communicate()}"
+    os.killpg(first.pid, signal.SIGKILL)  # driver and the Ray it started: like a preempted node
+    first.wait()
+    before = _read_output(out, s3)
+    done_before = before.num_rows
+    total = len(photos) + len(BAD_FILES)
+    assert 0 < done_before < total
+    second = _batch_cli(args, env)
+    stdout, stderr = second.communicate(timeout=300)
+    assert second.returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["skipped"] == len(set(before.column("id").to_pylist()))
+    assert summary["processed"] == total - summary["skipped"]  # the re-run did only the rest
+    ids = _read_output(out, s3).column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == total  # every input exactly once
+
+
+def test_encoder_actor_killed_mid_job(tmp_path, tiny_ckpt, ray_local):
+    from ray.util.state import list_actors
+
+    images = _images(30, seed=9)
+    for name, data in images.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_bytes(data)
+    options = BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), batching="count",
+                           batch_images=1, read_batch=2, rows_per_file=2, model=ModelConfig(str(tiny_ckpt)))
+    result = {}
+    job = threading.Thread(target=lambda: result.update(summary=run_batch(options)))
+    known = {a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)}
+    job.start()
+    killed = None
+    deadline = time.monotonic() + 120
+    while killed is None and time.monotonic() < deadline and job.is_alive():
+        written = len(list((tmp_path / "out").glob("part-*.parquet"))) if (tmp_path / "out").exists() else 0
+        actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                  if a.actor_id not in known and "MapWorker" in a.class_name]  # embed: encoders only
+        if written >= 1 and actors:
+            os.kill(actors[0].pid, signal.SIGKILL)
+            killed = actors[0]
+        time.sleep(0.05)
+    assert killed is not None, "no encoder actor was killed while the job ran"
+    job.join(timeout=180)
+    assert not job.is_alive()
+    ids = _read_output(str(tmp_path / "out"), None).column("id").to_pylist()
+    assert sorted(ids) == sorted(images) and result["summary"].processed == len(images)
+
+
+def test_model_from_s3(photos, s3, env, tiny_ckpt, tmp_path, pipe):
+    _put(s3, "s3://models/checkpoints/tiny", {p.name: p.read_bytes() for p in pathlib.Path(tiny_ckpt).iterdir()
+                                               if p.is_file()})
+    cache = tmp_path / "cache"
+    args = ["--model", "s3://models/checkpoints/tiny/", "--input", "s3://photos/in/sub/", "--output",
+            "s3://results/s3model/", "--json"]
+    run = subprocess.run([sys.executable, "-m", "raypipe.cli", "batch", *args], capture_output=True, text=True,
+                         env={**env, "RAYPIPE_CACHE": str(cache)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    copies = [p for p in (cache / "models").iterdir() if p.is_dir()]
+    assert len(copies) == 1 and (copies[0] / ".raypipe-remote.json").is_file()  # one copy on this node
+    assert (copies[0] / "model.safetensors").read_bytes() == (pathlib.Path(tiny_ckpt) / "model.safetensors").read_bytes()
+    rows = {"sub/" + r["id"]: r for r in _read_output("s3://results/s3model/", s3).to_pylist()}
+    names = sorted(n for n in photos if n.startswith("sub/"))
+    assert sorted(rows) == names
+    for name, emb in zip(names, pipe.encode([photos[n] for n in names])):
+        assert rows[name]["model"] == "s3://models/checkpoints/tiny/"
+        np.testing.assert_allclose(rows[name]["embedding"], emb.float().mean(0).numpy(), atol=1e-5, rtol=0)

@@ -1,0 +1,67 @@
+"""Batch pieces that need no Ray: cost packing, part files and their reconciliation, input listing."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from raypipe.batch import output, packing
+from raypipe.batch.inputs import list_inputs
+from raypipe.storage import open_filesystem
+
+
+def test_cost_packs_are_even_and_cover_every_item_once():
+    rng = np.random.default_rng(0)
+    costs = [float(c) for c in np.concatenate([rng.uniform(4, 64, 40), rng.uniform(900, 1024, 6)])]  # thumbnails + 4K
+    packs = packing.by_cost(costs, budget=1024)
+    assert sorted(i for p in packs for i in p) == list(range(len(costs)))
+    sums = [sum(costs[i] for i in p) for p in packs]
+    assert len(packs) == round(sum(costs) / 1024)
+    assert max(sums) - min(sums) <= max(costs)  # LPT: no pack more than one item above another
+    counts = packing.by_count(len(costs), 8)  # the fixed-count baseline is far less even here
+    count_sums = [sum(costs[i] for i in p) for p in counts]
+    assert max(count_sums) / np.mean(count_sums) > max(sums) / np.mean(sums)
+
+
+def test_reconcile_keeps_each_id_in_one_part(tmp_path):
+    fs, root = open_filesystem(str(tmp_path))
+
+    def part(ids):
+        return output.write_part(fs, root, pa.table({"id": ids, "error": [None] * len(ids)},
+                                                    schema=pa.schema([("id", pa.string()), ("error", pa.string())])))
+
+    part(["a", "b", "c"])
+    part(["c", "d"])  # c twice, as after a write retried with different rows
+    assert output.write_part(fs, root, pa.table({"id": ["b", "a", "c"], "error": [None] * 3})) in output.part_files(fs, root)
+    assert len(output.part_files(fs, root)) == 2  # same ids, any order: the same file, not a third one
+    assert output.reconcile(fs, root) == 1
+    ids = [i for ids in output.ids_by_file(fs, root).values() for i in ids]
+    assert sorted(ids) == ["a", "b", "c", "d"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_job_fingerprint_is_recorded_and_checked(tmp_path):
+    fs, root = open_filesystem(str(tmp_path))
+    output.check_job(fs, root, {"model": "tiny", "task": "embed"})
+    output.check_job(fs, root, {"model": "tiny", "task": "embed"})
+    assert json.loads((tmp_path / output.JOB_FILE).read_text()) == {"model": "tiny", "task": "embed"}
+    with pytest.raises(ValueError, match="different model"):
+        output.check_job(fs, root, {"model": "small", "task": "embed"})
+
+
+def test_listing_and_manifest(tmp_path):
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    for name in ["b.png", "a.JPG", "sub/c.webp", "notes.txt"]:
+        (tmp_path / "in" / name).write_bytes(b"x")
+    listed = list_inputs(str(tmp_path / "in"))
+    assert listed.column("id").to_pylist() == ["a.JPG", "b.png", "sub/c.webp"]
+    assert listed.column("uri").to_pylist()[2] == str(tmp_path / "in" / "sub" / "c.webp")
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"path": "in/b.png", "q": "hi"}\n{"path": "s3://bucket/k.png", "q": null}\n')
+    table = list_inputs(str(manifest), prompt_column="q")
+    assert table.to_pylist() == [{"id": "in/b.png", "uri": str(tmp_path / "in" / "b.png"), "prompt": "hi"},
+                                 {"id": "s3://bucket/k.png", "uri": "s3://bucket/k.png", "prompt": None}]
+    manifest.write_text('{"path": "in/b.png"}\n{"path": "in/b.png"}\n')
+    with pytest.raises(ValueError, match="not unique"):
+        list_inputs(str(manifest))
