@@ -66,6 +66,10 @@ class EncoderGroup:
         # Never raises: a dead worker is replaced here, not a reason for Serve to restart this replica.
         await asyncio.to_thread(self.coordinator.check_workers, 5.0)
 
+    def worker_info(self) -> list[dict]:
+        """Each worker's `info()` (pid, device, items encoded): which processes serve this group."""
+        return ray.get([worker.info.remote() for worker in self.coordinator.workers])
+
     def stats(self) -> dict:
         return {**self.coordinator.stats(), "batching": dict(self.batching)}
 

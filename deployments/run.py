@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -19,6 +21,11 @@ def run_serve(args) -> int:
     from raypipe.models.presets import resolve_model
     from raypipe.pipeline import connect_ray
 
+    try:
+        check_port_free(args.host, args.port)
+    except OSError as exc:
+        print(f"raypipe: could not start serving: {exc}", file=sys.stderr, flush=True)
+        return 1
     resolve_model(args.model)  # write a preset once here, before several replicas race to
     owns_ray = not ray.is_initialized()
     connect_ray()
@@ -43,6 +50,24 @@ def run_serve(args) -> int:
         serve.shutdown()
         if owns_ray:
             ray.shutdown()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise if something listens on `host:port` already.
+
+    Serve's proxy binds with SO_REUSEPORT, so a second server on a taken port would "start" and
+    the kernel would split connections between the two (with an API key on only one of them, half
+    the connections would skip authentication). A plain bind, without port reuse, finds out first.
+    """
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine; a listener is not
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(exc.errno, f"port {port} on {host} is already in use (another server is "
+                                         "listening there); pick another --port") from None
+            raise
 
 
 def _interrupt(*_):
