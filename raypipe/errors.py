@@ -33,3 +33,11 @@ def _rebuild_invalid_input(cls, message, item, code):
 
 class CapacityError(RaypipeError):
     """The system cannot take the request now (e.g. queue full); the caller may retry later."""
+
+
+class QueueFull(CapacityError):
+    """The decode engine already holds `max_num_seqs` running plus `max_num_waiting` waiting requests."""
+
+
+class EngineClosed(CapacityError):
+    """The decode engine was shut down; the request may be retried on another one."""

@@ -13,6 +13,9 @@ from raypipe.errors import InvalidInput
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 300  # entries in logit_bias (OpenAI's limit)
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy: logits / T would overflow float32
 
 
 @dataclasses.dataclass(slots=True)
@@ -25,12 +28,21 @@ class SamplingParams:
     stop: list[str] | None = None  # text stops; the returned text ends before the stop string
     stop_token_ids: list[int] | None = None  # honoured even with ignore_eos
     ignore_eos: bool = False
+    min_p: float = 0.0  # drop tokens below min_p x the best token's probability; 0 = off
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (CTRL); 1 = off
+    presence_penalty: float = 0.0  # subtracted once from tokens already in the output (OpenAI); 0 = off
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output (OpenAI); 0 = off
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
+    logprobs: int | None = None  # None: none; 0: the sampled token's log-probability; k: also the top k
 
     def __post_init__(self):
         self.max_tokens = _int(self.max_tokens, "max_tokens", minimum=1)
         self.temperature = _float(self.temperature, "temperature")
         if self.temperature < 0:
             _fail("temperature", f"must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0  # a tiny T is greedy in the limit; dividing by it gives inf/NaN
         self.top_p = _float(self.top_p, "top_p")
         if not 0.0 < self.top_p <= 1.0:
             _fail("top_p", f"must be in (0, 1], got {self.top_p}")
@@ -53,6 +65,38 @@ class SamplingParams:
             self.stop_token_ids = [_int(t, "stop_token_ids", minimum=0) for t in self.stop_token_ids]
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", f"must be a boolean, got {type(self.ignore_eos).__name__}")
+        self.min_p = _float(self.min_p, "min_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        self.repetition_penalty = _float(self.repetition_penalty, "repetition_penalty")
+        if self.repetition_penalty <= 0:
+            _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(getattr(self, name), name)
+            if not -2.0 <= value <= 2.0:
+                _fail(name, f"must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                _fail("logit_bias", "must be a mapping of token id to bias")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                _fail("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, str) and token.isdigit():  # JSON object keys are strings
+                    token = int(token)
+                value = _float(value, "logit_bias")
+                if not -100.0 <= value <= 100.0:
+                    _fail("logit_bias", f"biases must be in [-100, 100], got {value}")
+                bias[_int(token, "logit_bias", minimum=0)] = value
+            self.logit_bias = bias or None
+        self.min_tokens = _int(self.min_tokens, "min_tokens", minimum=0)
+        if self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None:
+            self.logprobs = _int(self.logprobs, "logprobs", minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                _fail("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

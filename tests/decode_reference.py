@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
 from raypipe.prompt import build_prompt
 from tests.conftest import random_images, reference_embeddings
 
@@ -43,8 +47,10 @@ def embeddings(hf_model, ckpt, prompt) -> list[torch.Tensor]:
     return reference_embeddings(hf_model, ckpt, [image.pixels for image in prompt.images])
 
 
-def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: int, eos_token_id: int) -> list[int]:
-    """Greedy `generate()` on the full transformers model; ids after the prompt, up to and including EOS."""
+def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: int, cut_at: int,
+                **generate_kwargs) -> list[int]:
+    """Greedy `generate()` on the full transformers model (with `generate_kwargs`, e.g. its logits
+    processors' options); ids after the prompt, up to and including the first `cut_at`."""
     device = hf_model.device
     ids = torch.tensor([prompt.prompt_token_ids], device=device)
     kwargs = {}
@@ -55,6 +61,24 @@ def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: in
                       mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=pooled)})
     with torch.no_grad():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, **kwargs)
+                                do_sample=False, **kwargs, **generate_kwargs)
     tokens = out[0, ids.shape[1]:].tolist()
-    return tokens[: tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens
+    return tokens[: tokens.index(cut_at) + 1] if cut_at in tokens else tokens
+
+
+@contextlib.contextmanager
+def engine_pool(ckpt, **defaults):
+    """`get(k, **limits)`: one `LLMEngine` per (K, limits) over `defaults`, made on first use, shut down at exit."""
+    made = {}
+
+    def get(k: int, **limits) -> LLMEngine:
+        key = (k, tuple(sorted(limits.items())))
+        if key not in made:
+            made[key] = LLMEngine(ckpt, EngineConfig(**{**defaults, "num_scheduler_steps": k, **limits}))
+        return made[key]
+
+    try:
+        yield get
+    finally:
+        for engine in made.values():
+            engine.shutdown()

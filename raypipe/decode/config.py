@@ -15,9 +15,12 @@ class EngineConfig:
     num_scheduler_steps: int = 8  # K: decode steps per scheduling round
     dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
     num_threads: int | None = None  # torch CPU threads for the engine process (None: leave as is)
+    # Requests queued beyond the running ones (they hold their prompts and image embeddings); one
+    # more is refused with `raypipe.errors.QueueFull`, a retryable `CapacityError`.
+    max_num_waiting: int = 1024
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")

@@ -35,10 +35,11 @@ from raypipe.decode.config import EngineConfig
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
 from raypipe.decode.request import check_image_embeds, check_request
+from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
 from raypipe.encoder import pick_device, resolve_dtype
-from raypipe.errors import InvalidInput
+from raypipe.errors import EngineClosed, InvalidInput, QueueFull
 from raypipe.models.registry import language_adapter
 from raypipe.prompt import PreparedPrompt
 from raypipe.sampling import SamplingParams
@@ -63,8 +64,9 @@ class LLMEngine:
                               max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0)
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
-        self._aborts: set[str] = set()
+        self._aborts: set[Sequence] = set()  # objects, not ids: an id may be reused once its request ends
         self._live: dict[str, Sequence] = {}  # submitted, not yet finished (guarded by _cond)
+        self._capacity = self.config.max_num_seqs + self.config.max_num_waiting
         self._outbox: list[tuple[Sequence, RequestDelta]] = []  # delivered once rows are freed
         self._stopping = False
         self._prefill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raypipe-prefill")
@@ -92,7 +94,7 @@ class LLMEngine:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
-                self.abort(request_id)
+                self._abort(seq)
 
         generator = None
         if params.seed is not None and not params.greedy:
@@ -110,7 +112,7 @@ class LLMEngine:
                 yield item
         finally:
             if not done:
-                self.abort(request_id)
+                self._abort(seq)
 
     async def generate_output(self, request_id: str, prompt: PreparedPrompt | list[int], image_embeds: Seq = (),
                               params: SamplingParams | None = None) -> RequestOutput:
@@ -125,8 +127,14 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request at the next round boundary and free its row; unknown ids are ignored."""
         with self._cond:
-            if request_id in self._live:
-                self._aborts.add(request_id)
+            seq = self._live.get(request_id)
+        if seq is not None:
+            self._abort(seq)
+
+    def _abort(self, seq: Sequence) -> None:
+        with self._cond:
+            if self._live.get(seq.request_id) is seq:
+                self._aborts.add(seq)
                 self._cond.notify()
 
     def stats(self) -> dict:
@@ -142,19 +150,27 @@ class LLMEngine:
                 "device": str(self.device)}
 
     def shutdown(self) -> None:
+        """Stop after the current round; every request still running or waiting gets `EngineClosed`."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=30)
         self._prefill_thread.shutdown(wait=False)
+        with self._cond:
+            left, self._live = list(self._live.values()), {}
+        for seq in left:
+            seq.deliver(EngineClosed(f"decode engine shut down before request {seq.request_id!r} finished"))
 
     def _submit(self, seq: Sequence) -> None:
         with self._cond:
             if self._stopping:
-                raise RuntimeError("engine is shut down")
+                raise EngineClosed("decode engine is shut down")
             if seq.request_id in self._live:
                 raise InvalidInput(f"request id {seq.request_id!r} is already running", item="request_id",
                                    code="duplicate_request_id")
+            if len(self._live) >= self._capacity:
+                raise QueueFull(f"decode engine is full ({self.config.max_num_seqs} running and "
+                                f"{self.config.max_num_waiting} waiting requests); retry later")
             self._live[seq.request_id] = seq
             self._inbox.append(seq)
             self._cond.notify()
@@ -190,16 +206,25 @@ class LLMEngine:
                 self._decode(running)
         finally:
             first = prefill.result() if prefill is not None else []  # never leave a prefill running
-        for group, tokens in zip(groups, first):
+        for group, (tokens, logprobs) in zip(groups, first):
             self._counters["prefills"] += 1
             self._counters["prefill_tokens"] += sum(s.prompt_len for s in group)
-            for seq, token in zip(group, tokens):
-                self._emit(seq, self.output.append(seq, [token]))
+            for seq, token, lp in zip(group, tokens, logprobs):
+                self._emit(seq, self.output.append(seq, [token], lp))
         self._release_finished()
 
-    def _prefill(self, groups: list[list[Sequence]]) -> list[list[int]]:
-        """First token ids per group (on the prefill thread: no engine state is touched)."""
-        return [self.runner.prefill(group) for group in groups]
+    def _prefill(self, groups: list[list[Sequence]]) -> list[tuple[list[int], list]]:
+        """First token ids and log-probabilities per group (on the prefill thread: it touches only
+        the joining sequences)."""
+        out = []
+        for group in groups:
+            batch = self._sampling_batch(group)
+            out.append((self.runner.prefill(group, batch), batch.take_logprobs(group)))
+        return out
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch.build(seqs, [self.output.stop_ids(s) for s in seqs], self.runner.vocab_size,
+                                   self.device)
 
     def _decode(self, running: list[Sequence]) -> None:
         self._counters["rounds"] += 1
@@ -216,11 +241,12 @@ class LLMEngine:
                     done[row] = len(new_ids[row]) >= budgets[row] or token in stop_ids[row]
             return all(done)
 
-        steps = self.runner.decode(running, self.config.num_scheduler_steps, on_step)
+        batch = self._sampling_batch(running)
+        steps = self.runner.decode(running, batch, self.config.num_scheduler_steps, on_step)
         self._counters["decode_steps"] += steps
         self._counters["decode_row_steps"] += steps * len(running)
-        for seq, ids in zip(running, new_ids):
-            self._emit(seq, self.output.append(seq, ids))
+        for seq, ids, logprobs in zip(running, new_ids, batch.take_logprobs(running)):
+            self._emit(seq, self.output.append(seq, ids, logprobs))
 
     def _emit(self, seq: Sequence, delta: RequestDelta) -> None:
         self._counters["tokens_generated"] += len(delta.token_ids)
@@ -240,14 +266,14 @@ class LLMEngine:
         if finished:
             self.runner.move_rows(self.scheduler.release(finished))
 
-    def _apply_aborts(self, request_ids: set[str]) -> None:
-        if not request_ids:
+    def _apply_aborts(self, aborts: set[Sequence]) -> None:
+        if not aborts:
             return
         leaving = []
-        for seq in [s for s in self.scheduler.waiting if s.request_id in request_ids]:
+        for seq in [s for s in self.scheduler.waiting if s in aborts]:
             self.scheduler.remove_waiting(seq)
             leaving.append(seq)
-        leaving += [s for s in self.scheduler.running if s.request_id in request_ids]
+        leaving += [s for s in self.scheduler.running if s in aborts and not s.finished]
         for seq in leaving:
             self._counters["aborted"] += 1
             self._emit(seq, self.output.finish(seq, "abort"))
@@ -263,7 +289,8 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         with self._cond:
-            self._live.pop(seq.request_id, None)
+            if self._live.get(seq.request_id) is seq:
+                del self._live[seq.request_id]
 
 
 async def _resolve(embeds: Seq) -> list:

@@ -41,12 +41,8 @@ class ModelRunner:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.host_ids = torch.empty((num_scheduler_steps, max_num_seqs), dtype=torch.long, pin_memory=True)
 
-    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.vocab_size,
-                                   self.device)
-
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> list[int]:
+    def prefill(self, seqs: list[Sequence], batch: SamplingBatch) -> list[int]:
         """Fill the cache rows of `seqs` (consecutive, starting at `seqs[0].row`); first sampled ids."""
         lengths = [s.prompt_len for s in seqs]
         width = max(lengths)
@@ -63,13 +59,12 @@ class ModelRunner:
         hidden = self.model(self.model.embed(ids, image_embeds), positions,
                             prefill_mask(lengths_t, width, self.dtype), self.prefill_cache)
         last = hidden[torch.arange(len(seqs), device=self.device), lengths_t - 1]
-        return sample(self.model.logits(last), self.sampling_batch(seqs)).tolist()
+        return sample(self.model.logits(last), batch).tolist()
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence], steps: int, on_step: StepCallback) -> int:
+    def decode(self, seqs: list[Sequence], batch: SamplingBatch, steps: int, on_step: StepCallback) -> int:
         """Up to `steps` decode steps for the running batch `seqs` (row i = seqs[i]); steps run."""
         n = len(seqs)
-        batch = self.sampling_batch(seqs)
         tokens = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
         cache_len = torch.tensor([s.cache_len for s in seqs], device=self.device)
         rope_delta = torch.tensor([s.rope_delta for s in seqs], device=self.device)

@@ -1,17 +1,22 @@
 """After each round: cut every sequence's new tokens where it must stop, and turn them into a delta.
 
 The order is fixed so that K never changes the output: first `max_tokens` (and the model length),
-then after the first EOS / stop token id, then at the first stop string. Tokens a sequence sampled
-past its stop inside a round are dropped here and never reach the caller.
+then after the first EOS / stop token id, then at the first stop string, checked one token at a
+time exactly as if every round were one step (so among overlapping stop strings, the one that
+completes first wins). Tokens a sequence sampled past its stop inside a round are dropped here and
+never reach the caller.
 
-Text is decoded from all output ids each round (byte-level tokens may split a character), and the
-tail that could still be an incomplete character or the start of a stop string is held back until
-the next round or the end.
+Detokenization is incremental (vLLM's offsets): only `output_ids[prefix_offset:]` is decoded, and
+the text it adds beyond `output_ids[prefix_offset:read_offset]` is appended once it does not end in
+an incomplete character (U+FFFD: byte-level tokens may split one). Offsets only move to character
+boundaries, so the text equals decoding all ids at once, at a cost per token that does not grow
+with the output. Incomplete characters are flushed when the sequence ends, and the tail that could
+still be the start of a stop string is held back until the next round or the end.
 """
 
 from __future__ import annotations
 
-from raypipe.decode.sequence import RequestDelta, Sequence
+from raypipe.decode.sequence import RequestDelta, Sequence, TokenLogprob
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -31,8 +36,10 @@ class OutputProcessor:
         return min(seq.params.max_tokens - len(seq.output_ids),
                    self.max_model_len - seq.prompt_len - len(seq.output_ids))
 
-    def append(self, seq: Sequence, new_ids: list[int]) -> RequestDelta:
-        """Accept `new_ids` (this round's samples) into `seq` and return what the caller sees."""
+    def append(self, seq: Sequence, new_ids: list[int], logprobs: list[TokenLogprob] | None = None
+               ) -> RequestDelta:
+        """Accept `new_ids` (this round's samples, with their log-probabilities when the request
+        asked for them) into `seq` and return what the caller sees."""
         before = len(seq.output_ids)
         budget = self.budget(seq)
         ids = new_ids[:budget]
@@ -44,43 +51,61 @@ class OutputProcessor:
                 ids = ids[: i + 1]
                 seq.finish_reason = "stop"
                 break
-        seq.output_ids.extend(ids)
-        text = self._decode(seq.output_ids)
         if seq.params.stop:
-            text = self._apply_stop_strings(seq, text, before)
-        return RequestDelta(seq.request_id, seq.output_ids[before:], self._emit(seq, text), seq.finish_reason)
+            for token in ids:
+                seq.output_ids.append(token)
+                if self._detokenize(seq) and self._hit_stop_string(seq):
+                    seq.finish_reason = "stop"
+                    break
+        else:
+            seq.output_ids.extend(ids)
+            self._detokenize(seq)
+        accepted = seq.output_ids[before:]
+        return RequestDelta(seq.request_id, accepted, self._emit(seq), seq.finish_reason,
+                            logprobs[: len(accepted)] if logprobs is not None else None)
 
     def finish(self, seq: Sequence, reason: str) -> RequestDelta:
         """Final delta for a sequence ended from outside (abort): flush held-back text."""
         seq.finish_reason = reason
-        return RequestDelta(seq.request_id, [], self._emit(seq, self._decode(seq.output_ids)), reason)
+        return RequestDelta(seq.request_id, [], self._emit(seq), reason, [] if seq.params.logprobs is not None else None)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _apply_stop_strings(self, seq: Sequence, text: str, first_new: int) -> str:
-        longest = max(len(s) for s in seq.params.stop)
-        start = max(seq.checked_chars - longest + 1, 0)
-        hits = [(i, s) for s in seq.params.stop if (i := text.find(s, start)) >= 0]
-        if not hits:
-            seq.checked_chars = len(text)
-            return text
-        cut, stop = min(hits)
-        # Keep output ids up to the token that completed the stop string.
-        for n in range(first_new + 1, len(seq.output_ids) + 1):
-            if self._decode(seq.output_ids[:n]).find(stop, start) >= 0:
-                del seq.output_ids[n:]
-                break
-        seq.finish_reason = "stop"
-        return text[:cut]
-
-    def _emit(self, seq: Sequence, text: str) -> str:
-        if not seq.finished:
-            hold = max((len(s) for s in seq.params.stop or ()), default=1) - 1
-            end = len(text) - hold
-            while end > 0 and text[end - 1] == REPLACEMENT_CHAR:  # an incomplete character so far
-                end -= 1
-            text = text[: max(end, len(seq.text))]
-        new = text[len(seq.text):]
+    def _detokenize(self, seq: Sequence) -> bool:
+        """Append the complete characters the new ids add to `seq.text`; True if there were any."""
+        prefix = self._decode(seq.output_ids[seq.prefix_offset: seq.read_offset])
+        full = self._decode(seq.output_ids[seq.prefix_offset:])
+        if full.endswith(REPLACEMENT_CHAR):  # an incomplete character so far: wait for its next bytes
+            return False
+        new = full[len(prefix):]
         seq.text += new
+        if new:
+            seq.prefix_offset = seq.read_offset
+        seq.read_offset = len(seq.output_ids)
+        return bool(new)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        """Search the text added since the last check; on a hit, cut the text before the stop string."""
+        checked, seq.checked_chars = seq.checked_chars, len(seq.text)
+        if len(seq.output_ids) < seq.params.min_tokens:
+            return False
+        # Only occurrences that end in the new text: older ones were checked (or before min_tokens).
+        hits = [i for s in seq.params.stop if (i := seq.text.find(s, max(checked - len(s) + 1, 0))) >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[: min(hits)]
+        return True
+
+    def _emit(self, seq: Sequence) -> str:
+        if seq.finished:
+            if seq.read_offset < len(seq.output_ids):  # ended inside a character: flush it as decoded
+                prefix = self._decode(seq.output_ids[seq.prefix_offset: seq.read_offset])
+                seq.text += self._decode(seq.output_ids[seq.prefix_offset:])[len(prefix):]
+                seq.read_offset = len(seq.output_ids)
+            end = len(seq.text)
+        else:
+            hold = max((len(s) for s in seq.params.stop or ()), default=1) - 1
+            end = max(len(seq.text) - hold, seq.emitted_chars)
+        new, seq.emitted_chars = seq.text[seq.emitted_chars: end], end
         return new

@@ -35,10 +35,11 @@ def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tu
         raise InvalidInput(f"prompt has {len(ids)} tokens (images included); max_model_len is {max_model_len}, "
                            "which must leave room for at least one generated token", item="prompt",
                            code="prompt_too_long")
-    for t in params.stop_token_ids or ():
-        if t >= vocab:
-            raise InvalidInput(f"stop token id {t} is outside the vocabulary (size {vocab})",
-                               item="sampling_params.stop_token_ids", code="invalid_sampling_params")
+    for field, tokens in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {})):
+        for t in tokens:
+            if t >= vocab:
+                raise InvalidInput(f"token id {t} is outside the vocabulary (size {vocab})",
+                                   item=f"sampling_params.{field}", code="invalid_sampling_params")
     _check_image_runs(ids, grids, language_adapter)
     return ids, grids
 

@@ -9,6 +9,21 @@ import torch
 
 from raypipe.sampling import SamplingParams
 
+
+@dataclasses.dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one sampled token, and of the `SamplingParams.logprobs` most likely ones.
+
+    Log-probabilities are the model's own: log-softmax of the raw logits, before logit_bias,
+    penalties, temperature and truncation (vLLM's default "raw_logprobs"), so they do not depend on
+    how the token was chosen.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), highest first; empty when logprobs=0
+
+
 @dataclasses.dataclass(slots=True)
 class RequestDelta:
     """New since the previous delta of the same request; `finish_reason` is set on the last one only."""
@@ -17,6 +32,7 @@ class RequestDelta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
 
 
 @dataclasses.dataclass(slots=True)
@@ -27,6 +43,7 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     num_image_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
 
     @property
     def num_prompt_tokens(self) -> int:  # image tokens included (OpenAI usage counts them)
@@ -40,6 +57,8 @@ class RequestOutput:
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         self.finish_reason = delta.finish_reason
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -57,9 +76,14 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None  # KV cache row while running
     finish_reason: str | None = None
-    # Incremental text state (see output.py).
+    token_counts: torch.Tensor | None = None  # (vocab,) int32 output token counts, for penalties (sampler.py)
+    # Incremental detokenization (see output.py): output_ids[prefix_offset:read_offset] decode to the
+    # last characters of `text`, which holds every complete character decoded so far.
+    prefix_offset: int = 0
+    read_offset: int = 0
     text: str = ""
-    checked_chars: int = 0
+    checked_chars: int = 0  # text[:checked_chars] has been searched for stop strings
+    emitted_chars: int = 0  # text[:emitted_chars] has been sent to the caller
 
     @property
     def prompt_len(self) -> int:
