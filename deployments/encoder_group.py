@@ -58,7 +58,7 @@ class EncoderGroup:
         self.batching["images"] += sum(len(images) for images in calls)
         self.batching["max_requests_per_batch"] = max(self.batching["max_requests_per_batch"], with_images)
 
-    async def ping(self, timeout_s: float = 5.0) -> dict:
+    async def ping(self, timeout_s: float = 2.0) -> dict:
         """How many workers are alive (answer a ping within `timeout_s`) and how many are loading (for /health)."""
         return await asyncio.to_thread(self.coordinator.check_workers, timeout_s)
 

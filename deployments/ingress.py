@@ -45,7 +45,7 @@ COMPLETIONS = "/v1/completions"
 class Ingress:
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, model: str = "tiny",
                  served_model_name: str | None = None, api_key: str | None = None, limits: dict | None = None,
-                 health_timeout_s: float = 10.0):
+                 health_timeout_s: float = 5.0, resize_images: bool = True):
         from transformers import AutoTokenizer
 
         checkpoint = resolve_model(model)
@@ -61,6 +61,7 @@ class Ingress:
         # Names this deployment's model and weights: same checkpoint, same fingerprint.
         self.fingerprint = "fp_" + hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()[:12]
         self.health_timeout_s = health_timeout_s
+        self.resize_images = resize_images
         self.metrics = ServeMetrics()
         self.created = int(time.time())
         self._max_model_len: int | None = None
@@ -138,12 +139,19 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        """200 only when at least one encoder worker and the decoder answer; no auth (load balancers)."""
+        """200 while at least one encoder worker and the decoder are alive (busy is alive); no auth (load balancers).
+
+        Both probes are awaited with `return_exceptions`, so a probe that fails after a client gave
+        up (or after the timeout) is still collected rather than logged as "never retrieved".
+        """
+        probes = asyncio.gather(self.encoder.ping.remote(), self.decoder.stats.remote(), return_exceptions=True)
         try:
-            encoder, decoder = await asyncio.wait_for(
-                asyncio.gather(self.encoder.ping.remote(), self.decoder.stats.remote()), self.health_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - any failure to answer means not ready
-            return JSONResponse({"status": "unavailable", "reason": f"{type(exc).__name__}: {exc}"[:500]},
+            encoder, decoder = await asyncio.wait_for(probes, self.health_timeout_s)
+        except asyncio.TimeoutError:
+            encoder = decoder = TimeoutError(f"no answer within {self.health_timeout_s:g} s")
+        failed = next((r for r in (encoder, decoder) if isinstance(r, BaseException)), None)
+        if failed is not None:
+            return JSONResponse({"status": "unavailable", "reason": f"{type(failed).__name__}: {failed}"[:500]},
                                 status_code=503)
         ready = encoder["alive"] >= 1
         return JSONResponse({"status": "ok" if ready else "unavailable", "encoder_workers": encoder,
@@ -188,7 +196,8 @@ class Ingress:
         # Image decoding and the chat template are CPU work: keep the event loop serving other requests.
         prompt = await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
                                          self.vision_adapter, self.image_limits,
-                                         max_text_chars=model_len * self.chars_per_token)
+                                         max_text_chars=model_len * self.chars_per_token,
+                                         resize_images=self.resize_images)
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
         return prompt, SamplingParams(max_tokens=max_tokens, **chat.sampling_kwargs())
 

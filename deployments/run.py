@@ -1,8 +1,16 @@
-"""`raypipe serve`: start the Serve application on a local (or the running) Ray and block until Ctrl-C."""
+"""`raypipe serve`: start the Serve application on a local (or the running) Ray and block until Ctrl-C.
+
+It refuses a port something already listens on (Serve's proxy would share it), and keeps its log
+to what a user should read: no "Connecting to existing Serve app" note for the Serve it has just
+started itself, and no controller-retry noise on a clean stop of a Ray it owns (`ray.shutdown`
+stops Serve with everything else).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import signal
 import socket
@@ -35,7 +43,8 @@ def run_serve(args) -> int:
         api_key = args.api_key or os.environ.get("RAYPIPE_API_KEY")
         app = build_app(AppArgs(model=args.model, num_encoders=args.num_encoders, encoder_gpus=args.encoder_gpus,
                                 cost_model=args.cost_model, api_key=api_key))
-        serve.run(app, name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
+        with _quiet_reconnect_note():
+            serve.run(app, name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
         print(f"raypipe: serving {args.model!r} at http://{args.host}:{args.port}/v1 "
               f"(API key {'on' if api_key else 'off'}); Ctrl-C stops", flush=True)
         while True:
@@ -47,9 +56,10 @@ def run_serve(args) -> int:
         print(f"raypipe: could not start serving: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        serve.shutdown()
         if owns_ray:
-            ray.shutdown()
+            ray.shutdown()  # takes Serve down with it, without Serve's controller-retry warnings
+        else:
+            serve.shutdown()  # a shared cluster: remove only our application and Serve
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -68,6 +78,21 @@ def check_port_free(host: str, port: int) -> None:
                 raise OSError(exc.errno, f"port {port} on {host} is already in use (another server is "
                                          "listening there); pick another --port") from None
             raise
+
+
+@contextlib.contextmanager
+def _quiet_reconnect_note():
+    """serve.run() reconnects to the Serve that serve.start() just started with our HTTP options, and
+    says at INFO that "new http_options will not be applied": true, but there were none to apply."""
+    def drop(record: logging.LogRecord) -> bool:
+        return "Connecting to existing Serve app" not in record.getMessage()
+
+    logger = logging.getLogger("ray.serve")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _interrupt(*_):

@@ -207,7 +207,7 @@ BAD_REQUESTS = {
     "seed-negative": (_chat(seed=-1), 400, None),
     "stream-string": (_chat(stream="yes"), 400, "invalid_type"),
     "n-two": (_chat(n=2), 400, "unsupported_parameter"),
-    "logprobs": (_chat(logprobs=True), 400, "unsupported_parameter"),
+    "top-logprobs-without-logprobs": (_chat(top_logprobs=2), 400, "invalid_value"),
     "five-stop-strings": (_chat(stop=["a", "b", "c", "d", "e"]), 400, "invalid_value"),
     "unknown-model": (_chat(model="gpt-17"), 404, "model_not_found"),
     "over-long-prompt": (_chat(messages=user("x" * (MAX_MODEL_LEN + 100))), 400, "context_length_exceeded"),
@@ -364,6 +364,31 @@ def test_vllm_sampling_fields_take_effect(client):
     forced = client.chat.completions.create(model="tiny", messages=user("Pick words."), max_tokens=12, temperature=0,
                                             extra_body={"ignore_eos": True, "stop_token_ids": None})
     assert forced.usage.completion_tokens == 12 and forced.choices[0].finish_reason == "length"
+    biased = client.chat.completions.create(model="tiny", messages=user("Pick words."), max_tokens=6, temperature=0,
+                                            logit_bias={str(ord("q")): 100})  # byte-level vocabulary: id = byte
+    assert biased.choices[0].message.content == "q" * 6
+
+
+def test_logprobs_in_body_and_stream(client, pipe):
+    from raypipe import SamplingParams
+
+    messages = user("Name a colour.", image_url(56, 56, seed=12))
+    [expected] = pipe.generate([messages], SamplingParams(max_tokens=8, temperature=0.0, logprobs=3))
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == len(expected.logprobs)
+    for entry, ref in zip(content, expected.logprobs):
+        assert entry.logprob == pytest.approx(ref.logprob, abs=1e-5)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([lp for _, lp in ref.top], abs=1e-5)
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token  # greedy picks the top
+    assert "".join(entry.token for entry in content) == response.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [e.logprob for e in content]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None
 
 
 def test_nulls_developer_role_and_bare_image_string(client, http):
