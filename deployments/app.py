@@ -34,6 +34,7 @@ class AppArgs(BaseModel):
     max_batch_images: int = 64
     engine: dict = {}  # raypipe.decode.config.EngineConfig fields (max_num_seqs, max_model_len, ...)
     limits: dict = {}  # deployments.limits.ServeLimits fields (body size, images, pixels, default max_tokens)
+    resize_images: bool = True  # resize at the ingress to the tower's input size; False only to measure the saving
 
     def as_model_config(self) -> ModelConfig:
         """The model and encoder fields as the `ModelConfig` that `Pipeline` and batch take too."""
@@ -47,4 +48,4 @@ def build_app(args: AppArgs | dict | None = None) -> Application:
                                 max_batch_images=args.max_batch_images)
     decoder = Decoder.bind(model=args.model, engine=args.engine)
     return Ingress.bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
-                        api_key=args.api_key, limits=args.limits)
+                        api_key=args.api_key, limits=args.limits, resize_images=args.resize_images)

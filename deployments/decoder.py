@@ -7,6 +7,8 @@ embeddings arrive as `ObjectRef`s straight from the encoder workers and are reso
 
 from __future__ import annotations
 
+import os
+
 from ray import serve
 
 from raypipe.decode.config import EngineConfig
@@ -29,6 +31,10 @@ class Decoder:
 
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
+
+    def pid(self) -> int:
+        """The replica's process id (operators and tests locate the process that holds the engine)."""
+        return os.getpid()
 
     def stats(self) -> dict:
         return self.engine.stats()

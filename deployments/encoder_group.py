@@ -56,13 +56,17 @@ class EncoderGroup:
         self.batching["images"] += sum(len(images) for images in calls)
         self.batching["max_requests_per_batch"] = max(self.batching["max_requests_per_batch"], with_images)
 
-    async def ping(self, timeout_s: float = 5.0) -> dict:
+    async def ping(self, timeout_s: float = 2.0) -> dict:
         """How many workers are alive (answer a ping within `timeout_s`) and how many are loading (for /health)."""
         return await asyncio.to_thread(self.coordinator.check_workers, timeout_s)
 
     async def check_health(self) -> None:
         # Never raises: a dead worker is replaced here, not a reason for Serve to restart this replica.
         await asyncio.to_thread(self.coordinator.check_workers, 5.0)
+
+    def worker_info(self) -> list[dict]:
+        """Each worker's `info()` (pid, device, items encoded): which processes serve this group."""
+        return ray.get([worker.info.remote() for worker in self.coordinator.workers])
 
     def stats(self) -> dict:
         return {**self.coordinator.stats(), "batching": dict(self.batching)}

@@ -1,8 +1,9 @@
 """OpenAI-style error bodies `{"error": {"message", "type", "param", "code"}}` and their HTTP statuses.
 
 Everything the caller got wrong arrives here as `raypipe.errors.InvalidInput` (from the HTTP layer,
-preprocessing, prompt building or sampling validation); its `code` picks the status. Anything else
-is a 500 whose message does not leak internals.
+preprocessing, prompt building or sampling validation); its `code` picks the status. A replica
+or actor that died or is unreachable mid-request (and a full engine queue) is a 503 the client may
+retry. Anything else is a 500 whose message does not leak internals.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 
 from raypipe.errors import CapacityError, InvalidInput
@@ -19,6 +21,10 @@ from raypipe.errors import CapacityError, InvalidInput
 _STATUS_BY_CODE = {"invalid_api_key": 401, "model_not_found": 404, "request_too_large": 413}
 _TYPE_BY_STATUS = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
                    429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
+
+
+# A process serving the request went away (Serve restarts it): the same request may succeed on retry.
+_UNAVAILABLE = (RayActorError, ActorDiedError, ActorUnavailableError, BackPressureError, DeploymentUnavailableError)
 
 
 class ApiError(Exception):
@@ -40,6 +46,8 @@ class ApiError(Exception):
             return cls(_STATUS_BY_CODE.get(exc.code, 400), str(exc), exc.code, param)
         if isinstance(exc, CapacityError):
             return cls(503, str(exc) or "server is at capacity, retry later", "overloaded")
+        if isinstance(exc, _UNAVAILABLE):
+            return cls(503, "a serving replica stopped or is unreachable; retry the request", "replica_unavailable")
         return cls(500, f"internal error ({type(exc).__name__})", "internal_error")
 
     def body(self) -> dict:

@@ -1,13 +1,16 @@
 """`Ingress` deployment: the OpenAI-compatible HTTP front door.
 
-Per chat request: authorize -> bounded body -> schema -> model name -> (thread) decode images and
-apply the chat template -> limits -> encoder group (image embeddings as `ObjectRef`s, never
-fetched here) -> decoder stream -> JSON body or SSE chunks. The first generated delta is awaited
-before a streaming response starts, so failures up to and including prefill still get a proper 4xx.
+Per chat request: authorize -> bounded body -> schema -> model name -> (thread) decode images,
+resized to what the vision tower consumes, and apply the chat template (text too long for the
+context is refused before tokenizing) -> limits -> encoder group (image embeddings as
+`ObjectRef`s, never fetched here) -> decoder stream -> JSON body or SSE chunks. The first generated
+delta is awaited before a streaming response starts, so failures up to and including prefill still
+get a proper 4xx. `/v1/completions` is the same without images or chat template.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string.
 import asyncio
+import hashlib
 import hmac
 import os
 import time
@@ -20,18 +23,20 @@ from ray.serve.handle import DeploymentHandle
 from deployments.errors import ApiError, install_handlers
 from deployments.limits import ServeLimits
 from deployments.metrics import ServeMetrics
-from deployments.protocol import ChatCompletionRequest, completion_id, models_body, parse_request
-from deployments.streaming import ChatStream
+from deployments.protocol import (ChatCompletionRequest, CompletionRequest, completion_id, model_card, models_body,
+                                  parse_request)
+from deployments.streaming import CompletionStream
 from raypipe.errors import InvalidInput
 from raypipe.models.presets import resolve_model
 from raypipe.models.registry import vision_adapter
-from raypipe.prompt import build_prompt
+from raypipe.prompt import build_prompt, check_text_chars, max_chars_per_token, plain_text_ids
 from raypipe.sampling import SamplingParams
 
 app = FastAPI(title="raypipe", docs_url=None, redoc_url=None)
 install_handlers(app)
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 
 
 # Serve's default of 5 ongoing requests per replica would cap the decode batch at 5.
@@ -40,7 +45,7 @@ CHAT = "/v1/chat/completions"
 class Ingress:
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, model: str = "tiny",
                  served_model_name: str | None = None, api_key: str | None = None, limits: dict | None = None,
-                 health_timeout_s: float = 10.0):
+                 health_timeout_s: float = 5.0, resize_images: bool = True):
         from transformers import AutoTokenizer
 
         checkpoint = resolve_model(model)
@@ -51,8 +56,12 @@ class Ingress:
         self.limits = ServeLimits(**(limits or {}))
         self.image_limits = self.limits.image_limits
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.chars_per_token = max_chars_per_token(self.tokenizer)
         self.vision_adapter = vision_adapter(checkpoint)
+        # Names this deployment's model and weights: same checkpoint, same fingerprint.
+        self.fingerprint = "fp_" + hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()[:12]
         self.health_timeout_s = health_timeout_s
+        self.resize_images = resize_images
         self.metrics = ServeMetrics()
         self.created = int(time.time())
         self._max_model_len: int | None = None
@@ -64,49 +73,85 @@ class Ingress:
         arrival = time.monotonic()
         try:
             self._authorize(request)
-            chat = parse_request(await self._read_body(request))
-            if chat.model not in self.model_names:
-                raise InvalidInput(f"model {chat.model!r} does not exist; this server serves "
-                                   f"{self.served_model_name!r}", item="model", code="model_not_found")
+            chat = parse_request(await self._read_body(request), ChatCompletionRequest)
+            self._check_model(chat.model)
             prompt, params = await self._prepare(chat)
             image_refs = await self.encoder.encode.remote(prompt.images) if prompt.images else []
             request_id = completion_id()
             # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
             deltas = self.decoder.options(stream=True).generate.remote(
                 request_id, prompt.without_pixels(), image_refs, params)
-            stream = ChatStream(request_id, self.served_model_name, deltas, prompt.num_prompt_tokens,
-                                arrival, chat.include_usage)
+            stream = CompletionStream("chat", request_id, self.served_model_name, self.fingerprint, deltas,
+                                      prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text)
             await stream.start()
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return self._error(CHAT, exc)
-        if chat.stream:
-            return StreamingResponse(stream.sse(self.metrics, CHAT), media_type="text/event-stream",
+        return await self._respond(CHAT, stream, bool(chat.stream))
+
+    @app.post(COMPLETIONS)
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            self._authorize(request)
+            completion = parse_request(await self._read_body(request), CompletionRequest)
+            self._check_model(completion.model)
+            prompt, params = await self._prepare_completion(completion)
+            request_id = completion_id("cmpl")
+            deltas = self.decoder.options(stream=True).generate.remote(request_id, prompt, [], params)
+            stream = CompletionStream("text", request_id, self.served_model_name, self.fingerprint, deltas,
+                                      len(prompt), arrival, completion.include_usage)
+            await stream.start()
+        except Exception as exc:  # noqa: BLE001
+            return self._error(COMPLETIONS, exc)
+        return await self._respond(COMPLETIONS, stream, bool(completion.stream))
+
+    async def _respond(self, endpoint: str, stream: CompletionStream, streaming: bool) -> Response:
+        if streaming:
+            return StreamingResponse(stream.sse(self.metrics, endpoint), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
             body = await stream.collect()
         except Exception as exc:  # noqa: BLE001
-            return self._error(CHAT, exc)
-        stream.record(self.metrics, CHAT)
+            return self._error(endpoint, exc)
+        stream.record(self.metrics, endpoint)
         return JSONResponse(body)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            body = models_body(self.served_model_name, await self._model_len(), self.created)
+            body = models_body([model_card(self.served_model_name, await self._model_len(), self.created)])
         except Exception as exc:  # noqa: BLE001
             return self._error("/v1/models", exc)
         self.metrics.requests.labels("/v1/models", "200").inc()
         return JSONResponse(body)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._check_model(model_id)
+            body = model_card(self.served_model_name, await self._model_len(), self.created)
+        except Exception as exc:  # noqa: BLE001
+            return self._error("/v1/models/{id}", exc)
+        self.metrics.requests.labels("/v1/models/{id}", "200").inc()
+        return JSONResponse(body)
+
     @app.get("/health")
     async def health(self) -> Response:
-        """200 only when at least one encoder worker and the decoder answer; no auth (load balancers)."""
+        """200 while at least one encoder worker and the decoder are alive (busy is alive); no auth (load balancers).
+
+        Both probes are awaited with `return_exceptions`, so a probe that fails after a client gave
+        up (or after the timeout) is still collected rather than logged as "never retrieved".
+        """
+        probes = asyncio.gather(self.encoder.ping.remote(), self.decoder.stats.remote(), return_exceptions=True)
         try:
-            encoder, decoder = await asyncio.wait_for(
-                asyncio.gather(self.encoder.ping.remote(), self.decoder.stats.remote()), self.health_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - any failure to answer means not ready
-            return JSONResponse({"status": "unavailable", "reason": f"{type(exc).__name__}: {exc}"[:500]},
+            encoder, decoder = await asyncio.wait_for(probes, self.health_timeout_s)
+        except asyncio.TimeoutError:
+            encoder = decoder = TimeoutError(f"no answer within {self.health_timeout_s:g} s")
+        failed = next((r for r in (encoder, decoder) if isinstance(r, BaseException)), None)
+        if failed is not None:
+            return JSONResponse({"status": "unavailable", "reason": f"{type(failed).__name__}: {failed}"[:500]},
                                 status_code=503)
         ready = encoder["alive"] >= 1
         return JSONResponse({"status": "ok" if ready else "unavailable", "encoder_workers": encoder,
@@ -140,18 +185,34 @@ class Ingress:
                 raise InvalidInput(f"request body exceeds the {limit}-byte limit", code="request_too_large")
         return bytes(body)
 
+    def _check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise InvalidInput(f"model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                               item="model", code="model_not_found")
+
     async def _prepare(self, chat: ChatCompletionRequest):
         self.limits.check_image_count(len(chat.image_urls()))
+        model_len = await self._model_len()
         # Image decoding and the chat template are CPU work: keep the event loop serving other requests.
         prompt = await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
-                                         self.vision_adapter, self.image_limits)
-        max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens,
-                                                await self._model_len())
-        params = SamplingParams(max_tokens=max_tokens,
-                                temperature=1.0 if chat.temperature is None else chat.temperature,
-                                top_p=1.0 if chat.top_p is None else chat.top_p, seed=chat.seed,
-                                stop=chat.stop_list())
-        return prompt, params
+                                         self.vision_adapter, self.image_limits,
+                                         max_text_chars=model_len * self.chars_per_token,
+                                         resize_images=self.resize_images)
+        max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
+        return prompt, SamplingParams(max_tokens=max_tokens, **chat.sampling_kwargs())
+
+    async def _prepare_completion(self, completion: CompletionRequest) -> tuple[list[int], SamplingParams]:
+        prompt = completion.single_prompt()
+        model_len = await self._model_len()
+        if isinstance(prompt, str):
+            check_text_chars(len(prompt), model_len * self.chars_per_token)
+            prompt = await asyncio.to_thread(plain_text_ids, self.tokenizer, prompt)
+        requested = 16 if completion.max_tokens is None else completion.max_tokens  # OpenAI's default here
+        max_tokens = self.limits.max_tokens_for(requested, len(prompt), model_len)
+        return list(prompt), SamplingParams(max_tokens=max_tokens, **completion.sampling_kwargs())
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     async def _model_len(self) -> int:
         if self._max_model_len is None:

@@ -1,9 +1,19 @@
-"""`raypipe serve`: start the Serve application on a local (or the running) Ray and block until Ctrl-C."""
+"""`raypipe serve`: start the Serve application on a local (or the running) Ray and block until Ctrl-C.
+
+It refuses a port something already listens on (Serve's proxy would share it), and keeps its log
+to what a user should read: no "Connecting to existing Serve app" note for the Serve it has just
+started itself, and no controller-retry noise on a clean stop of a Ray it owns (`ray.shutdown`
+stops Serve with everything else).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -19,6 +29,11 @@ def run_serve(args) -> int:
     from raypipe.models.presets import resolve_model
     from raypipe.pipeline import connect_ray
 
+    try:
+        check_port_free(args.host, args.port)
+    except OSError as exc:
+        print(f"raypipe: could not start serving: {exc}", file=sys.stderr, flush=True)
+        return 1
     resolve_model(args.model)  # write a preset once here, before several replicas race to
     owns_ray = not ray.is_initialized()
     connect_ray()
@@ -28,7 +43,8 @@ def run_serve(args) -> int:
         api_key = args.api_key or os.environ.get("RAYPIPE_API_KEY")
         shared = {name: getattr(args, name) for name in AppArgs.model_fields if hasattr(args, name)}
         app = build_app(AppArgs(**{**shared, "api_key": api_key}))
-        serve.run(app, name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
+        with _quiet_reconnect_note():
+            serve.run(app, name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
         print(f"raypipe: serving {args.model!r} at http://{args.host}:{args.port}/v1 "
               f"(API key {'on' if api_key else 'off'}); Ctrl-C stops", flush=True)
         while True:
@@ -40,9 +56,43 @@ def run_serve(args) -> int:
         print(f"raypipe: could not start serving: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        serve.shutdown()
         if owns_ray:
-            ray.shutdown()
+            ray.shutdown()  # takes Serve down with it, without Serve's controller-retry warnings
+        else:
+            serve.shutdown()  # a shared cluster: remove only our application and Serve
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise if something listens on `host:port` already.
+
+    Serve's proxy binds with SO_REUSEPORT, so a second server on a taken port would "start" and
+    the kernel would split connections between the two (with an API key on only one of them, half
+    the connections would skip authentication). A plain bind, without port reuse, finds out first.
+    """
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine; a listener is not
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(exc.errno, f"port {port} on {host} is already in use (another server is "
+                                         "listening there); pick another --port") from None
+            raise
+
+
+@contextlib.contextmanager
+def _quiet_reconnect_note():
+    """serve.run() reconnects to the Serve that serve.start() just started with our HTTP options, and
+    says at INFO that "new http_options will not be applied": true, but there were none to apply."""
+    def drop(record: logging.LogRecord) -> bool:
+        return "Connecting to existing Serve app" not in record.getMessage()
+
+    logger = logging.getLogger("ray.serve")
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _interrupt(*_):

@@ -1,9 +1,10 @@
 """One request's stream of decoder deltas, turned into an OpenAI response body or SSE chunks.
 
-SSE order (as OpenAI sends it): a first chunk with the assistant role, one chunk per non-empty
-text delta, a chunk with `finish_reason` and an empty delta, with `include_usage` one more chunk
-with empty `choices` and the usage, then `data: [DONE]`. If the client goes away, the decoder
-call is cancelled, which aborts the engine request and frees its slot.
+SSE order (as OpenAI sends it): for chat a first chunk with the assistant role, one chunk per
+non-empty text delta (or per delta with logprobs), a chunk with `finish_reason` and an empty delta,
+with `include_usage` one more chunk with empty `choices` and the usage, then `data: [DONE]`. If the
+client goes away, the decoder call is cancelled, which aborts the engine request and frees its
+slot. If the decoder dies mid-stream, an error event (503, retryable) precedes `[DONE]`.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ def openai_finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-class ChatStream:
-    def __init__(self, request_id: str, model: str, deltas, prompt_tokens: int, arrival: float,
-                 include_usage: bool):
-        self.request_id, self.model, self.deltas = request_id, model, deltas
+class CompletionStream:
+    """`kind` is "chat" or "text" (see `protocol.completion_body`); `token_text(id)` renders logprob tokens."""
+
+    def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas, prompt_tokens: int,
+                 arrival: float, include_usage: bool, token_text=None):
+        self.kind, self.request_id, self.model, self.fingerprint = kind, request_id, model, fingerprint
+        self.deltas, self.token_text = deltas, token_text
         self.prompt_tokens, self.arrival, self.include_usage = prompt_tokens, arrival, include_usage
         self.created = int(time.time())
         self.completion_tokens = 0
@@ -39,22 +43,40 @@ class ChatStream:
         self._first = await self.deltas.__anext__()
         self.first_token_at = time.monotonic()
 
-    async def _texts(self) -> AsyncIterator[str]:
+    async def _pieces(self) -> AsyncIterator[tuple[str, list | None]]:
+        """(text, OpenAI logprob entries or None) per delta that carries either."""
         delta = self._first
         while True:
             self.completion_tokens += len(delta.token_ids)
             if delta.finish_reason is not None:
                 self.finish_reason = openai_finish_reason(delta.finish_reason)
-            if delta.text:
-                yield delta.text
+            entries = self._logprob_entries(getattr(delta, "logprobs", None))
+            if delta.text or entries:
+                yield delta.text, entries
             if self.finish_reason is not None:
                 return
             delta = await self.deltas.__anext__()
 
+    def _logprob_entries(self, logprobs) -> list | None:
+        if not logprobs or self.token_text is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
+
+        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in logprobs]
+
     async def collect(self) -> dict:
-        text = "".join([piece async for piece in self._texts()])
-        return completion_body(self.request_id, self.model, text, self.finish_reason, self.prompt_tokens,
-                               self.completion_tokens)
+        texts, entries = [], None
+        async for text, piece_entries in self._pieces():
+            texts.append(text)
+            if piece_entries is not None:
+                entries = (entries or []) + piece_entries
+        logprobs = {"content": entries, "refusal": None} if entries is not None else None
+        return completion_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, "".join(texts),
+                               self.finish_reason, self.prompt_tokens, self.completion_tokens, logprobs)
 
     def record(self, metrics: ServeMetrics, endpoint: str) -> None:
         metrics.record_success(endpoint, self.arrival, self.first_token_at, time.monotonic(), self.prompt_tokens,
@@ -64,15 +86,19 @@ class ChatStream:
         def event(body: dict) -> str:
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
-        def chunk(delta, finish=None, usage_value=None) -> str:
-            return event(chunk_body(self.request_id, self.model, self.created, delta, finish,
-                                    with_usage_field=self.include_usage, usage_value=usage_value))
+        def chunk(delta, finish=None, usage_value=None, entries=None) -> str:
+            logprobs = {"content": entries, "refusal": None} if entries is not None else None
+            return event(chunk_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, delta,
+                                    finish, logprobs=logprobs, with_usage_field=self.include_usage,
+                                    usage_value=usage_value))
 
+        key = "content" if self.kind == "chat" else "text"
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for text in self._texts():
-                yield chunk({"content": text})
-            yield chunk({}, self.finish_reason)
+            if self.kind == "chat":
+                yield chunk({"role": "assistant", "content": ""})
+            async for text, entries in self._pieces():
+                yield chunk({key: text}, entries=entries)
+            yield chunk({} if self.kind == "chat" else {"text": ""}, self.finish_reason)
             if self.include_usage:
                 yield chunk(None, usage_value=usage(self.prompt_tokens, self.completion_tokens))
             yield "data: [DONE]\n\n"

@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and ratios")
-    bench.add_argument("target", choices=["encode", "decode", "serve", "batch", "cluster"])
+    bench.add_argument("target", choices=["encode", "decode", "serve", "serve-load", "batch", "cluster"],
+                       help="serve-load: large images before/after ingress resizing, /health under load and "
+                            "after every encoder worker is killed")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         import importlib
 
-        return importlib.import_module(f"raypipe.bench.{args.target}").main(args)
+        return importlib.import_module(f"raypipe.bench.{args.target.replace('-', '_')}").main(args)
     return 2
 
 

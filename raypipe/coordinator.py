@@ -94,6 +94,7 @@ class Coordinator:
         self.total_loads = [0.0] * len(self.workers)
         self.inflight_loads = [0.0] * len(self.workers)
         self.workers_replaced = 0
+        self.pixel_bytes_received = 0  # image bytes handed to submit(): what callers shipped here
         self._loading: dict[int, ray.ObjectRef] = {}  # worker index -> first ping of a replacement
         self._lock = threading.Lock()
 
@@ -103,6 +104,7 @@ class Coordinator:
 
     def submit(self, images: Sequence[DecodedImage]) -> list[EncodedImage]:
         items = [self.adapter.make_item(image) for image in images]
+        self.pixel_bytes_received += sum(image.pixels.nbytes for image in images)
         refs: dict[str, ray.ObjectRef] = {}
         cached_keys: set[str] = set()
         todo: list[VisionItem] = []  # unique misses, in order of first occurrence
@@ -245,4 +247,4 @@ class Coordinator:
                 "worker_total_load": loads, "total_imbalance": imbalance(loads),
                 "last_call_loads": report.loads if report else [], "last_call_imbalance":
                 report.imbalance if report else 1.0, "workers_replaced": self.workers_replaced,
-                "workers_loading": len(self._loading)}
+                "workers_loading": len(self._loading), "pixel_bytes_received": self.pixel_bytes_received}

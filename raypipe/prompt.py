@@ -44,8 +44,13 @@ class PreparedPrompt:
 
 
 def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
-                 image_limits: ImageLimits = ImageLimits(), *, max_text_chars: int | None = None) -> PreparedPrompt:
-    """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it."""
+                 image_limits: ImageLimits = ImageLimits(), *, max_text_chars: int | None = None,
+                 resize_images: bool = True) -> PreparedPrompt:
+    """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it.
+
+    `resize_images=False` keeps images at full resolution (the encoder worker's processor resizes
+    them): only for measuring what resizing here saves (`raypipe bench serve-load`).
+    """
     if isinstance(request, dict) and "prompt_token_ids" in request:
         return _from_token_ids(request, tokenizer, vision_adapter, image_limits)
     messages = request.get("messages") if isinstance(request, dict) else request
@@ -55,14 +60,16 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     template_messages, raw_images = _split_images(messages)
     if max_text_chars is not None:
         check_text_chars(sum(len(text) for text in _texts(template_messages)), max_text_chars)
-    images = [_load_for_tower(raw, image_limits, vision_adapter, f"images[{i}]") for i, raw in enumerate(raw_images)]
+    images = [_load_for_tower(raw, image_limits, vision_adapter if resize_images else None, f"images[{i}]")
+              for i, raw in enumerate(raw_images)]
     ids = chat_template_ids(tokenizer, template_messages)
     return _expand(ids, images, tokenizer, vision_adapter, allow_expanded=False)
 
 
-def _load_for_tower(raw, image_limits: ImageLimits, vision_adapter: VisionAdapter, item: str) -> DecodedImage:
+def _load_for_tower(raw, image_limits: ImageLimits, vision_adapter: VisionAdapter | None, item: str) -> DecodedImage:
     # Resized where it is decoded: only what the tower consumes travels to the encoders.
-    return vision_adapter.resize_for_tower(load_image(raw, image_limits, item=item))
+    image = load_image(raw, image_limits, item=item)
+    return vision_adapter.resize_for_tower(image) if vision_adapter is not None else image
 
 
 def max_chars_per_token(tokenizer) -> int:

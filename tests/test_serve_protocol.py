@@ -73,6 +73,14 @@ def test_error_bodies(exc, status):
 
 
 def test_usage_chunk_has_no_choices():
-    chunk = chunk_body("id", "m", 0, None, with_usage_field=True, usage_value={"total_tokens": 3})
-    assert chunk["choices"] == [] and chunk["usage"] == {"total_tokens": 3}
-    assert "usage" not in chunk_body("id", "m", 0, {"content": "x"})
+    for kind in ("chat", "text"):
+        chunk = chunk_body(kind, "id", "m", "fp_x", 0, None, with_usage_field=True, usage_value={"total_tokens": 3})
+        assert chunk["choices"] == [] and chunk["usage"] == {"total_tokens": 3}
+        assert "usage" not in chunk_body(kind, "id", "m", "fp_x", 0, {"content": "x", "text": "x"})
+
+
+def test_dead_replica_is_a_retryable_503():
+    from ray.exceptions import ActorDiedError
+
+    error = ApiError.from_exception(ActorDiedError())
+    assert error.status == 503 and error.body()["error"]["code"] == "replica_unavailable"
