@@ -175,7 +175,13 @@ def test_rayjob_runs_the_batch_command_on_an_autoscaling_cluster():
     job = yaml.safe_load((KUBERAY / "rayjob-batch.yaml").read_text())
     assert job["kind"] == "RayJob" and job["spec"]["shutdownAfterJobFinishes"] is True
     groups = _check_autoscaling_cluster(job["spec"]["rayClusterSpec"], "RayJob")
+    from raypipe.cli import build_parser
+
     argv = job["spec"]["entrypoint"].split()
-    assert argv[:2] == ["raypipe", "batch"]
-    low, high = map(int, argv[argv.index("--num-encoders") + 1].split(":"))
+    assert argv[0] == "raypipe"
+    args = build_parser().parse_args(argv[1:])  # the entrypoint is a valid `raypipe batch` command line
+    assert args.command == "batch"
+    low, high = args.num_encoders
     assert 1 <= low < high <= sum(g["maxReplicas"] for g in groups), "the encoder pool can grow to its max"
+    # explicit: the default share is 0 on a cluster that starts without GPU pods, and nothing would scale
+    assert args.encoder_gpus == 1

@@ -38,7 +38,8 @@ AUTOSCALING = {
     "EncoderGroup": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 0.25},  # encoding is brief
     "Decoder": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2},
 }
-FAST = {"upscale_delay_s": 2, "downscale_delay_s": 5, "look_back_period_s": 2, "metrics_interval_s": 0.5}
+# downscale_delay_s 10: a replica that takes long to start on a busy machine is not cancelled by a lull
+FAST = {"upscale_delay_s": 2, "downscale_delay_s": 10, "look_back_period_s": 2, "metrics_interval_s": 0.5}
 BASE_GPU_NODES = 2  # one encoder worker + one decoder
 MAX_GPU_NODES = 4  # two of each
 

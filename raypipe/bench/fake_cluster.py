@@ -89,7 +89,7 @@ class FakeCluster:
             "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
         }
 
-    def start(self, timeout_s: float = 60.0) -> "FakeCluster":
+    def start(self, timeout_s: float = 180.0) -> "FakeCluster":
         config_path = self.temp_dir / "autoscaling.json"
         config_path.write_text(json.dumps(self.autoscaling_config()))
         head = self.head_resources
@@ -101,7 +101,11 @@ class FakeCluster:
             "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats",
             f"--ray-client-server-port={client_server_port()}", "--dashboard-agent-listen-port=0",
         ]
-        result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        try:
+            result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        except BaseException:
+            self.stop()  # a half-started head must not outlive us
+            raise
         if result.returncode != 0:
             self.stop()
             raise RuntimeError(f"ray start --head failed:\n{result.stdout}\n{result.stderr}")
@@ -141,6 +145,18 @@ class FakeCluster:
                 own.add(pid)
                 todo.extend(children.get(pid, []))
         return own
+
+    def node_count(self) -> int:
+        """Nodes alive now (head included), counted as this cluster's raylet processes: no Ray connection needed."""
+        marker = str(self.temp_dir).encode()
+        count = 0
+        for pid in self.own_pids():
+            try:
+                cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            count += cmdline.split(b"\0", 1)[0].endswith(b"/raylet") and marker in cmdline
+        return count
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL, every process of this cluster and nothing else; remove the temp dir."""
