@@ -7,7 +7,7 @@ import sys
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="preset name (tiny, small) or local HF checkpoint folder")
+    p.add_argument("--model", default="tiny", help="preset name (tiny, small, tiny-step3) or local HF checkpoint folder")
 
 
 def _add_encoders(p: argparse.ArgumentParser) -> None:
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer token (or set RAYPIPE_API_KEY)")
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and ratios")
-    bench.add_argument("target", choices=["encode", "decode", "serve"])
+    bench.add_argument("target", choices=["encode", "decode", "serve", "step3"])
+    bench.add_argument("--model", default=None, help="checkpoint to benchmark (default: each benchmark's own)")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
