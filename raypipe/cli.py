@@ -8,7 +8,7 @@ import sys
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny",
-                   help="preset name (tiny, small), local HF checkpoint folder, or s3://bucket/prefix/ (copied once per node)")
+                   help="preset name (tiny, small, tiny-step3), local HF checkpoint folder, or s3://bucket/prefix/ (copied once per node)")
 
 
 def _add_encoders(p: argparse.ArgumentParser, *, autoscale: bool = False, default: int = 2) -> None:
@@ -101,9 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and ratios")
-    bench.add_argument("target", choices=["encode", "decode", "serve", "serve-load", "batch", "cluster"],
+    bench.add_argument("target", choices=["encode", "decode", "serve", "serve-load", "batch", "cluster", "step3"],
                        help="serve-load: large images before/after ingress resizing, /health under load and "
                             "after every encoder worker is killed")
+    bench.add_argument("--model", default=None, help="checkpoint to benchmark (default: each benchmark's own)")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")

@@ -1,6 +1,7 @@
 """`raypipe bench decode`: engine throughput vs transformers' generate(), and K=8 vs K=1 through Ray.
 
-On the `small` preset (Qwen2.5-VL shape scaled to ~70M parameters, random weights), text prompts of
+On the `small` preset by default (Qwen2.5-VL shape scaled to ~70M parameters, random weights; `--model
+tiny-step3` for Step3), text prompts of
 varied length, greedy, `max_tokens` per request:
 (a) tokens/s of `LLMEngine` (in process, K=8) with 1, 8 and 32 concurrent requests, against
     transformers' `generate()` run one request at a time and on one left-padded static batch;
@@ -96,7 +97,7 @@ def median_run(fn, repeats: int):
 
 
 def main(args) -> int:
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
@@ -113,7 +114,7 @@ def main(args) -> int:
     eos, pad = adapter.eos_token_ids[0], adapter.tokenizer.pad_token_id
     config = EngineConfig(max_num_seqs=32, max_model_len=512, num_scheduler_steps=8)
 
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint).eval()
+    hf = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()  # the family's own class
     with torch.inference_mode():
         hf_sequential(hf, prompts[:1], 4, eos)  # warm-up
         reference, _ = hf_sequential(hf, prompts, max_tokens, eos)

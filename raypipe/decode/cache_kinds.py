@@ -88,9 +88,13 @@ class FullAttentionRows(LayerRows):
 
     def __init__(self, text_config, limits: CacheLimits):
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        shape = (limits.max_num_seqs, text_config.num_key_value_heads, limits.max_model_len, head_dim)
+        shape = (limits.max_num_seqs, text_config.num_key_value_heads, self.row_length(text_config, limits), head_dim)
         self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
+
+    def row_length(self, text_config, limits: CacheLimits) -> int:
+        """Tokens one row holds."""
+        return limits.max_model_len
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values]
@@ -178,7 +182,7 @@ class LinearAttentionRows(LayerRows):
         return None  # a generated token is never padding
 
 
-class SlidingWindowRows(LayerRows):
+class SlidingWindowRows(FullAttentionRows):
     """K/V rings of `sliding_window` tokens per row (Step3's `sliding_attention` layers).
 
     transformers' sliding layers let position q attend to keys k with `q - window < k <= q`, so a
@@ -194,16 +198,10 @@ class SlidingWindowRows(LayerRows):
 
     layer_type = "sliding_attention"
 
-    def __init__(self, text_config, limits: CacheLimits):
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    def row_length(self, text_config, limits: CacheLimits) -> int:
         self.window = text_config.sliding_window
         self.ring = min(self.window, limits.max_model_len)
-        shape = (limits.max_num_seqs, text_config.num_key_value_heads, self.ring, head_dim)
-        self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
-        self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.values]
+        return self.ring
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, pattern: WritePattern):
         if pattern.is_prefill:

@@ -1,13 +1,33 @@
-"""What the decode engine drives, whatever the family: embed, a batched forward, logits.
+"""What the decode engine needs, whatever the family: config facts and a model to drive.
 
-Each family's language model (a transformers text model plus `lm_head`, without the vision tower)
+`LanguageAdapter` reads what every family has (config, tokenizer, sizes, the image token, EOS ids);
+a family adds its positions, image-token runs and `load_model`. Each family's language model (a transformers text model plus `lm_head`, without the vision tower)
 subclasses `DecoderLM` and sets `self.model`, `self.lm_head` and `self.image_token_id`; the engine
 calls only these three methods.
 """
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
+
+
+class LanguageAdapter:
+    """Config-level knowledge of the language side (no weights)."""
+
+    def __init__(self, checkpoint: str | pathlib.Path):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.checkpoint = pathlib.Path(checkpoint)
+        self.config = AutoConfig.from_pretrained(self.checkpoint)
+        self.text_config = self.config.text_config
+        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+        self.hidden_size = self.text_config.hidden_size
+        self.vocab_size = self.text_config.vocab_size
+        self.max_position_embeddings = self.text_config.max_position_embeddings
+        self.image_token_id = self.config.image_token_id
+        self.eos_token_ids = eos_ids(self.config, self.tokenizer)
 
 
 class DecoderLM(torch.nn.Module):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from raypipe.models.checkpoint import load_module_weights, load_tensors
-from raypipe.models.language_model import DecoderLM, eos_ids
+from raypipe.models.language_model import DecoderLM, LanguageAdapter
 
 # Both layouts occur: the original release (`model.layers...`) and newer transformers saves.
 LANGUAGE_PREFIXES = ("model.language_model.", "model.")
@@ -40,24 +40,14 @@ class _RopeIndex:
         return self._get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw)
 
 
-class Qwen2_5_VLLanguageAdapter:
+class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
     """Config-level knowledge of the language side (no weights): tokens, limits, positions."""
 
     def __init__(self, checkpoint: str | pathlib.Path):
-        from transformers import AutoConfig, AutoTokenizer
-
-        self.checkpoint = pathlib.Path(checkpoint)
-        self.config = AutoConfig.from_pretrained(self.checkpoint)
-        self.text_config = self.config.text_config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-        self.hidden_size = self.text_config.hidden_size
-        self.vocab_size = self.text_config.vocab_size
-        self.max_position_embeddings = self.text_config.max_position_embeddings
-        self.image_token_id = self.config.image_token_id
+        super().__init__(checkpoint)
         self.vision_start_token_id = self.config.vision_start_token_id
         self.vision_end_token_id = self.config.vision_end_token_id
         self.merge = self.config.vision_config.spatial_merge_size
-        self.eos_token_ids = eos_ids(self.config, self.tokenizer)
         self._rope_index = _RopeIndex(self.config)
 
     def tokens_per_image(self, grid: Sequence[int]) -> int:

@@ -16,30 +16,20 @@ from collections.abc import Sequence
 
 import torch
 
-from raypipe.models.language_model import DecoderLM, eos_ids
+from raypipe.models.language_model import DecoderLM, LanguageAdapter
 from raypipe.models.step3_geometry import IMAGE_TOKEN, Step3Geometry
 from raypipe.models.step3_image_processor import load_image_processor
 from raypipe.models.step3_loading import load_step3_model
 
 
-class Step3LanguageAdapter:
+class Step3LanguageAdapter(LanguageAdapter):
     """Config-level knowledge of the language side (no weights): tokens, limits, positions."""
 
     def __init__(self, checkpoint: str | pathlib.Path):
-        from transformers import AutoConfig, AutoTokenizer
-
-        self.checkpoint = pathlib.Path(checkpoint)
-        self.config = AutoConfig.from_pretrained(self.checkpoint)
-        self.text_config = self.config.text_config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-        self.hidden_size = self.text_config.hidden_size
-        self.vocab_size = self.text_config.vocab_size
-        self.max_position_embeddings = self.text_config.max_position_embeddings
-        self.image_token_id = self.config.image_token_id
+        super().__init__(checkpoint)
         if self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) != self.image_token_id:
             raise ValueError(f"{checkpoint}: config image_token_id {self.image_token_id} is not {IMAGE_TOKEN!r}")
         self.geometry = Step3Geometry(load_image_processor(self.checkpoint))
-        self.eos_token_ids = eos_ids(self.config, self.tokenizer)
 
     def tokens_per_image(self, grid: Sequence[int]) -> int:
         return self.geometry.num_tokens(tuple(grid))

@@ -1,0 +1,102 @@
+"""Step3 in the decode engine: greedy equals transformers' generate() token for token, K=1 and K=8.
+
+Every prompt is longer than the tiny preset's 16-token sliding window, so the sliding layers'
+window (and its masks in prefill, in decode and across rows of different lengths) decides the
+output; the full-attention layer sees the whole prompt; the MoE layers route each token to 2 of 4
+experts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from raypipe import SamplingParams
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
+from raypipe.models.registry import vision_adapter
+from raypipe.prompt import build_prompt
+from tests import step3_reference as ref
+from tests.conftest import random_images
+
+MAX_NEW = 20
+# (text, image sizes): text only, one image, several (with and without crops), a long text.
+REQUESTS = [
+    ("Say something.", []),
+    ("What is in this picture?", [(300, 200)]),
+    ("Compare these three, please:", [(120, 100), (60, 500), (224, 224)]),
+    ("hi", [(400, 700)]),
+    ("A much longer text-only prompt that makes this row longer than the others in the batch, "
+     "and much longer than the sliding window.", []),
+    ("two", [(20, 400), (50, 80)]),
+    ("x", []),
+    ("Describe.", [(700, 120)]),
+]
+
+
+@pytest.fixture(scope="module")
+def engines(step3_ckpt):
+    made = {}
+
+    def get(k: int) -> LLMEngine:
+        if k not in made:
+            made[k] = LLMEngine(step3_ckpt, EngineConfig(max_num_seqs=8, max_model_len=512, num_scheduler_steps=k))
+        return made[k]
+
+    yield get
+    for engine in made.values():
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cases(step3_ckpt, step3_hf_model, engines):
+    """Prompt, transformers' image features and transformers' greedy tokens for each request."""
+    engine = engines(8)
+    vision = vision_adapter(step3_ckpt)
+    eos = engine.adapter.eos_token_ids[0]
+    window = engine.adapter.text_config.sliding_window
+    out = []
+    for i, (text, sizes) in enumerate(REQUESTS):
+        images = random_images(sizes, seed=i)
+        content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": text}]
+        prompt = build_prompt([{"role": "user", "content": content}], engine.tokenizer, vision)
+        assert prompt.num_prompt_tokens > window
+        features = ref.image_features(step3_hf_model, step3_ckpt, images)
+        want = ref.generate(step3_hf_model, prompt.prompt_token_ids, features, MAX_NEW)
+        out.append((prompt, features, want[: want.index(eos) + 1] if eos in want else want))
+    assert len({tuple(w) for _, _, w in out}) > 1  # the prompts lead to different outputs
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 8])
+@pytest.mark.parametrize("case", [0, 1, 2, 4], ids=["text", "one_image", "three_images", "long_text"])
+def test_single_request_matches_generate(engines, cases, k, case):
+    prompt, features, want = cases[case]
+    out = asyncio.run(engines(k).generate_output(f"single-{k}-{case}", prompt, features,
+                                                 SamplingParams(max_tokens=MAX_NEW)))
+    assert out.token_ids == want
+    assert out.num_image_tokens == prompt.num_image_tokens
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_staggered_requests_join_a_running_batch(engines, cases, k):
+    engine = engines(k)
+    before = engine.stats()
+    max_tokens = [MAX_NEW, 5, 17, MAX_NEW, 1, 9, 13, 20]
+
+    async def one(i):
+        await asyncio.sleep(0.01 * i)  # arrive while earlier requests are mid-generation
+        prompt, features, _ = cases[i]
+        return await engine.generate_output(f"batch-{k}-{i}", prompt, features,
+                                            SamplingParams(max_tokens=max_tokens[i]))
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(len(cases))))
+
+    for i, out in enumerate(asyncio.run(all_of_them())):
+        assert out.token_ids == cases[i][2][: max_tokens[i]], f"request {i}"
+    after = engine.stats()
+    assert after["max_running_seen"] > 1
+    assert after["prefill_batches"] - before["prefill_batches"] >= 2  # later requests joined a running batch
+    assert after["running"] == 0 and after["waiting"] == 0
