@@ -14,8 +14,8 @@ def _add_encoders(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-encoders", type=int, default=2, help="vision-encoder replicas (Ray actors)")
     p.add_argument("--encoder-gpus", type=float, default=None,
                    help="GPU share per encoder actor (default: 1 if the cluster has GPUs, else 0)")
-    p.add_argument("--cost-model", choices=["patches", "attention"], default="patches",
-                   help="how the load balancer weighs images")
+    p.add_argument("--cost-model", choices=["patches", "attention", "calibrated"], default="patches",
+                   help="how the load balancer weighs images (calibrated: fitted from measured encode times)")
 
 
 def build_parser() -> argparse.ArgumentParser:

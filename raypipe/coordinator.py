@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from raypipe.balance import get_load_balance_assignment, split_by_counts
 from raypipe.cache import EmbeddingCache
+from raypipe.calibration import CalibratedCosts
 from raypipe.models.base import VisionAdapter, VisionItem, check_cost_model
+from raypipe.partition import partition
 from raypipe.preprocess import DecodedImage
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,10 @@ class Coordinator:
         self.total_loads = [0.0] * len(self.workers)
         self.inflight_loads = [0.0] * len(self.workers)
         self.workers_replaced = 0
+        # Fitted from every shard's measured time, whatever the cost model (stats show the fit);
+        # only `calibrated` balances with it. Keyed by the workers' device kind, from their receipts.
+        self.calibration = CalibratedCosts()
+        self.device_kind = "unknown"
         self._lock = threading.Lock()
 
     def encode(self, images: Sequence[DecodedImage]) -> list:
@@ -99,14 +104,19 @@ class Coordinator:
                     todo.append(item)
                     todo_inputs.append([index])
 
-        sizes = [self.adapter.cost(item, self.cost_model) for item in todo]
+        patches = [self.adapter.cost(item, "patches") for item in todo]
+        prior = [self.adapter.cost(item, "attention") for item in todo]
+        if self.cost_model == "calibrated":
+            sizes = self.calibration.for_device(self.device_kind).unit_costs(patches, prior)
+        else:
+            sizes = patches if self.cost_model == "patches" else prior
         with self._lock:  # concurrent calls (a Serve replica) see each other's work in flight
             workers = list(self.workers)
-            order, counts, loads = get_load_balance_assignment(sizes, len(workers), self.inflight_loads)
+            # Greedy plus local search: never a worse makespan than vLLM's greedy (see partition.py).
+            shards, loads = partition(sizes, len(workers), self.inflight_loads)
             self.inflight_loads = [a + b for a, b in zip(self.inflight_loads, loads)]
-        shards = split_by_counts(order, counts)
         try:
-            retried = self._run_shards(todo, shards, workers, refs)
+            retried = self._run_shards(todo, shards, workers, refs, (patches, prior))
         finally:
             with self._lock:
                 self.inflight_loads = [a - b for a, b in zip(self.inflight_loads, loads)]
@@ -123,7 +133,7 @@ class Coordinator:
                              item.content_hash in cached_keys) for item in items]
 
     def _run_shards(self, todo: list[VisionItem], shards: list[list[int]], workers: list,
-                    refs: dict[str, ray.ObjectRef]) -> int:
+                    refs: dict[str, ray.ObjectRef], unit_costs: tuple[list[float], list[float]]) -> int:
         pending = {}  # receipt ref -> (worker index, shard, attempt)
         for w, shard in enumerate(shards):
             if shard:
@@ -133,7 +143,7 @@ class Coordinator:
             ready, _ = ray.wait(list(pending), num_returns=1)
             w, shard, attempt = pending.pop(ready[0])
             try:
-                ray.get(ready[0])
+                receipt = ray.get(ready[0])
             except WORKER_LOST as exc:
                 if attempt >= self.max_shard_attempts:
                     raise
@@ -141,7 +151,14 @@ class Coordinator:
                 retry_on = self._replace_and_pick(workers[w], w)
                 retried += 1
                 pending[self._launch(self.workers[retry_on], todo, shard, refs)] = (retry_on, shard, attempt + 1)
+                continue
+            self._calibrate(receipt, shard, *unit_costs)
         return retried
+
+    def _calibrate(self, receipt: dict, shard: list[int], patches: list[float], prior: list[float]) -> None:
+        self.device_kind = receipt.get("device", self.device_kind)
+        self.calibration.for_device(self.device_kind).observe(
+            [patches[t] for t in shard], [prior[t] for t in shard], receipt["seconds"])
 
     def _launch(self, worker, todo: list[VisionItem], shard: list[int], refs: dict) -> ray.ObjectRef:
         payload = ray.put([todo[t] for t in shard])  # exactly this worker's shard, once
@@ -167,4 +184,5 @@ class Coordinator:
         return {"workers": len(self.workers), "cost_model": self.cost_model, "cache": self.cache.stats(),
                 "worker_total_load": loads, "total_imbalance": imbalance(loads),
                 "last_call_loads": report.loads if report else [], "last_call_imbalance":
-                report.imbalance if report else 1.0, "workers_replaced": self.workers_replaced}
+                report.imbalance if report else 1.0, "workers_replaced": self.workers_replaced,
+                "cost_fit": self.calibration.stats()}

@@ -38,6 +38,8 @@ class EncoderWorker:
         self.adapter = vision_adapter(checkpoint)
         self.tower = self.adapter.load_tower(self.device, self.dtype)
         self.items_encoded = 0
+        # The coordinator's cost calibration is kept per device kind.
+        self.device_kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "device": str(self.device), "dtype": str(self.dtype),
@@ -49,7 +51,8 @@ class EncoderWorker:
         start = time.perf_counter()
         embeddings = self.tower.encode(items)
         self.items_encoded += len(items)
-        receipt = {"pid": os.getpid(), "items": len(items), "seconds": time.perf_counter() - start}
+        receipt = {"pid": os.getpid(), "items": len(items), "seconds": time.perf_counter() - start,
+                   "device": self.device_kind}
         return (*embeddings, receipt)
 
     def encode_timed(self, items: list[VisionItem], repeats: int = 3) -> list[float]:
