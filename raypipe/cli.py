@@ -19,8 +19,8 @@ def _add_encoders(p: argparse.ArgumentParser, *, autoscale: bool = False, defaul
         p.add_argument("--num-encoders", type=int, default=default, help="vision-encoder replicas (Ray actors)")
     p.add_argument("--encoder-gpus", type=float, default=None,
                    help="GPU share per encoder actor (default: 1 if the cluster has GPUs, else 0)")
-    p.add_argument("--cost-model", choices=["patches", "attention"], default="patches",
-                   help="how the load balancer weighs images")
+    p.add_argument("--cost-model", choices=["patches", "attention", "calibrated"], default="patches",
+                   help="how the load balancer weighs images (calibrated: fitted from measured encode times)")
 
 
 def replica_range(text: str) -> tuple[int, int]:

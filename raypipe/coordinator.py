@@ -24,9 +24,10 @@ from collections.abc import Callable, Sequence
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from raypipe.balance import get_load_balance_assignment, split_by_counts
 from raypipe.cache import EmbeddingCache
+from raypipe.calibration import CalibratedCosts
 from raypipe.models.base import VisionAdapter, VisionItem, check_cost_model
+from raypipe.partition import partition
 from raypipe.preprocess import DecodedImage
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ class Coordinator:
         self.workers_replaced = 0
         self.pixel_bytes_received = 0  # image bytes handed to submit(): what callers shipped here
         self._loading: dict[int, ray.ObjectRef] = {}  # worker index -> first ping of a replacement
+        # Fitted from every shard's measured time, whatever the cost model (stats show the fit);
+        # only `calibrated` balances with it. Keyed by the workers' device kind, from their receipts.
+        self.calibration = CalibratedCosts()
+        self.device_kind = "unknown"
         self._lock = threading.Lock()
 
     def encode(self, images: Sequence[DecodedImage]) -> list:
@@ -128,19 +133,25 @@ class Coordinator:
         units_of = [self.adapter.split(item) for item in todo]
         units = [unit for split in units_of for unit in split]
         unit_owner = [t for t, split in enumerate(units_of) for _ in split]
-        sizes = [self.adapter.cost(unit, self.cost_model) for unit in units]
+        patches = [self.adapter.cost(unit, "patches") for unit in units]
+        prior = [self.adapter.cost(unit, "attention") for unit in units]
+        if self.cost_model == "calibrated":
+            sizes = self.calibration.for_device(self.device_kind).unit_costs(patches, prior)
+        else:
+            sizes = patches if self.cost_model == "patches" else prior
         ready = self._wait_ready() if todo else list(range(len(self.workers)))
         with self._lock:  # concurrent calls (a Serve replica) see each other's work in flight
             workers = list(self.workers)
-            order, counts, ready_loads = get_load_balance_assignment(
-                sizes, len(ready), [self.inflight_loads[i] for i in ready])
+            # Greedy plus local search over the ready workers: never a worse makespan than vLLM's
+            # greedy (see partition.py).
+            ready_shards, ready_loads = partition(sizes, len(ready), [self.inflight_loads[i] for i in ready])
             loads = [0.0] * len(workers)
             shards: list[list[int]] = [[] for _ in workers]
-            for i, shard, load in zip(ready, split_by_counts(order, counts), ready_loads):
+            for i, shard, load in zip(ready, ready_shards, ready_loads):
                 shards[i], loads[i] = shard, load
             self.inflight_loads = [a + b for a, b in zip(self.inflight_loads, loads)]
         try:
-            retried = self._run_shards(units, shards, workers, refs)
+            retried = self._run_shards(units, shards, workers, refs, (patches, prior))
         finally:
             with self._lock:
                 self.inflight_loads = [a - b for a, b in zip(self.inflight_loads, loads)]
@@ -159,7 +170,7 @@ class Coordinator:
                              item.content_hash in cached_keys) for item in items]
 
     def _run_shards(self, units: list[VisionItem], shards: list[list[int]], workers: list,
-                    refs: dict[str, ray.ObjectRef]) -> int:
+                    refs: dict[str, ray.ObjectRef], unit_costs: tuple[list[float], list[float]]) -> int:
         pending = {}  # receipt ref -> (worker index, shard, attempt)
         for w, shard in enumerate(shards):
             if shard:
@@ -169,7 +180,7 @@ class Coordinator:
             ready, _ = ray.wait(list(pending), num_returns=1)
             w, shard, attempt = pending.pop(ready[0])
             try:
-                ray.get(ready[0])
+                receipt = ray.get(ready[0])
             except WORKER_LOST as exc:
                 if attempt >= self.max_shard_attempts:
                     raise
@@ -177,7 +188,14 @@ class Coordinator:
                 retry_on = self._replace_and_pick(workers[w], w)
                 retried += 1
                 pending[self._launch(self.workers[retry_on], units, shard, refs)] = (retry_on, shard, attempt + 1)
+                continue
+            self._calibrate(receipt, shard, *unit_costs)
         return retried
+
+    def _calibrate(self, receipt: dict, shard: list[int], patches: list[float], prior: list[float]) -> None:
+        self.device_kind = receipt.get("device", self.device_kind)
+        self.calibration.for_device(self.device_kind).observe(
+            [patches[t] for t in shard], [prior[t] for t in shard], receipt["seconds"])
 
     def _launch(self, worker, units: list[VisionItem], shard: list[int], refs: dict) -> ray.ObjectRef:
         payload = ray.put([units[t] for t in shard])  # exactly this worker's shard, once
@@ -247,4 +265,5 @@ class Coordinator:
                 "worker_total_load": loads, "total_imbalance": imbalance(loads),
                 "last_call_loads": report.loads if report else [], "last_call_imbalance":
                 report.imbalance if report else 1.0, "workers_replaced": self.workers_replaced,
-                "workers_loading": len(self._loading), "pixel_bytes_received": self.pixel_bytes_received}
+                "workers_loading": len(self._loading), "pixel_bytes_received": self.pixel_bytes_received,
+                "cost_fit": self.calibration.stats()}

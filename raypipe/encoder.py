@@ -38,6 +38,8 @@ class EncoderWorker:
         self.adapter = vision_adapter(checkpoint)
         self.tower = self.adapter.load_tower(self.device, self.dtype)
         self.items_encoded = 0
+        # The coordinator's cost calibration is kept per device kind.
+        self.device_kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
     # Its own thread ("health" group), so a liveness probe never queues behind encode calls.
     @ray.method(concurrency_group="health")
@@ -54,7 +56,8 @@ class EncoderWorker:
         start = time.perf_counter()
         embeddings = self.tower.encode(items)
         self.items_encoded += len(items)
-        receipt = {"pid": os.getpid(), "items": len(items), "seconds": time.perf_counter() - start}
+        receipt = {"pid": os.getpid(), "items": len(items), "seconds": time.perf_counter() - start,
+                   "device": self.device_kind}
         return (*embeddings, receipt)
 
     def encode_timed(self, items: list[VisionItem], repeats: int = 3) -> list[float]:

@@ -4,7 +4,10 @@
     image's encode time is *measured* alone on an encoder worker; then for n = 2, 4, 8 simulated
     workers we compute each strategy's makespan (slowest worker's summed measured time) over the
     lower bound max(total / n, largest item): count-based even split (vLLM's
-    `run_dp_sharded_vision_model` style), greedy by patch count, greedy by attention cost.
+    `run_dp_sharded_vision_model` style), greedy by patch count, greedy by attention cost, greedy by
+    the `calibrated` model, the calibrated model through raypipe's improving partitioner, and the
+    greedy oracle (greedy on the measured times themselves). The calibrated model is fitted, as in
+    the coordinator, from whole-shard times of a *different* image mix encoded on the same worker.
 (b) Ray overhead: one encoder worker vs calling the same vision tower in this process.
 (c) Speed-up of 2 workers (1 thread each) over 1 worker (2 threads) on the same batch.
 All on the `small` preset (realistic shape, random weights) unless --model says otherwise.
@@ -21,9 +24,12 @@ import torch
 
 from raypipe.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
 from raypipe.bench.common import median_seconds, print_table, write_json
+from raypipe.calibration import CostCalibration
 from raypipe.jobs.sample_images import sample_image
+from raypipe.partition import partition
 
-STRATEGIES = ("even split (count)", "greedy: patches", "greedy: attention")
+STRATEGIES = ("even split (count)", "greedy: patches", "greedy: attention", "greedy: calibrated",
+              "calibrated + improved", "greedy oracle (measured)")
 
 
 def heavy_tailed_sizes(count: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -51,15 +57,39 @@ def makespan_ratio(shards: list[list[int]], seconds: list[float]) -> float:
     return max(loads) / lower_bound
 
 
-def balancer_quality(adapter, items, seconds: list[float], worker_counts) -> list[dict]:
+def greedy(sizes, n: int) -> list[list[int]]:
+    order, counts, _ = get_load_balance_assignment(sizes, n)
+    return split_by_counts(order, counts)
+
+
+def calibrate(adapter, worker, items, seed: int = 1) -> CostCalibration:
+    """Fit the calibrated model from shard receipts of `items` encoded in random shards of 1-4 images."""
+    rng = np.random.default_rng(seed)
+    calibration = CostCalibration()
+    order, start = rng.permutation(len(items)).tolist(), 0
+    while start < len(order):
+        shard = [items[i] for i in order[start: start + int(rng.integers(1, 5))]]
+        start += len(shard)
+        *_, receipt = ray.get(worker.encode.options(num_returns=len(shard) + 1).remote(shard))
+        calibration.observe([adapter.cost(it, "patches") for it in shard],
+                            [adapter.cost(it, "attention") for it in shard], receipt["seconds"])
+    return calibration
+
+
+def balancer_quality(adapter, items, seconds: list[float], worker_counts, calibration) -> list[dict]:
     rows = []
+    patches = [adapter.cost(item, "patches") for item in items]
+    calibrated = calibration.unit_costs(patches, [adapter.cost(item, "attention") for item in items])
     for n in worker_counts:
         row = {"workers": n}
         row[STRATEGIES[0]] = makespan_ratio(even_split_assignment(len(items), n), seconds)
-        for name, cost_model in zip(STRATEGIES[1:], ("patches", "attention")):
-            sizes = [adapter.cost(item, cost_model) for item in items]
-            order, counts, _ = get_load_balance_assignment(sizes, n)
-            row[name] = makespan_ratio(split_by_counts(order, counts), seconds)
+        for name, cost_model in zip(STRATEGIES[1:3], ("patches", "attention")):
+            row[name] = makespan_ratio(greedy([adapter.cost(item, cost_model) for item in items], n), seconds)
+        row[STRATEGIES[3]] = makespan_ratio(greedy(calibrated, n), seconds)
+        row[STRATEGIES[4]] = makespan_ratio(partition(calibrated, n)[0], seconds)
+        row[STRATEGIES[5]] = makespan_ratio(greedy(seconds, n), seconds)
+        row["partitioner_ms"] = median_seconds(lambda: partition(calibrated, n), 5) * 1e3
+        row["calibrated_improved_vs_oracle"] = row[STRATEGIES[4]] / row[STRATEGIES[5]]
         rows.append(row)
     return rows
 
@@ -85,8 +115,12 @@ def main(args) -> int:
     # (a) per-image cost measured on one encoder worker (one thread: what each DP worker gets here)
     probe = RemoteEncoderWorker.options(num_cpus=0).remote(str(checkpoint), num_threads=max(1, cores // 2))
     seconds = ray.get(probe.encode_timed.remote(items, repeats=1 if args.quick else 3))
+    warmup_sizes = heavy_tailed_sizes(count // 2, seed=1)  # a different mix: fit on one, judge on the other
+    warmup_items = [adapter.make_item(d) for d in load_images(
+        [sample_image(h, w, seed=1000 + i) for i, (h, w) in enumerate(warmup_sizes)], limits)]
+    calibration = calibrate(adapter, probe, warmup_items)
     ray.kill(probe)
-    quality = balancer_quality(adapter, items, seconds, (2, 4, 8))
+    quality = balancer_quality(adapter, items, seconds, (2, 4, 8), calibration)
 
     # (b) and (c) on one batch: a slice of the mix so a run stays within minutes
     batch = decoded[: 12 if args.quick else 24]
@@ -106,7 +140,7 @@ def main(args) -> int:
     one, two = timings[1, cores], timings[2, max(1, cores // 2)]
     result = {
         "model": str(model), "images": count, "sizes": sizes, "measured_seconds": seconds,
-        "balancer_makespan_over_lower_bound": quality,
+        "balancer_makespan_over_lower_bound": quality, "calibration": calibration.stats(),
         "batch_images": len(batch), "in_process_s": in_process, "one_worker_s": one, "two_workers_s": two,
         "one_worker_one_thread_s": timings[1, 1], "ray_overhead_ratio": one / in_process,
         "two_vs_one_speedup": one / two, "two_vs_one_thread_speedup": timings[1, 1] / two, "cores": cores,
@@ -126,6 +160,14 @@ def _report(result: dict, args) -> None:
           f"total {sum(secs):.2f} s")
     rows = [[r["workers"], *(r[s] for s in STRATEGIES)] for r in result["balancer_makespan_over_lower_bound"]]
     print_table("(a) makespan / lower bound on measured costs (1.000 = perfect)", ["n", *STRATEGIES], rows)
+    fit = result["calibration"]
+    print(f"calibrated fit from {fit['shards']} shards of another mix: {fit['fit']}, "
+          f"relative RMS error {fit['rel_rms_error']:.3f}")
+    print_table("calibrated + improved vs the greedy oracle (target <= 1.005, < 1 at n=8); partitioner time",
+                ["n", "ratio to oracle", "partition ms", "oracle makespan ms"],
+                [[r["workers"], r["calibrated_improved_vs_oracle"], r["partitioner_ms"],
+                  r[STRATEGIES[5]] * max(sum(secs) / r["workers"], max(secs)) * 1e3]
+                 for r in result["balancer_makespan_over_lower_bound"]])
     print_table(f"(b, c) one batch of {result['batch_images']} images, median wall time",
                 ["setup", "seconds", "ratio"],
                 [[f"vision tower in-process, {result['cores']} threads", result["in_process_s"], 1.0],
@@ -152,9 +194,9 @@ def _plot(result: dict, out_dir: str):
         return None
     rows = result["balancer_makespan_over_lower_bound"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.25
+    width = 0.8 / len(STRATEGIES)
     for k, strategy in enumerate(STRATEGIES):
-        xs = [i + (k - 1) * width for i in range(len(rows))]
+        xs = [i + (k - (len(STRATEGIES) - 1) / 2) * width for i in range(len(rows))]
         ax.bar(xs, [r[strategy] for r in rows], width, label=strategy)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), [f"n={r['workers']}" for r in rows])

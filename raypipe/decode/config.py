@@ -18,6 +18,12 @@ class EngineConfig:
     # Requests queued beyond the running ones (they hold their prompts and image embeddings); one
     # more is refused with `raypipe.errors.QueueFull`, a retryable `CapacityError`.
     max_num_waiting: int = 1024
+    # Decode steps through static-shape buckets (raypipe/decode/compiled_step.py): CUDA graphs on GPU,
+    # torch.compile on CPU, every bucket warmed up when the engine starts. None: on with CUDA (capture
+    # takes milliseconds per bucket), off on CPU (compiling each bucket takes seconds to minutes).
+    compiled_decode: bool | None = None
+    decode_batch_buckets: tuple[int, ...] | None = None  # None: compiled_step's defaults up to max_num_seqs
+    decode_kv_buckets: tuple[int, ...] | None = None  # None: doubling from 256 up to max_model_len
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting"):

@@ -57,6 +57,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.adapter, device=self.device, dtype=resolve_dtype(self.config.dtype, self.device),
                                   max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
                                   num_scheduler_steps=self.config.num_scheduler_steps)
+        self.decode_step = self._start_decode_step()
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
@@ -147,7 +148,24 @@ class LLMEngine:
                 "requests_aborted": c["aborted"], "failed_rounds": c["failed_rounds"],
                 "num_scheduler_steps": self.config.num_scheduler_steps, "max_num_seqs": self.config.max_num_seqs,
                 "max_model_len": self.config.max_model_len, "kv_cache_bytes": self.runner.cache.nbytes,
-                "device": str(self.device)}
+                "device": str(self.device), "decode_step": self.decode_step}
+
+    def _start_decode_step(self) -> dict:
+        """Static-shape decode step if configured and possible, warmed up now; what was chosen and why."""
+        wanted = self.config.compiled_decode
+        if not (wanted or (wanted is None and self.device.type == "cuda")):
+            return {"mode": "eager", "reason": f"EngineConfig.compiled_decode is {wanted} on {self.device.type}"}
+        reason = self.runner.use_static_step(self.config.decode_batch_buckets, self.config.decode_kv_buckets)
+        if reason is not None:
+            log.info("decode steps run eager: %s", reason)
+            return {"mode": "eager", "reason": reason}
+        step = self.runner.static_step
+        seconds = step.warmup()
+        mode = "cuda_graphs" if step.use_cuda_graphs else "torch.compile"
+        log.info("decode step: %s, %d batch x %d KV buckets warmed up in %.1f s", mode, len(step.batch_buckets),
+                 len(step.kv_buckets), seconds)
+        return {"mode": mode, "batch_buckets": list(step.batch_buckets), "kv_buckets": list(step.kv_buckets),
+                "warmup_seconds": seconds}
 
     def shutdown(self) -> None:
         """Stop after the current round; every request still running or waiting gets `EngineClosed`."""

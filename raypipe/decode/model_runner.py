@@ -7,6 +7,8 @@ steps for the whole running batch: every step feeds the previous step's sampled 
 device) back in, so the model never waits for the host.
 Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
 stream, read one step late so the copy overlaps the next step's kernels; on CPU directly.
+With `use_static_step` a decode step's forward and logits run through `compiled_step` (bucketed
+static shapes; torch.compile on CPU, CUDA graphs on GPU) instead of eagerly.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from raypipe.decode import compiled_step
 from raypipe.decode.kv_cache import SlotKVCache
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence
@@ -39,6 +42,18 @@ class ModelRunner:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.host_ids = torch.empty((num_scheduler_steps, max_num_seqs), dtype=torch.long, pin_memory=True)
+        self.static_step: compiled_step.StaticDecodeStep | None = None
+
+    def use_static_step(self, batch_buckets: tuple[int, ...] | None = None,
+                        kv_buckets: tuple[int, ...] | None = None) -> str | None:
+        """Run decode steps through static-shape buckets from now on; the reason if it cannot."""
+        reason = compiled_step.supports(self.cache)
+        if reason is None:
+            self.static_step = compiled_step.StaticDecodeStep(
+                self.model, self.cache,
+                batch_buckets=batch_buckets or compiled_step.batch_buckets_for(self.cache.max_num_seqs),
+                kv_buckets=kv_buckets or compiled_step.kv_buckets_for(self.max_model_len))
+        return reason
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], batch: SamplingBatch) -> list[int]:
@@ -89,11 +104,15 @@ class ModelRunner:
             # tokens are dropped); clamping keeps their writes inside the cache.
             write_index = (cache_len + step).clamp_(max=self.max_model_len - 1)
             kv_len = min(longest + step, self.max_model_len - 1) + 1
-            self.cache.prepare_decode(n, write_index, kv_len)
             positions = (cache_len + step + rope_delta).view(1, n, 1).expand(3, n, 1)
-            hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),
-                                self.cache)
-            tokens = sample(self.model.logits(hidden[:, -1]), batch)
+            if self.static_step is not None:
+                logits = self.static_step(tokens, positions, write_index, kv_len)
+            else:
+                self.cache.prepare_decode(n, write_index, kv_len)
+                hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),
+                                    self.cache)
+                logits = self.model.logits(hidden[:, -1])
+            tokens = sample(logits, batch)
             if not self.cuda:
                 if on_step(step, tokens.tolist()):
                     return step + 1

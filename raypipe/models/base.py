@@ -22,12 +22,14 @@ import torch
 
 from raypipe.preprocess import DecodedImage
 
-COST_MODELS = ("patches", "attention")
+ADAPTER_COST_MODELS = ("patches", "attention")  # what an adapter computes from geometry alone
+# `calibrated` is fitted by the coordinator from measured encode times (raypipe/calibration.py).
+COST_MODELS = (*ADAPTER_COST_MODELS, "calibrated")
 
 
-def check_cost_model(name: str) -> None:
-    if name not in COST_MODELS:
-        raise ValueError(f"unknown cost model {name!r}; expected one of {COST_MODELS}")
+def check_cost_model(name: str, allowed: tuple[str, ...] = COST_MODELS) -> None:
+    if name not in allowed:
+        raise ValueError(f"unknown cost model {name!r}; expected one of {allowed}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -83,7 +85,7 @@ class VisionAdapter(abc.ABC):
 
     @abc.abstractmethod
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
-        """Relative compute of encoding one unit (from `split`) under `cost_model` (one of `COST_MODELS`)."""
+        """Relative compute of encoding one unit (from `split`) under `cost_model` (one of `ADAPTER_COST_MODELS`)."""
 
     @abc.abstractmethod
     def load_tower(self, device: torch.device, dtype: torch.dtype) -> VisionTower:

@@ -11,7 +11,7 @@ import pathlib
 import numpy as np
 import torch
 
-from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, check_cost_model
+from raypipe.models.base import ADAPTER_COST_MODELS, VisionAdapter, VisionItem, VisionTower, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 from raypipe.preprocess import DecodedImage, pixel_hash
 
@@ -61,7 +61,7 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         return DecodedImage(pixels, pixel_hash(pixels))
 
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
-        check_cost_model(cost_model)
+        check_cost_model(cost_model, ADAPTER_COST_MODELS)
         if cost_model == "attention":
             return self._flops(item.grid)
         return float(item.grid[0] * item.grid[1] * item.grid[2])  # patches

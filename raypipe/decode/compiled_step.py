@@ -1,0 +1,160 @@
+"""A decode step with static shapes: bucketed batch and KV length, compiled once per bucket.
+
+An eager decode step at batch 32 on a CPU spends most of its time in Python and dispatch around
+small GEMMs, and its shapes change every step (the batch as requests come and go, the KV length by
+one per step), which defeats both `torch.compile` and CUDA graphs. Here every step is padded to a
+bucket `(B, K)`: `B` rows from `batch_buckets` (the running rows, then padding rows), `K` KV
+columns from `kv_buckets`. Per bucket there is one compiled forward (`torch.compile` with static
+shapes on CPU) or one captured CUDA graph (on GPU, replayed with its input buffers refilled).
+Only the model forward and the logits are in it; sampling stays outside.
+
+Why padding is harmless:
+- KV columns past a row's own length are masked (additive mask at the dtype's minimum, so their
+  softmax weight is exactly 0); they only make the attention GEMMs a little longer.
+- Padding rows are cache rows the running batch does not own (they may be rows a concurrent
+  prefill is writing). A padding row writes its K/V at the last cache column, `max_model_len - 1`:
+  a prefill writes only columns below the prompt length (< max_model_len), and a real sequence
+  always writes a column itself before its mask lets it read it. Padding rows' logits are dropped.
+
+Only for caches where every layer is full attention over plain KV rows; anything else (linear
+attention state, sliding-window rings) runs eager (`supports` says why). Greedy tokens equal the eager step's, which the tests check
+against transformers' `generate()`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from raypipe.decode.kv_cache import SlotKVCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+KV_BUCKET_MIN = 256  # KV buckets double from here up to max_model_len
+
+
+def batch_buckets_for(max_num_seqs: int, buckets=DEFAULT_BATCH_BUCKETS) -> tuple[int, ...]:
+    return tuple(sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs}))
+
+
+def kv_buckets_for(max_model_len: int, smallest: int = KV_BUCKET_MIN) -> tuple[int, ...]:
+    out, k = [], smallest
+    while k < max_model_len:
+        out.append(k)
+        k *= 2
+    return (*out, max_model_len)
+
+
+def supports(cache) -> str | None:
+    """None if the static step can run on `cache`, else the reason it cannot."""
+    kinds = sorted(set(cache.layer_types) - {"full_attention"})
+    if kinds:
+        return f"layer kinds {kinds} are not plain full-attention KV rows"
+    return None
+
+
+class StaticDecodeStep:
+    """`step(tokens, positions, write_index, kv_len) -> logits (n, vocab)` through bucketed static shapes."""
+
+    def __init__(self, model, cache: SlotKVCache, *, batch_buckets: tuple[int, ...], kv_buckets: tuple[int, ...],
+                 use_cuda_graphs: bool | None = None):
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.kv_buckets = tuple(sorted(kv_buckets))
+        if self.batch_buckets[-1] < cache.max_num_seqs or self.kv_buckets[-1] < cache.max_model_len:
+            raise ValueError("the largest buckets must cover max_num_seqs and max_model_len")
+        self.pad_column = cache.max_model_len - 1
+        self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
+        self._compiled = None if self.use_cuda_graphs else _compile(self._forward, len(self.batch_buckets)
+                                                                     * len(self.kv_buckets))
+        self.warmup_seconds = 0.0
+
+    def bucket(self, n: int, kv_len: int) -> tuple[int, int]:
+        return (self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)],
+                self.kv_buckets[bisect.bisect_left(self.kv_buckets, kv_len)])
+
+    @torch.inference_mode()
+    def warmup(self, batch_sizes=None, kv_lens=None) -> float:
+        """Compile (CPU) or capture (CUDA) every bucket now, not on a request's first step; seconds taken."""
+        start = time.perf_counter()
+        for b in batch_sizes or self.batch_buckets:
+            for k in kv_lens or self.kv_buckets:
+                n = min(b, self.cache.max_num_seqs)
+                tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+                positions = torch.zeros((3, n, 1), dtype=torch.long, device=self.device)
+                # Warm-up writes go to the padding column, which no sequence reads before writing.
+                write_index = torch.full((n,), self.pad_column, dtype=torch.long, device=self.device)
+                self(tokens, positions, write_index, k)
+        self.warmup_seconds += time.perf_counter() - start
+        return time.perf_counter() - start
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
+                 kv_len: int) -> torch.Tensor:
+        n = tokens.shape[0]
+        key = self.bucket(n, kv_len)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket(self, *key)
+        return bucket.run(tokens, positions, write_index, n)
+
+    def _forward(self, tokens, positions, mask, cache):
+        hidden = self.model(self.model.embed(tokens[:, None]), positions, mask, cache)
+        return self.model.logits(hidden[:, -1])
+
+
+class _Bucket:
+    """Static input buffers of one `(B, K)` bucket, its own cache view, and its graph once captured."""
+
+    def __init__(self, step: StaticDecodeStep, batch: int, kv_len: int):
+        self.step = step
+        device = step.device
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros((3, batch, 1), dtype=torch.long, device=device)
+        self.write_index = torch.full((batch,), step.pad_column, dtype=torch.long, device=device)
+        self.cache = step.cache.view()
+        self.cache.prepare_decode(batch, self.write_index, kv_len)
+        self.mask = self.cache.masks(step.cache.dtype)  # {layer type: tensor}, refilled in place per step
+        self.kv_len = kv_len
+        self.graph = None
+        self.logits = None
+
+    def run(self, tokens, positions, write_index, n: int) -> torch.Tensor:
+        self.tokens[:n].copy_(tokens)
+        self.positions[:, :n].copy_(positions)
+        self.write_index[:n].copy_(write_index)
+        self.write_index[n:].fill_(self.step.pad_column)
+        for name, mask in self.cache.masks(self.step.cache.dtype).items():
+            self.mask[name].copy_(mask)
+        if not self.step.use_cuda_graphs:
+            return self.step._compiled(self.tokens, self.positions, self.mask, self.cache)[:n]
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.logits[:n]
+
+    def _capture(self) -> None:
+        step = self.step
+        side = torch.cuda.Stream(step.device)
+        side.wait_stream(torch.cuda.current_stream(step.device))
+        with torch.cuda.stream(side):  # warm-up outside the graph (lazy inits, cuBLAS workspaces)
+            step._forward(self.tokens, self.positions, self.mask, self.cache)
+        torch.cuda.current_stream(step.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=step._pool):
+            self.logits = step._forward(self.tokens, self.positions, self.mask, self.cache)
+
+
+def _compile(fn, num_graphs: int):
+    # One graph per bucket: allow that many recompiles of this function instead of falling back to eager.
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, num_graphs + 1)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, num_graphs + 1)
+    return torch.compile(fn, dynamic=False)

@@ -1,0 +1,119 @@
+"""The static-shape decode step (compiled_step.py): greedy tokens still equal transformers' generate().
+
+Small bucket sets keep torch.compile time in CI low: batch buckets (2, 8) and KV buckets (128, 256),
+so the staggered batch grows across the 2 -> 8 batch boundary and prompts of 58-144 tokens decode
+across the 128 -> 256 KV boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from raypipe import SamplingParams
+from raypipe.decode import compiled_step
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
+from raypipe.models.registry import vision_adapter
+from tests import decode_reference as ref
+from tests.conftest import gpu
+
+MAX_NEW = 24
+MAX_TOKENS = [MAX_NEW, 5, 17, MAX_NEW, 1, 9, 13, 20]
+BUCKETS = dict(decode_batch_buckets=(2, 8), decode_kv_buckets=(128, 256))
+
+
+def make_engine(ckpt, k: int, compiled: bool) -> LLMEngine:
+    return LLMEngine(ckpt, EngineConfig(max_num_seqs=8, max_model_len=256, num_scheduler_steps=k,
+                                        compiled_decode=compiled, **BUCKETS))
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_ckpt, hf_model):
+    from raypipe.models.registry import language_adapter
+
+    language = language_adapter(tiny_ckpt)
+    vision = vision_adapter(tiny_ckpt)
+    out = []
+    for i in range(len(ref.REQUESTS)):
+        prompt = ref.prepare(i, language.tokenizer, vision)
+        embeds = ref.embeddings(hf_model, tiny_ckpt, prompt)
+        out.append((prompt, embeds, ref.hf_generate(hf_model, prompt, embeds, MAX_NEW, language.eos_token_ids[0])))
+    return out
+
+
+def staggered(engine, cases, tag: str) -> list[list[int]]:
+    async def one(i):
+        await asyncio.sleep(0.004 * i)  # arrive while earlier requests are mid-generation
+        prompt, embeds, _ = cases[i]
+        out = await engine.generate_output(f"{tag}-{i}", prompt, embeds, SamplingParams(max_tokens=MAX_TOKENS[i]))
+        return out.token_ids
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(len(cases))))
+
+    return asyncio.run(all_of_them())
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_compiled_step_matches_generate_across_bucket_boundaries(tiny_ckpt, cases, k):
+    engine = make_engine(tiny_ckpt, k, compiled=True)
+    try:
+        step = engine.stats()["decode_step"]
+        assert step["mode"] == "torch.compile" and step["warmup_seconds"] > 0
+        assert engine.runner.static_step is not None
+        # One request alone (batch bucket 2, one padding row), then all eight staggered.
+        prompt, embeds, want = cases[2]
+        alone = asyncio.run(engine.generate_output(f"alone-{k}", prompt, embeds, SamplingParams(max_tokens=MAX_NEW)))
+        assert alone.token_ids == want
+        outs = staggered(engine, cases, f"staggered-{k}")
+        for i, out in enumerate(outs):
+            assert out == cases[i][2][: MAX_TOKENS[i]], f"request {i}"
+        stats = engine.stats()
+        assert stats["max_running_seen"] > 2  # the batch crossed the 2 -> 8 bucket boundary
+        used = set(engine.runner.static_step._buckets)
+        assert {b for b, _ in used} == {2, 8} and {kv for _, kv in used} == {128, 256}
+    finally:
+        engine.shutdown()
+
+
+def test_compile_disabled_gives_the_same_tokens(tiny_ckpt, cases):
+    engine = make_engine(tiny_ckpt, 8, compiled=False)
+    try:
+        assert engine.stats()["decode_step"]["mode"] == "eager"
+        assert engine.runner.static_step is None
+        outs = staggered(engine, cases, "eager")
+        for i, out in enumerate(outs):
+            assert out == cases[i][2][: MAX_TOKENS[i]], f"request {i}"
+    finally:
+        engine.shutdown()
+
+
+def test_buckets_cover_the_limits():
+    assert compiled_step.batch_buckets_for(32) == (1, 2, 4, 8, 16, 24, 32)
+    assert compiled_step.batch_buckets_for(5) == (1, 2, 4, 5)
+    assert compiled_step.kv_buckets_for(4096) == (256, 512, 1024, 2048, 4096)
+    assert compiled_step.kv_buckets_for(100) == (100,)
+
+
+def test_other_caches_fall_back_to_eager():
+    class PerLayerKindCache:  # e.g. a sliding-window or linear-attention layer somewhere in the stack
+        pass
+
+    assert "not plain full-attention KV rows" in compiled_step.supports(PerLayerKindCache())
+
+
+@gpu
+def test_cuda_graphs_match_generate(tiny_ckpt, cases):
+    engine = LLMEngine(tiny_ckpt, EngineConfig(max_num_seqs=8, max_model_len=256, num_scheduler_steps=8,
+                                               dtype="float32", **BUCKETS))
+    try:
+        assert engine.stats()["decode_step"]["mode"] == "cuda_graphs"
+        outs = staggered(engine, [(p, [e.cuda() for e in em], w) for p, em, w in cases], "cuda")
+        for i, out in enumerate(outs):
+            assert out == cases[i][2][: MAX_TOKENS[i]], f"request {i}"
+    finally:
+        engine.shutdown()
+        torch.cuda.empty_cache()
