@@ -99,10 +99,13 @@ def test_buckets_cover_the_limits():
 
 
 def test_other_caches_fall_back_to_eager():
-    class PerLayerKindCache:  # e.g. a sliding-window or linear-attention layer somewhere in the stack
-        pass
+    class PerLayerKindCache:  # a sliding-window or linear-attention layer somewhere in the stack
+        layer_types = ["full_attention", "sliding_attention", "linear_attention"]
 
-    assert "not plain full-attention KV rows" in compiled_step.supports(PerLayerKindCache())
+    reason = compiled_step.supports(PerLayerKindCache())
+    assert "not plain full-attention KV rows" in reason and "sliding_attention" in reason
+    PerLayerKindCache.layer_types = ["full_attention"] * 3
+    assert compiled_step.supports(PerLayerKindCache()) is None
 
 
 @gpu
