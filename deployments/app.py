@@ -23,7 +23,7 @@ from raypipe.config import ModelConfig
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in config.yaml's args fails the deploy
 
-    model: str = "tiny"  # preset name or local HF checkpoint folder (on every node)
+    model: str = "tiny"  # preset name, local HF checkpoint folder (on every node), or s3:// URI (copied per node)
     served_model_name: str | None = None  # the `model` clients send; default: the model argument
     api_key: str | None = None  # also read from RAYPIPE_API_KEY in the ingress replicas
     num_encoders: int = 2  # encoder-worker actors per EncoderGroup replica

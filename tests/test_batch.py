@@ -184,7 +184,7 @@ def test_manifest_prompts_generate_matches_pipeline(tmp_path, pipe, tiny_ckpt):
         (folder / name).write_bytes(data)
     names = sorted(images)
     prompts = ["Describe this image.", "What colour dominates?", "Count the objects.", None, "Tag it.", "OCR?"]
-    lines = [{"path": name, "key": f"k{i}", "question": p} for i, (name, p) in enumerate(zip(names, prompts))]
+    lines = [{"path": f"images/{name}", "key": f"k{i}", "question": p} for i, (name, p) in enumerate(zip(names, prompts))]
     lines.append({"path": "missing/nowhere.png", "key": "k-missing", "question": "?"})
     manifest = tmp_path / "manifest.jsonl"
     manifest.write_text("\n".join(json.dumps(line) for line in lines))
@@ -254,7 +254,11 @@ def test_kill_driver_and_resume_exactly_once(photos, s3, env, tiny_ckpt):
 
 
 def test_encoder_actor_killed_mid_job(tmp_path, tiny_ckpt, ray_local):
-    from ray.util.state import list_actors
+    from ray._private.state import actors  # the GCS actor table; the state API needs the dashboard
+
+    def encoders():
+        return [a for a in actors().values() if a["ActorClassName"] == "MapWorker(MapBatches(EncodeStage))"
+                and a["State"] == "ALIVE" and a["Pid"]]
 
     images = _images(30, seed=9)
     for name, data in images.items():
@@ -262,23 +266,24 @@ def test_encoder_actor_killed_mid_job(tmp_path, tiny_ckpt, ray_local):
         (tmp_path / "in" / name).write_bytes(data)
     options = BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), batching="count",
                            batch_images=1, read_batch=2, rows_per_file=2, model=ModelConfig(str(tiny_ckpt)))
+    before = {a["ActorID"] for a in encoders()}
     result = {}
     job = threading.Thread(target=lambda: result.update(summary=run_batch(options)))
-    known = {a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)}
     job.start()
     killed = None
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while killed is None and time.monotonic() < deadline and job.is_alive():
         written = len(list((tmp_path / "out").glob("part-*.parquet"))) if (tmp_path / "out").exists() else 0
-        actors = [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-                  if a.actor_id not in known and "MapWorker" in a.class_name]  # embed: encoders only
-        if written >= 1 and actors:
-            os.kill(actors[0].pid, signal.SIGKILL)
-            killed = actors[0]
+        alive = [a for a in encoders() if a["ActorID"] not in before]
+        if written >= 1 and alive:
+            os.kill(alive[0]["Pid"], signal.SIGKILL)
+            killed = alive[0]
         time.sleep(0.05)
     assert killed is not None, "no encoder actor was killed while the job ran"
-    job.join(timeout=180)
+    written_at_kill = len(list((tmp_path / "out").glob("part-*.parquet")))
+    job.join(timeout=300)
     assert not job.is_alive()
+    assert written_at_kill < len(images) // 2  # the kill came part-way (2 rows per file)
     ids = _read_output(str(tmp_path / "out"), None).column("id").to_pylist()
     assert sorted(ids) == sorted(images) and result["summary"].processed == len(images)
 
@@ -301,3 +306,20 @@ def test_model_from_s3(photos, s3, env, tiny_ckpt, tmp_path, pipe):
     for name, emb in zip(names, pipe.encode([photos[n] for n in names])):
         assert rows[name]["model"] == "s3://models/checkpoints/tiny/"
         np.testing.assert_allclose(rows[name]["embedding"], emb.float().mean(0).numpy(), atol=1e-5, rtol=0)
+
+
+def test_fetch_model_copies_once_and_repairs(s3, tiny_ckpt, tmp_path, monkeypatch):
+    from raypipe.models.remote import MANIFEST, fetch_model
+
+    monkeypatch.setenv("RAYPIPE_CACHE", str(tmp_path))
+    source = {p.name: p.read_bytes() for p in pathlib.Path(tiny_ckpt).iterdir() if p.is_file()}
+    _put(s3, "s3://models/fetch/tiny", source)
+    folder = fetch_model("s3://models/fetch/tiny/", s3)
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != MANIFEST} == source
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    assert fetch_model("s3://models/fetch/tiny", s3) == folder  # reused: no second copy
+    assert (folder / "config.json").stat().st_mtime_ns == stamp
+    (folder / "model.safetensors").write_bytes(b"truncated")  # a damaged copy is detected and replaced
+    assert fetch_model("s3://models/fetch/tiny/", s3) == folder
+    assert (folder / "model.safetensors").read_bytes() == source["model.safetensors"]
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no staging folder left

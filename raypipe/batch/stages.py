@@ -207,7 +207,7 @@ def pool(row: dict, pooling: str):
     if row["embedding"] is None:
         return None
     matrix = np.frombuffer(row["embedding"], np.float32).reshape(-1, row["hidden"])
-    return matrix.mean(axis=0, dtype=np.float32) if pooling == "mean" else matrix
+    return matrix.mean(axis=0, dtype=np.float32) if pooling == "mean" else matrix.tolist()
 
 
 def _pixels(row: dict) -> np.ndarray:
