@@ -29,7 +29,7 @@ class FullDecodeProcessor(OutputProcessor):
         if text.endswith(REPLACEMENT_CHAR):
             return False
         grew = len(text) > len(seq.text)
-        seq.text, seq.read_offset = text, len(seq.output_ids)
+        seq.text, seq.read_offset, seq.prefix_chars = text, len(seq.output_ids), len(text)
         return grew
 
 
