@@ -47,6 +47,7 @@ class EncoderGroup:
         for images in calls:
             refs.append([item.ref for item in encoded[start:start + len(images)]])
             start += len(images)
+            images.clear()  # drop the pixels now: the batching machinery may keep this list until the next batch
         return refs
 
     def _count_batch(self, calls: list) -> None:

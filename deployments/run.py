@@ -17,8 +17,6 @@ import socket
 import sys
 import time
 
-from deployments.app import AppArgs, build_app
-
 APP_NAME = "raypipe"
 
 
@@ -34,6 +32,8 @@ def run_serve(args) -> int:
     except OSError as exc:
         print(f"raypipe: could not start serving: {exc}", file=sys.stderr, flush=True)
         return 1
+    from deployments.app import AppArgs, build_app  # heavy imports only once the port is known to be free
+
     resolve_model(args.model)  # write a preset once here, before several replicas race to
     owns_ray = not ray.is_initialized()
     connect_ray()

@@ -36,11 +36,10 @@ def test_raypipe_serve_command(tiny_ckpt, tmp_path):
         assert response.usage.completion_tokens >= 1
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
         # Issue 9 item 2: a second server on the taken port fails at start instead of sharing it.
-        start = time.monotonic()
         second = subprocess.run([sys.executable, "-m", "raypipe.cli", "serve", "--model", "tiny", "--port", str(port)],
                                 env={**env, "RAYPIPE_API_KEY": ""}, capture_output=True, text=True, timeout=120)
         assert second.returncode == 1 and f"port {port}" in second.stderr and "in use" in second.stderr, second.stderr
-        assert time.monotonic() - start < 30  # refused before starting Ray
+        assert "Ray" not in second.stderr  # refused before starting (or joining) any Ray
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # still only the first server
     finally:
         proc.send_signal(signal.SIGTERM)
