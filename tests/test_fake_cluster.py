@@ -56,10 +56,12 @@ def test_batch_encoder_pool_grows_onto_new_nodes_and_writes_every_input_once(tmp
     images = tmp_path / "images"
     images.mkdir()
     rng = np.random.default_rng(0)
-    for i in range(96):  # enough encoding work that the pool grows before the job ends
+    for i in range(48):
         Image.fromarray(rng.integers(0, 256, (336, 448, 3), dtype=np.uint8)).save(images / f"img{i:03d}.png")
     out = tmp_path / "out"
-    # The pool starts with one encoder on one GPU node; each further encoder needs a new node.
+    # The pool starts with one encoder on one GPU node; each further encoder needs a new node. The
+    # `small` preset makes encoding, not PNG decoding on the head's CPUs, the bottleneck: Ray Data
+    # grows a pool (and asks the cluster for GPUs) only when that pool is what holds the job back.
     cluster = FakeCluster({"gpu_1x": {"resources": {"CPU": 0, "GPU": 1}, "max_workers": 3}}).start()
     peak = {"gpu_nodes": 0}
     done = threading.Event()
@@ -73,7 +75,7 @@ def test_batch_encoder_pool_grows_onto_new_nodes_and_writes_every_input_once(tmp
     try:
         env = {**os.environ, "RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": AUTH_MODE}
         # --encoder-gpus 1: the head has no GPU, so "1 if the cluster has GPUs" would mean 0 here
-        run = subprocess.run([sys.executable, "-m", "raypipe.cli", "batch", "--model", "tiny", "--input", str(images),
+        run = subprocess.run([sys.executable, "-m", "raypipe.cli", "batch", "--model", "small", "--input", str(images),
                               "--output", str(out), "--task", "embed", "--num-encoders", "1:3", "--encoder-gpus", "1",
                               "--batching", "count", "--batch-images", "1", "--read-batch", "4", "--json"],
                              env=env, capture_output=True, text=True, timeout=600)
@@ -84,4 +86,4 @@ def test_batch_encoder_pool_grows_onto_new_nodes_and_writes_every_input_once(tmp
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert peak["gpu_nodes"] == 3, f"the encoder pool did not grow to 3 actors on 3 GPU nodes: {peak}"
     ids = pq.read_table(out).column("id").to_pylist()
-    assert sorted(ids) == sorted(str(images / f"img{i:03d}.png") for i in range(96))  # each exactly once
+    assert sorted(ids) == sorted(str(images / f"img{i:03d}.png") for i in range(48))  # each exactly once

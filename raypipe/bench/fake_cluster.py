@@ -64,11 +64,14 @@ class FakeCluster:
         self.head_resources = head_resources or {"CPU": 2}
         self.idle_timeout_minutes = idle_timeout_minutes
         self.upscaling_speed = upscaling_speed
+        self._new_home()
+        self.env = {**os.environ, **(env or {}), "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": AUTH_MODE}
+
+    def _new_home(self) -> None:
         # Short: Unix socket paths under it must stay below ~107 characters.
         self.temp_dir = pathlib.Path(tempfile.mkdtemp(prefix="rpfc-", dir="/tmp"))
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, **(env or {}), "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": AUTH_MODE}
 
     def autoscaling_config(self) -> dict:
         worker_types = {name: {"node_config": {}, "min_workers": 0, **spec} for name, spec in self.worker_types.items()}
@@ -89,7 +92,18 @@ class FakeCluster:
             "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
         }
 
-    def start(self, timeout_s: float = 180.0) -> "FakeCluster":
+    def start(self, attempts: int = 3) -> "FakeCluster":
+        """Start the head; retried because Ray gives a raylet 30 s to register, which an overloaded
+        machine can miss ("The current node timed out during startup")."""
+        for attempt in range(attempts):
+            try:
+                return self._start_head()
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+                self._new_home()  # the failed attempt's processes and temp dir are gone (stop())
+
+    def _start_head(self, timeout_s: float = 180.0) -> "FakeCluster":
         config_path = self.temp_dir / "autoscaling.json"
         config_path.write_text(json.dumps(self.autoscaling_config()))
         head = self.head_resources
