@@ -44,6 +44,13 @@ def connect_ray(address: str | None = None) -> None:
              log_to_driver=os.environ.get("RAYPIPE_RAY_LOGS") == "1")
 
 
+def decode_threads(cores: int, *, encoders_on_cpu: bool) -> int:
+    """torch threads for the decode engine: every core when it has the CPU to itself; half when
+    encoder workers share it (they run niced, so decode wins contention, and the engine's prefill
+    thread needs cores of its own too)."""
+    return max(1, cores // 2) if encoders_on_cpu else cores
+
+
 def default_encoder_gpus() -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
 
@@ -98,6 +105,9 @@ class Pipeline:
         coordinator = Coordinator(adapter, workers, cost_model=cost_model, cache_bytes=cache_bytes,
                                   worker_factory=start_worker)
         engine_config = dataclasses.replace(engine_config or EngineConfig(), num_scheduler_steps=num_scheduler_steps)
+        if engine_config.num_threads is None:  # explicit, not Ray's implicit OMP_NUM_THREADS=1
+            engine_config = dataclasses.replace(engine_config, num_threads=decode_threads(
+                os.cpu_count() or 1, encoders_on_cpu=not gpus))
         return cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config,
                    default_encoder_gpus() if decode_gpus is None else decode_gpus)
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
+import ray
 
 from raypipe import InvalidInput, Pipeline, SamplingParams
+from raypipe.pipeline import decode_threads
 from raypipe.models.registry import vision_adapter
 from tests import decode_reference as ref
 
@@ -61,3 +64,12 @@ def test_bad_request_names_its_index_and_runs_nothing(pipe):
     assert info.value.item == "requests[1].prompt" and info.value.code == "prompt_too_long"
     with pytest.raises(InvalidInput):
         pipe.generate([ref.request(0)], [SamplingParams(), SamplingParams()])  # params count mismatch
+
+
+def test_decode_actor_gets_an_explicit_thread_count(pipe):
+    # Encoders run on this CPU beside it: half the cores (at least 1), set by Pipeline, not Ray's
+    # OMP_NUM_THREADS=1 default; alone it would get every core.
+    info = ray.get(pipe._engine_actor().info.remote())
+    assert info["threads"] == decode_threads(os.cpu_count() or 1, encoders_on_cpu=True) == pipe.engine_config.num_threads
+    assert decode_threads(16, encoders_on_cpu=False) == 16 and decode_threads(16, encoders_on_cpu=True) == 8
+    assert decode_threads(1, encoders_on_cpu=True) == 1
