@@ -45,6 +45,13 @@ def connect_ray(address: str | None = None) -> None:
              log_to_driver=os.environ.get("RAYPIPE_RAY_LOGS") == "1")
 
 
+def decode_threads(cores: int, *, encoders_on_cpu: bool) -> int:
+    """torch threads for the decode engine: every core when it has the CPU to itself; half when
+    encoder workers share it (they run niced, so decode wins contention, and the engine's prefill
+    thread needs cores of its own too)."""
+    return max(1, cores // 2) if encoders_on_cpu else cores
+
+
 def default_encoder_gpus() -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
 
@@ -113,7 +120,11 @@ class Pipeline:
         ray.get([w.info.remote() for w in workers])  # surface load errors here, not on first call
         coordinator = Coordinator(adapter, workers, cost_model=config.cost_model, cache_bytes=config.cache_bytes,
                                   worker_factory=start_worker)
-        pipeline = cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config or EngineConfig(),
+        engine_config = engine_config or EngineConfig()
+        if engine_config.num_threads is None:  # explicit, not Ray's implicit OMP_NUM_THREADS=1
+            engine_config = dataclasses.replace(engine_config, num_threads=decode_threads(
+                os.cpu_count() or 1, encoders_on_cpu=not gpus))
+        pipeline = cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config,
                        default_encoder_gpus() if config.decode_gpus is None else config.decode_gpus)
         pipeline.actor_model = model_for_actors(config.model, checkpoint)
         return pipeline

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import os
 import threading
 import time
 
@@ -16,6 +17,7 @@ from raypipe import pipeline as pipeline_module
 from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.errors import QueueFull
 from raypipe.models.registry import vision_adapter
+from raypipe.pipeline import decode_threads
 from tests import decode_reference as ref
 
 MAX_NEW = 16
@@ -160,3 +162,12 @@ def test_generate_sends_windows_and_a_full_engine_refuses_with_capacity_error(fr
     refused = [r for r in results if isinstance(r, BaseException)]
     assert len(refused) == 1 and isinstance(refused[0], QueueFull), results
     assert all(sum(len(d.token_ids) for d in r) == 200 for r in results if not isinstance(r, BaseException))
+
+
+def test_decode_actor_gets_an_explicit_thread_count(pipe):
+    # Encoders run on this CPU beside it: half the cores (at least 1), set by Pipeline, not Ray's
+    # OMP_NUM_THREADS=1 default; alone it would get every core.
+    info = ray.get(pipe._engine_actor().info.remote())
+    assert info["threads"] == decode_threads(os.cpu_count() or 1, encoders_on_cpu=True) == pipe.engine_config.num_threads
+    assert decode_threads(16, encoders_on_cpu=False) == 16 and decode_threads(16, encoders_on_cpu=True) == 8
+    assert decode_threads(1, encoders_on_cpu=True) == 1

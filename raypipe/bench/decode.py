@@ -3,15 +3,18 @@
 On the `small` preset by default (Qwen2.5-VL shape scaled to ~70M parameters, random weights; `--model
 tiny-step3` for Step3), text prompts of
 varied length, greedy, `max_tokens` per request:
-(a) tokens/s of `LLMEngine` (in process, K=8) with 1, 8 and 32 concurrent requests, against
-    transformers' `generate()` run one request at a time and on one left-padded static batch;
-(b) tokens/s through Ray (`Pipeline.generate_stream`, all requests concurrent) with K=1 and K=8.
+(a) tokens/s of `LLMEngine` (in process, K=8, compiled decode step) with 1, 8 and 32 concurrent
+    requests, against transformers' `generate()` run one request at a time and on one left-padded
+    static batch, and against the same engine with eager decode steps;
+(b) one decode step (forward + logits) at batch 1, 8 and 32: eager vs the static-shape compiled step;
+(c) tokens/s through Ray (`Pipeline.generate_stream`, all requests concurrent) with K=1 and K=8.
 Every engine output is checked token for token against the one-at-a-time `generate()` output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -23,6 +26,9 @@ import torch
 from raypipe.bench.common import print_table, write_json
 
 CONCURRENCY = (1, 8, 32)
+STEP_BATCHES = (1, 8, 32)
+# Static-shape buckets for the compiled step: few, so that compiling them stays within minutes on CPU.
+BUCKETS = dict(decode_batch_buckets=(1, 8, 16, 32), decode_kv_buckets=(128, 512))
 
 
 def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
@@ -89,6 +95,37 @@ def ray_run(pipe, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
     return outs, time.perf_counter() - start
 
 
+def step_times(runner, batch: int, kv_len: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of one decode step's forward + logits at `batch` rows: eager, then compiled."""
+    from raypipe.decode.kv_cache import decode_mask
+
+    tokens = torch.zeros(batch, dtype=torch.long)
+    positions = torch.full((3, batch, 1), kv_len - 1, dtype=torch.long)
+    write_index = torch.full((batch,), kv_len - 1, dtype=torch.long)
+
+    @torch.inference_mode()
+    def eager():
+        runner.cache.prepare_decode(batch, write_index, kv_len)
+        hidden = runner.model(runner.model.embed(tokens[:, None]), positions,
+                              decode_mask(write_index, kv_len, runner.dtype), runner.cache)
+        return runner.model.logits(hidden[:, -1])
+
+    @torch.inference_mode()
+    def compiled():
+        return runner.static_step(tokens, positions, write_index, kv_len)
+
+    times = []
+    for fn in (eager, compiled):
+        fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
+    return times[0], times[1]
+
+
 def median_run(fn, repeats: int):
     """First outputs and median seconds, after one unmeasured run (first use of each batch shape is slow)."""
     fn()
@@ -112,15 +149,18 @@ def main(args) -> int:
     repeats = 1 if args.quick else 3
     prompts = make_prompts(adapter.tokenizer, max(CONCURRENCY))
     eos, pad = adapter.eos_token_ids[0], adapter.tokenizer.pad_token_id
-    config = EngineConfig(max_num_seqs=32, max_model_len=512, num_scheduler_steps=8)
+    config = EngineConfig(max_num_seqs=32, max_model_len=512, num_scheduler_steps=8, compiled_decode=True, **BUCKETS)
 
     hf = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()  # the family's own class
     with torch.inference_mode():
         hf_sequential(hf, prompts[:1], 4, eos)  # warm-up
         reference, _ = hf_sequential(hf, prompts, max_tokens, eos)
     engine = LLMEngine(checkpoint, config)
-    engine_run(engine, prompts[:4], 4)  # warm-up
-    rows, result = [], {"model": str(checkpoint), "max_tokens": max_tokens, "repeats": repeats, "engine": {}}
+    eager_engine = LLMEngine(checkpoint, dataclasses.replace(config, compiled_decode=False))
+    for e in (engine, eager_engine):
+        engine_run(e, prompts[:4], 4)  # warm-up
+    rows, result = [], {"model": str(checkpoint), "max_tokens": max_tokens, "repeats": repeats, "engine": {},
+                        "decode_step": engine.stats()["decode_step"]}
     all_identical = True
     for c in CONCURRENCY:
         batch = prompts[:c]
@@ -128,30 +168,41 @@ def main(args) -> int:
             _, seq_s = median_run(lambda: hf_sequential(hf, batch, max_tokens, eos), repeats)
             static_out, static_s = median_run(lambda: hf_static_batch(hf, batch, max_tokens, eos, pad), repeats)
         engine_out, engine_s = median_run(lambda: engine_run(engine, batch, max_tokens), repeats)
+        eager_out, eager_s = median_run(lambda: engine_run(eager_engine, batch, max_tokens), repeats)
         tokens = sum(len(o) for o in engine_out)
-        identical = engine_out == reference[:c]
+        identical = engine_out == reference[:c] and eager_out == reference[:c]
         all_identical &= identical
         static_same = sum(a == b for a, b in zip(static_out, reference[:c]))
         row = {"concurrency": c, "tokens": tokens, "engine_tok_s": tokens / engine_s,
+               "eager_engine_tok_s": sum(len(o) for o in eager_out) / eager_s,
                "sequential_tok_s": sum(len(o) for o in reference[:c]) / seq_s,
                "static_batch_tok_s": sum(len(o) for o in static_out) / static_s,
                "identical_to_generate": identical, "static_batch_rows_identical": static_same}
         row["vs_sequential"] = row["engine_tok_s"] / row["sequential_tok_s"]
         row["vs_static_batch"] = row["engine_tok_s"] / row["static_batch_tok_s"]
+        row["compiled_vs_eager_engine"] = row["engine_tok_s"] / row["eager_engine_tok_s"]
         result["engine"][c] = row
-        rows.append([c, tokens, row["sequential_tok_s"], row["static_batch_tok_s"], row["engine_tok_s"],
-                     row["vs_sequential"], row["vs_static_batch"], "yes" if identical else "NO",
-                     f"{static_same}/{c}"])
+        rows.append([c, tokens, row["sequential_tok_s"], row["static_batch_tok_s"], row["eager_engine_tok_s"],
+                     row["engine_tok_s"], row["vs_sequential"], row["vs_static_batch"],
+                     row["compiled_vs_eager_engine"], "yes" if identical else "NO", f"{static_same}/{c}"])
     result["engine_stats"] = engine.stats()
+    eager_engine.shutdown()
     engine.shutdown()
     del hf
+
+    step_rows = []
+    result["step"] = {}
+    for b in STEP_BATCHES:  # the engines are idle: their cache rows are free to write
+        eager_s, compiled_s = step_times(engine.runner, b, 100, 5 if args.quick else 20)
+        result["step"][b] = {"eager_ms": eager_s * 1e3, "compiled_ms": compiled_s * 1e3, "speedup": eager_s / compiled_s}
+        step_rows.append([b, eager_s * 1e3, compiled_s * 1e3, eager_s / compiled_s])
 
     ray_rows = []
     ray_c = max(CONCURRENCY) if not args.quick else 8
     result["ray"] = {}
     for k in (1, 8):
         with Pipeline.from_pretrained(checkpoint, num_encoders=1, num_scheduler_steps=k,
-                                      engine_config=config) as pipe:
+                                      engine_config=config) as pipe:  # compiled step, as in (a)
             ray_run(pipe, prompts[:4], 4)  # warm-up: engine start and first forward
             out, seconds = median_run(lambda: ray_run(pipe, prompts[:ray_c], max_tokens), repeats)
             identical = out == reference[:ray_c]
@@ -168,8 +219,14 @@ def main(args) -> int:
         print(json.dumps(result, indent=2, default=str))
     else:
         print_table(f"decode tokens/s, {checkpoint.name}, greedy, max_tokens={max_tokens}, median of {repeats}",
-                    ["requests", "tokens", "generate 1-by-1", "generate static batch", "engine K=8",
-                     "x 1-by-1", "x static", "identical", "static rows identical"], rows)
+                    ["requests", "tokens", "generate 1-by-1", "generate static batch", "engine K=8 eager",
+                     "engine K=8 compiled", "x 1-by-1", "x static", "x eager engine", "identical",
+                     "static rows identical"], rows)
+        step = result["decode_step"]
+        print(f"compiled step: {step['mode']}, buckets {step['batch_buckets']} x {step['kv_buckets']}, "
+              f"warm-up (compile) {step['warmup_seconds']:.1f} s")
+        print_table("one decode step (forward + logits), KV length 100, median", ["batch", "eager ms", "compiled ms",
+                                                                                  "speed-up"], step_rows)
         print_table(f"through Ray (Pipeline.generate_stream, {ray_c} concurrent requests)",
                     ["K", "requests", "tokens", "tok/s", "identical"], ray_rows)
         print(f"\nK=8 / K=1 through Ray: {result['ray_k8_vs_k1']:.2f}x; all engine outputs identical to generate(): "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import ray
+import torch
 
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
@@ -23,7 +24,7 @@ class DecodeEngine:
     def info(self) -> dict:
         return {"pid": os.getpid(), "device": str(self.engine.device), "max_model_len": self.engine.config.max_model_len,
                 "max_num_seqs": self.engine.config.max_num_seqs,
-                "num_scheduler_steps": self.engine.config.num_scheduler_steps}
+                "num_scheduler_steps": self.engine.config.num_scheduler_steps, "threads": torch.get_num_threads()}
 
     def check_request(self, prompt, params) -> None:
         self.engine.check_request(prompt, params)

@@ -83,10 +83,17 @@ class StaticDecodeStep:
 
     @torch.inference_mode()
     def warmup(self, batch_sizes=None, kv_lens=None) -> float:
-        """Compile (CPU) or capture (CUDA) every bucket now, not on a request's first step; seconds taken."""
+        """Compile (CPU) or capture (CUDA) buckets now, not on a request's first step; seconds taken.
+
+        By default every bucket with CUDA graphs (a capture takes milliseconds); on CPU every batch
+        bucket at the smallest KV bucket, where every request starts (a compile takes seconds, so
+        longer KV buckets compile on first use).
+        """
         start = time.perf_counter()
+        if kv_lens is None:
+            kv_lens = self.kv_buckets if self.use_cuda_graphs else self.kv_buckets[:1]
         for b in batch_sizes or self.batch_buckets:
-            for k in kv_lens or self.kv_buckets:
+            for k in kv_lens:
                 n = min(b, self.cache.max_num_seqs)
                 tokens = torch.zeros(n, dtype=torch.long, device=self.device)
                 positions = torch.zeros((3, n, 1), dtype=torch.long, device=self.device)
