@@ -2,9 +2,10 @@
 
 A request is OpenAI-style chat `messages` (content parts `text`, `image_url` with a data: URL, or
 `image` with a PIL image / array / bytes), a dict holding `messages`, or a dict holding raw
-`prompt_token_ids` and `images`. The checkpoint's chat template renders one
-`<|vision_start|><|image_pad|><|vision_end|>` per image; each `<|image_pad|>` is then expanded to
-that image's token count, which the vision adapter computes from the image size alone.
+`prompt_token_ids` and `images`. The checkpoint's chat template renders one image token per image
+(Qwen: `<|vision_start|><|image_pad|><|vision_end|>`); each is then replaced by the family's
+placeholder for that image (`VisionAdapter.placeholder_ids`: Qwen, its token count of
+`<|image_pad|>`; MiniCPM-V, image id, overview and slice rows), computed from the image size alone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from raypipe.errors import InvalidInput
 from raypipe.models.base import VisionAdapter
 from raypipe.preprocess import DecodedImage, ImageLimits, load_image
 
-IMAGE_PAD = "<|image_pad|>"
 IMAGE_PART_TYPES = ("image", "image_url")
 
 
@@ -117,7 +117,7 @@ def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_ad
     A placeholder is a run of image tokens: a single one (expanded here) or, for raw token ids,
     a run already of the image's exact length.
     """
-    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    pad = vision_adapter.image_token_id
     runs = token_runs(ids, pad)
     if len(runs) != len(images):
         raise InvalidInput(f"prompt has {len(runs)} image placeholders but {len(images)} images were given",
@@ -126,11 +126,14 @@ def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_ad
     out: list[int] = []
     cursor = 0
     for i, ((start, length), item) in enumerate(zip(runs, items)):
-        if length != 1 and not (allow_expanded and length == item.num_tokens):
+        placeholder = vision_adapter.placeholder_ids(item, i, tokenizer)
+        # Already expanded (raw ids) only where the family's placeholder is one plain run.
+        expanded = allow_expanded and length == item.num_tokens == len(placeholder)
+        if length != 1 and not expanded:
             raise InvalidInput(f"placeholder {i} has {length} image tokens; image {i} needs 1 (to expand) or "
                                f"{item.num_tokens}", item=f"images[{i}]", code="image_count_mismatch")
         out += ids[cursor:start]
-        out += [pad] * item.num_tokens
+        out += [pad] * item.num_tokens if expanded else placeholder
         cursor = start + length
     out += ids[cursor:]
     return PreparedPrompt(out, list(images), [tuple(item.grid) for item in items],

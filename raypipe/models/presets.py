@@ -67,7 +67,13 @@ _QWEN2_5_VL_SHAPES = {
     ),
 }
 
-PRESETS = tuple(_QWEN2_5_VL_SHAPES)
+def _minicpmv_names() -> tuple[str, ...]:
+    from raypipe.models.minicpmv4_6_preset import SHAPES
+
+    return tuple(SHAPES)
+
+
+PRESETS = tuple(_QWEN2_5_VL_SHAPES) + _minicpmv_names()
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -76,8 +82,8 @@ def default_cache_dir() -> pathlib.Path:
 
 
 def resolve_model(model: str | os.PathLike) -> pathlib.Path:
-    """`tiny`/`small` name a preset (written on first use); anything else is a local folder."""
-    if isinstance(model, str) and model in _QWEN2_5_VL_SHAPES:
+    """A name in `PRESETS` names a preset (written on first use); anything else is a local folder."""
+    if isinstance(model, str) and model in PRESETS:
         return preset_checkpoint(model)
     path = pathlib.Path(model)
     if not (path / "config.json").is_file():
@@ -94,14 +100,20 @@ def tiny_checkpoint(path: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def preset_checkpoint(name: str, path: str | os.PathLike | None = None) -> pathlib.Path:
-    target = pathlib.Path(path) if path is not None else default_cache_dir() / f"{name}-qwen2_5_vl-{PRESET_VERSION}"
+    family = "qwen2_5_vl" if name in _QWEN2_5_VL_SHAPES else "minicpmv4_6"
+    target = pathlib.Path(path) if path is not None else default_cache_dir() / f"{name}-{family}-{PRESET_VERSION}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename: concurrent actors may race to create the same preset.
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_qwen2_5_vl(staging, _QWEN2_5_VL_SHAPES[name])
+        if family == "qwen2_5_vl":
+            _write_qwen2_5_vl(staging, _QWEN2_5_VL_SHAPES[name])
+        else:
+            from raypipe.models import minicpmv4_6_preset
+
+            minicpmv4_6_preset.write(staging, name, PRESET_VERSION)
         try:
             staging.rename(target)
         except OSError:

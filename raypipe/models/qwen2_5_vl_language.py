@@ -1,9 +1,7 @@
 """Qwen2.5-VL language side: tokenizer facts, 3-D mrope positions, and the language model alone.
 
-The decode engine never holds the vision tower. It loads transformers' `Qwen2_5_VLTextModel` plus
-`lm_head` from the checkpoint's language tensors only, and drives it with `inputs_embeds` (text
-embeddings with image embeddings scattered at the `<|image_pad|>` tokens), explicit 3-D
-`position_ids` and a 4-D attention mask the engine builds itself.
+The decode engine never holds the vision tower: it loads transformers' `Qwen2_5_VLTextModel` plus
+`lm_head` alone (`text_decoder.TextDecoder`) and drives it with explicit 3-D `position_ids`.
 
 Positions come from transformers' own `get_rope_index`, bound to a config-only object so that no
 vision weights are needed; it is pure CPU work done once per request.
@@ -16,11 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
-from raypipe.models.checkpoint import load_module_weights, load_tensors
+from raypipe.models.base import LanguageAdapter
+from raypipe.models.text_decoder import TextDecoder
 
 # Both layouts occur: the original release (`model.layers...`) and newer transformers saves.
 LANGUAGE_PREFIXES = ("model.language_model.", "model.")
-LM_HEAD_PREFIXES = ("lm_head.",)
 VISION_EXCLUDE = ("visual.", "model.visual.")
 
 
@@ -39,29 +37,17 @@ class _RopeIndex:
         return self._get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw)
 
 
-class Qwen2_5_VLLanguageAdapter:
-    """Config-level knowledge of the language side (no weights): tokens, limits, positions."""
-
+class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
     def __init__(self, checkpoint: str | pathlib.Path):
-        from transformers import AutoConfig, AutoTokenizer
-
-        self.checkpoint = pathlib.Path(checkpoint)
-        self.config = AutoConfig.from_pretrained(self.checkpoint)
-        self.text_config = self.config.text_config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
-        self.hidden_size = self.text_config.hidden_size
-        self.vocab_size = self.text_config.vocab_size
-        self.max_position_embeddings = self.text_config.max_position_embeddings
-        self.image_token_id = self.config.image_token_id
+        super().__init__(checkpoint)
         self.vision_start_token_id = self.config.vision_start_token_id
         self.vision_end_token_id = self.config.vision_end_token_id
         self.merge = self.config.vision_config.spatial_merge_size
-        self.eos_token_ids = _eos_ids(self.config, self.tokenizer)
         self._rope_index = _RopeIndex(self.config)
 
-    def tokens_per_image(self, grid: Sequence[int]) -> int:
+    def token_runs(self, grid: Sequence[int]) -> list[int]:
         t, h, w = grid
-        return t * h * w // self.merge**2
+        return [t * h * w // self.merge**2]  # one run per image
 
     def positions(self, token_ids: Sequence[int], grids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
         """`(position_ids (3, L), rope_delta)` of one prompt; decode position = index + rope_delta."""
@@ -73,57 +59,8 @@ class Qwen2_5_VLLanguageAdapter:
         position_ids, rope_deltas = self._rope_index(ids, mm_token_type_ids, grid_thw)
         return position_ids[:, 0], int(rope_deltas[0, 0])
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> "Qwen2_5_VLLanguageModel":
-        return Qwen2_5_VLLanguageModel(self, device, dtype)
-
-
-def _eos_ids(config, tokenizer) -> tuple[int, ...]:
-    found = config.text_config.eos_token_id
-    if found is None:
-        found = tokenizer.eos_token_id
-    ids = found if isinstance(found, (list, tuple)) else [found]
-    return tuple(int(i) for i in ids if i is not None)
-
-
-class Qwen2_5_VLLanguageModel(torch.nn.Module):
-    """Token embeddings, decoder stack, final norm and lm_head of Qwen2.5-VL on one device."""
-
-    def __init__(self, adapter: Qwen2_5_VLLanguageAdapter, device: torch.device, dtype: torch.dtype):
-        from transformers.initialization import no_init_weights
+    def load_model(self, device: torch.device, dtype: torch.dtype) -> TextDecoder:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
 
-        super().__init__()
-        text_config = adapter.text_config
-        with no_init_weights():  # weights come from the checkpoint; skip the random init
-            self.model = Qwen2_5_VLTextModel._from_config(text_config, dtype=dtype)
-            self.lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
-        state = load_tensors(adapter.checkpoint, LANGUAGE_PREFIXES, dtype=dtype,
-                             exclude=VISION_EXCLUDE + LM_HEAD_PREFIXES)
-        load_module_weights(self.model, state, what=f"{adapter.checkpoint} language model")
-        if getattr(adapter.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            head = load_tensors(adapter.checkpoint, LM_HEAD_PREFIXES, dtype=dtype)
-            load_module_weights(self.lm_head, head, what=f"{adapter.checkpoint} lm_head")
-        self.to(device).eval()
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.image_token_id = adapter.image_token_id
-
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Text embeddings with image rows written over the image tokens, row-major over the batch."""
-        embeds = self.model.embed_tokens(input_ids)
-        if image_embeds is not None and image_embeds.numel():
-            mask = (input_ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
-            embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
-        return embeds
-
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: dict, cache) -> torch.Tensor:
-        """Final hidden states `(B, L, hidden)`; `attention_mask` maps each layer type to its mask (4-D
-        additive for attention), which transformers passes to the layers as-is."""
-        out = self.model(inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=cache, use_cache=True)
-        return out.last_hidden_state
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return TextDecoder(self, Qwen2_5_VLTextModel, device, dtype, prefixes=LANGUAGE_PREFIXES,
+                           exclude=VISION_EXCLUDE)

@@ -22,8 +22,20 @@ def _qwen2_5_vl_language(path):
     return Qwen2_5_VLLanguageAdapter(path)
 
 
-VISION_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_vision}
-LANGUAGE_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_language}
+def _minicpmv4_6_vision(path):
+    from raypipe.models.minicpmv4_6_vision import MiniCPMV4_6VisionAdapter
+
+    return MiniCPMV4_6VisionAdapter(path)
+
+
+def _minicpmv4_6_language(path):
+    from raypipe.models.minicpmv4_6_language import MiniCPMV4_6LanguageAdapter
+
+    return MiniCPMV4_6LanguageAdapter(path)
+
+
+VISION_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_vision, "minicpmv4_6": _minicpmv4_6_vision}
+LANGUAGE_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_language, "minicpmv4_6": _minicpmv4_6_language}
 
 
 def vision_adapter(model: str | os.PathLike) -> VisionAdapter:
