@@ -43,7 +43,7 @@ def main(args) -> int:
     decoded = load_images([sample_image(h, w, seed=i) for i, (h, w) in enumerate(sizes)],
                           ImageLimits(max_pixels=16_000_000))
     items = [adapter.make_item(d) for d in decoded]
-    units_of = [adapter.split(item) for item in items]
+    units_of = [adapter.units(item) for item in items]
     units = [unit for split in units_of for unit in split]
     connect_ray()
     cores = os.cpu_count() or 1
