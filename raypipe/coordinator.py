@@ -1,12 +1,12 @@
 """Shard a batch of images over encoder workers, gather per-image embeddings in input order.
 
 Flow of `submit`: geometry per image (adapter) -> cache lookup by content hash, and duplicates
-inside the batch encoded once -> each image split into units of work (`adapter.split`: the image
-itself, or e.g. Step3's crops and global view) with a cost each -> balancer over the live workers -> one `ray.put` per
-shard and one task per non-empty shard, returning one object per item -> wait for the small
+inside the batch encoded once -> units of work and their costs (adapter: a whole image, or an
+image's slices) -> balancer over the live workers -> one `ray.put` per shard and one task per
+non-empty shard, returning one object per unit -> an image cut into several units gets one small
+task that concatenates them (units of one image may sit on different workers) -> wait for the small
 receipts only; a shard whose worker died is re-run on a live worker while a replacement actor is
-started. An image of several units gets one small Ray task that concatenates its units' outputs.
-Embeddings never pass through this process: callers get `ObjectRef`s in input order.
+started. Embeddings never pass through this process: callers get `ObjectRef`s in input order.
 
 A replacement gets no shard until it has loaded its weights (its first `ping` answered): until
 then the balancer sees only the ready workers. `check_workers` pings every worker on its own
@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import ray
+import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raypipe.cache import EmbeddingCache
@@ -45,31 +46,16 @@ class EncodedImage:
 
 @dataclasses.dataclass(slots=True)
 class EncodeReport:
-    """What the last `submit` did: which input indices each worker got (an image split into
-    several units appears under every worker that got one of them), and their loads."""
+    """What the last `submit` did: which input indices each worker got, and their loads."""
 
     assignment: list[list[int]]
     loads: list[float]
     cache_hits: int
     retried_shards: int
-    units_per_worker: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def imbalance(self) -> float:
         return imbalance(self.loads)
-
-
-@ray.remote(num_cpus=0)
-def concat_rows(*parts):
-    """One image's embedding from its units' embeddings (Ray resolves the refs), where the units ran."""
-    import torch
-
-    return torch.cat(parts)
-
-
-def _inputs_of(shard: list[int], unit_owner: list[int], todo_inputs: list[list[int]]) -> list[int]:
-    seen = dict.fromkeys(unit_owner[u] for u in shard)  # ordered, without repeats
-    return [i for t in seen for i in todo_inputs[t]]
 
 
 def imbalance(loads: Sequence[float]) -> float:
@@ -81,11 +67,13 @@ def imbalance(loads: Sequence[float]) -> float:
 class Coordinator:
     def __init__(self, adapter: VisionAdapter, workers: Sequence, *, cost_model: str = "patches",
                  cache_bytes: int = 256 * 1024 * 1024, worker_factory: Callable[[], object] | None = None,
-                 max_shard_attempts: int = 3):
+                 max_shard_attempts: int = 3, split_units: bool | None = None):
         if not workers:
             raise ValueError("Coordinator needs at least one encoder worker")
         check_cost_model(cost_model)  # at start-up, not on the first batch
         self.adapter = adapter
+        # Balance units (slices) rather than whole items; the adapter's measured default unless given.
+        self.split_units = adapter.split_units if split_units is None else split_units
         self.workers = list(workers)
         self.cost_model = cost_model
         self.cache = EmbeddingCache(cache_bytes)
@@ -129,16 +117,23 @@ class Coordinator:
                     todo.append(item)
                     todo_inputs.append([index])
 
-        # The balancer sees units of work (an image, or its views), not images.
-        units_of = [self.adapter.split(item) for item in todo]
-        units = [unit for split in units_of for unit in split]
-        unit_owner = [t for t, split in enumerate(units_of) for _ in split]
-        patches = [self.adapter.cost(unit, "patches") for unit in units]
-        prior = [self.adapter.cost(unit, "attention") for unit in units]
+        # Units of work: each item's units (an image; a MiniCPM-V overview and slices; Step3's crops
+        # and global view). The balancer places atoms: single units where the adapter splits items,
+        # else whole items.
+        units = [self.adapter.units(item) for item in todo]
+        atoms = ([[(t, u)] for t, item_units in enumerate(units) for u in range(len(item_units))]
+                 if self.split_units else [[(t, u) for u in range(len(item_units))]
+                                           for t, item_units in enumerate(units)])
+        patches = {(t, u): self.adapter.cost(unit, "patches") for t, us in enumerate(units) for u, unit in enumerate(us)}
+        prior = {(t, u): self.adapter.cost(unit, "attention") for t, us in enumerate(units) for u, unit in enumerate(us)}
         if self.cost_model == "calibrated":
-            sizes = self.calibration.for_device(self.device_kind).unit_costs(patches, prior)
+            keys = list(patches)
+            fitted = self.calibration.for_device(self.device_kind).unit_costs([patches[k] for k in keys],
+                                                                               [prior[k] for k in keys])
+            unit_cost = dict(zip(keys, fitted))
         else:
-            sizes = patches if self.cost_model == "patches" else prior
+            unit_cost = patches if self.cost_model == "patches" else prior
+        sizes = [sum(unit_cost[key] for key in atom) for atom in atoms]
         ready = self._wait_ready() if todo else list(range(len(self.workers)))
         with self._lock:  # concurrent calls (a Serve replica) see each other's work in flight
             workers = list(self.workers)
@@ -146,31 +141,32 @@ class Coordinator:
             # greedy (see partition.py).
             ready_shards, ready_loads = partition(sizes, len(ready), [self.inflight_loads[i] for i in ready])
             loads = [0.0] * len(workers)
-            shards: list[list[int]] = [[] for _ in workers]
-            for i, shard, load in zip(ready, ready_shards, ready_loads):
-                shards[i], loads[i] = shard, load
+            shards: list[list[tuple[int, int]]] = [[] for _ in workers]
+            for i, atom_shard, load in zip(ready, ready_shards, ready_loads):
+                shards[i], loads[i] = [key for a in atom_shard for key in atoms[a]], load
             self.inflight_loads = [a + b for a, b in zip(self.inflight_loads, loads)]
+        unit_refs: dict[tuple[int, int], ray.ObjectRef] = {}
         try:
-            retried = self._run_shards(units, shards, workers, refs, (patches, prior))
+            retried = self._run_shards(units, shards, workers, unit_refs, (patches, prior))
         finally:
             with self._lock:
                 self.inflight_loads = [a - b for a, b in zip(self.inflight_loads, loads)]
 
-        for item, split in zip(todo, units_of):
-            parts = [refs[unit.content_hash] for unit in split]
-            refs[item.content_hash] = parts[0] if len(parts) == 1 else concat_rows.remote(*parts)
+        for t, item in enumerate(todo):
+            parts = [unit_refs[(t, u)] for u in range(len(units[t]))]
+            refs[item.content_hash] = parts[0] if len(parts) == 1 else _concat.remote(*parts)
             self.cache.put(item.content_hash, refs[item.content_hash], self.adapter.embedding_nbytes(item))
         with self._lock:
             self.total_loads = [a + b for a, b in zip(self.total_loads, loads)]
         self.last_report = EncodeReport(
-            assignment=[_inputs_of(shard, unit_owner, todo_inputs) for shard in shards],
+            assignment=[list(dict.fromkeys(i for t, _ in shard for i in todo_inputs[t])) for shard in shards],
             loads=list(loads), cache_hits=sum(1 for item in items if item.content_hash in cached_keys),
-            retried_shards=retried, units_per_worker=[len(shard) for shard in shards])
+            retried_shards=retried)
         return [EncodedImage(refs[item.content_hash], item.num_tokens, item.grid, item.content_hash,
                              item.content_hash in cached_keys) for item in items]
 
-    def _run_shards(self, units: list[VisionItem], shards: list[list[int]], workers: list,
-                    refs: dict[str, ray.ObjectRef], unit_costs: tuple[list[float], list[float]]) -> int:
+    def _run_shards(self, units: list[list[VisionItem]], shards: list[list[tuple[int, int]]], workers: list,
+                    refs: dict, unit_costs: tuple[dict, dict]) -> int:
         pending = {}  # receipt ref -> (worker index, shard, attempt)
         for w, shard in enumerate(shards):
             if shard:
@@ -184,7 +180,7 @@ class Coordinator:
             except WORKER_LOST as exc:
                 if attempt >= self.max_shard_attempts:
                     raise
-                log.warning("encoder worker %d lost (%s); re-running its %d items", w, type(exc).__name__, len(shard))
+                log.warning("encoder worker %d lost (%s); re-running its %d units", w, type(exc).__name__, len(shard))
                 retry_on = self._replace_and_pick(workers[w], w)
                 retried += 1
                 pending[self._launch(self.workers[retry_on], units, shard, refs)] = (retry_on, shard, attempt + 1)
@@ -192,16 +188,16 @@ class Coordinator:
             self._calibrate(receipt, shard, *unit_costs)
         return retried
 
-    def _calibrate(self, receipt: dict, shard: list[int], patches: list[float], prior: list[float]) -> None:
+    def _calibrate(self, receipt: dict, shard: list[tuple[int, int]], patches: dict, prior: dict) -> None:
         self.device_kind = receipt.get("device", self.device_kind)
         self.calibration.for_device(self.device_kind).observe(
-            [patches[t] for t in shard], [prior[t] for t in shard], receipt["seconds"])
+            [patches[key] for key in shard], [prior[key] for key in shard], receipt["seconds"])
 
-    def _launch(self, worker, units: list[VisionItem], shard: list[int], refs: dict) -> ray.ObjectRef:
-        payload = ray.put([units[t] for t in shard])  # exactly this worker's shard, once
+    def _launch(self, worker, units: list[list[VisionItem]], shard: list[tuple[int, int]], refs: dict) -> ray.ObjectRef:
+        payload = ray.put([units[t][u] for t, u in shard])  # exactly this worker's shard, once
         out = worker.encode.options(num_returns=len(shard) + 1).remote(payload)
-        for t, ref in zip(shard, out[:-1]):
-            refs[units[t].content_hash] = ref
+        for key, ref in zip(shard, out[:-1]):
+            refs[key] = ref
         return out[-1]
 
     def _replace_and_pick(self, dead, dead_index: int) -> int:
@@ -267,3 +263,9 @@ class Coordinator:
                 report.imbalance if report else 1.0, "workers_replaced": self.workers_replaced,
                 "workers_loading": len(self._loading), "pixel_bytes_received": self.pixel_bytes_received,
                 "cost_fit": self.calibration.stats()}
+
+
+@ray.remote(num_cpus=0)
+def _concat(*parts):
+    """An item's embedding from its units' embeddings (adapters order units for exactly this)."""
+    return torch.cat(parts)

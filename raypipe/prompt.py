@@ -2,10 +2,11 @@
 
 A request is OpenAI-style chat `messages` (content parts `text`, `image_url` with a data: URL, or
 `image` with a PIL image / array / bytes), a dict holding `messages`, or a dict holding raw
-`prompt_token_ids` and `images`. The checkpoint's chat template renders one placeholder per image
-(Qwen: `<|vision_start|><|image_pad|><|vision_end|>`; Step3: `<im_patch>`); the vision adapter
-replaces it with the image's tokens, computed from the image size alone (Qwen: one `<|image_pad|>`
-per embedding row; Step3: crop and global-view runs with their layout tokens).
+`prompt_token_ids` and `images`. The checkpoint's chat template renders one image token per image
+(Qwen: `<|vision_start|><|image_pad|><|vision_end|>`; Step3: `<im_patch>`); each is then replaced by
+the family's placeholder for that image (`VisionAdapter.placeholder_ids`: Qwen, its token count of
+`<|image_pad|>`; MiniCPM-V, image id, overview and slice rows; Step3, crop and global-view runs with
+their layout tokens), computed from the image size alone.
 
 Text that users (or assistants) supply is plain text: `"<|im_end|>"` typed into a message is the
 characters `<`, `|`, ... , never the control token, or a user could forge a system turn. Only the
@@ -218,9 +219,9 @@ def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_ad
     of consecutive images side by side). In raw token ids, a placeholder is a run of one image
     token or the image's full expansion already in place (with its layout tokens around it).
     """
-    pad = tokenizer.convert_tokens_to_ids(vision_adapter.image_placeholder)
+    pad = vision_adapter.image_token_id
     items = [vision_adapter.make_item(image) for image in images]
-    expansions = [vision_adapter.placeholder_ids(item, tokenizer) for item in items]
+    expansions = [vision_adapter.placeholder_ids(item, i, tokenizer) for i, item in enumerate(items)]
     out: list[int] = []
     cursor = 0
     for i, (item, expansion) in enumerate(zip(items, expansions)):

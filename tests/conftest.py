@@ -24,6 +24,13 @@ def tiny_ckpt():
 
 
 @pytest.fixture(scope="session")
+def minicpmv_ckpt():
+    from raypipe.models.presets import preset_checkpoint
+
+    return preset_checkpoint("tiny-minicpmv")
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """One local Ray for the whole session; pipelines started in tests leave it running."""
     import ray

@@ -50,7 +50,7 @@ def test_views_encoded_in_any_grouping_equal_transformers(step3_ckpt, step3_hf_m
     adapter = vision_adapter(step3_ckpt)
     images = random_images(ref.SIZES, seed=3)
     items = [adapter.make_item(load_image(image)) for image in images]
-    units = [unit for item in items for unit in adapter.split(item)]
+    units = [unit for item in items for unit in adapter.units(item)]
     assert len(units) > 2 * len(items)  # most test images have crops
     order = list(range(len(units)))
     random.Random(0).shuffle(order)  # a worker may hold any views of any images, in any order
@@ -59,7 +59,7 @@ def test_views_encoded_in_any_grouping_equal_transformers(step3_ckpt, step3_hf_m
     expected = ref.image_features(step3_hf_model, step3_ckpt, images)
     first = 0
     for item, want in zip(items, expected):
-        count = len(adapter.split(item))
+        count = len(adapter.units(item))
         got = torch.cat([outputs[first + k] for k in range(count)])
         first += count
         assert got.shape == want.shape == (item.num_tokens, adapter.hidden_size)

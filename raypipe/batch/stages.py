@@ -66,7 +66,12 @@ def max_image_cost(model: str, cost_model: str) -> float:
     """Cost of the largest image the model's processor produces (any bigger one is resized down)."""
     adapter = _vision_adapter(model)
     huge = np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (16384, 16384, 3))  # shape only, no memory
-    return adapter.cost(adapter.make_item(DecodedImage(huge, "")), cost_model)
+    return _image_cost(adapter, adapter.make_item(DecodedImage(huge, "")), cost_model)
+
+
+def _image_cost(adapter, item, cost_model: str) -> float:
+    """An image's cost: the sum of its units' (an image may be cut into slices or views)."""
+    return sum(adapter.cost(unit, cost_model) for unit in adapter.units(item))
 
 
 def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3: S3Options | None,
@@ -81,7 +86,7 @@ def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3:
             image = load_image(_read(uri, s3, image_limits.max_bytes), image_limits, item=id_)
             item = adapter.make_item(image)
             row.update(width=image.width, height=image.height, num_tokens=item.num_tokens,
-                       cost=adapter.cost(item, cost_model), pixels=image.pixels.tobytes())
+                       cost=_image_cost(adapter, item, cost_model), pixels=image.pixels.tobytes())
         except InvalidInput as exc:
             row.update(error=exc.code, error_message=exc.reason)
         except OSError as exc:  # missing, forbidden or unreachable object
@@ -112,8 +117,12 @@ class EncodeStage:
     def __call__(self, packs: pa.Table) -> pa.Table:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
         todo = [r for r in rows if r["error"] is None]
-        items = [self.worker.adapter.make_item(DecodedImage(_pixels(r), "")) for r in todo]
-        embeddings = self.worker.encode(items)[:-1] if items else ()  # the last return is a receipt
+        adapter = self.worker.adapter
+        units_of = [adapter.units(adapter.make_item(DecodedImage(_pixels(r), ""))) for r in todo]
+        flat = [unit for units in units_of for unit in units]
+        outs = iter(self.worker.encode(flat)[:-1] if flat else ())  # the last return is a receipt
+        # An image's embedding is its units' embeddings concatenated in unit order.
+        embeddings = [torch.cat([next(outs) for _ in units]) for units in units_of]
         for row, embedding in zip(todo, embeddings):
             matrix = embedding.float().numpy()
             row.update(pixels=None, embedding=matrix.tobytes(), hidden=matrix.shape[1])

@@ -1,10 +1,11 @@
 """`raypipe bench step3`: balancing Step3's views (global view + crops) on measured per-view cost.
 
 For a heavy-tailed image mix (thumbnails to 4K screenshots, as in `bench encode`), every view of
-every image is a unit of work. Each unit's encode time is *measured* alone on one encoder worker
-(that includes running the image processor on its image, as a worker does). Then, for n = 2, 4, 8
+every image is a unit of work. Each unit's encode time is *measured* alone, as a worker runs it
+(that includes running the image processor on its image). Then, for n = 2, 4, 8
 simulated workers, each strategy's makespan (slowest worker's summed measured time) over the lower
-bound max(total / n, largest unit):
+bound max(total / n, largest unit) (timed in this process with the threads one of two encoder
+workers gets, so no Ray start is needed):
 
 - vLLM: views split evenly by count, in order (`run_dp_sharded_vision_model` over the crops);
 - raypipe greedy on the `patches` and on the `attention` cost model (`get_load_balance_assignment`);
@@ -18,10 +19,10 @@ from __future__ import annotations
 import json
 import os
 
-import ray
+import torch
 
 from raypipe.balance import get_load_balance_assignment, split_by_counts
-from raypipe.bench.common import print_table, write_json
+from raypipe.bench.common import median_seconds, print_table, write_json
 from raypipe.bench.encode import STRATEGIES, balancer_quality, heavy_tailed_sizes
 from raypipe.jobs.sample_images import sample_image
 
@@ -29,10 +30,8 @@ WHOLE_IMAGES = "greedy: whole images"
 
 
 def main(args) -> int:
-    from raypipe.encoder import RemoteEncoderWorker
     from raypipe.models.presets import resolve_model
     from raypipe.models.registry import vision_adapter
-    from raypipe.pipeline import connect_ray
     from raypipe.preprocess import ImageLimits, load_images
 
     model = getattr(args, "model", None) or "tiny-step3"
@@ -43,13 +42,14 @@ def main(args) -> int:
     decoded = load_images([sample_image(h, w, seed=i) for i, (h, w) in enumerate(sizes)],
                           ImageLimits(max_pixels=16_000_000))
     items = [adapter.make_item(d) for d in decoded]
-    units_of = [adapter.split(item) for item in items]
+    units_of = [adapter.units(item) for item in items]
     units = [unit for split in units_of for unit in split]
-    connect_ray()
     cores = os.cpu_count() or 1
-    probe = RemoteEncoderWorker.options(num_cpus=0).remote(str(checkpoint), num_threads=max(1, cores // 2))
-    seconds = ray.get(probe.encode_timed.remote(units, repeats=1 if args.quick else 3))
-    ray.kill(probe)
+    torch.set_num_threads(max(1, cores // 2))  # what each of two encoder workers gets here
+    tower = adapter.load_tower(torch.device("cpu"), torch.float32)
+    tower.encode(units[:2])  # warm-up
+    seconds = [median_seconds(lambda unit=unit: tower.encode([unit]), 1 if args.quick else 3, warmup=0)
+               for unit in units]
 
     quality = balancer_quality(adapter, units, seconds, (2, 4, 8))
     image_seconds, first = [], 0

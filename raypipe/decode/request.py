@@ -45,12 +45,11 @@ def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tu
 
 
 def _check_image_runs(ids: list[int], grids: list[tuple], adapter) -> None:
-    """The runs of image tokens must be the images' runs (one per image for Qwen; one per view for
-    Step3), in order; runs must not touch."""
+    """The runs of image tokens must be the images' runs (one per image, or one per slice), in order."""
     runs = [length for _, length in token_runs(ids, adapter.image_token_id)]
-    want = [length for g in grids for length in adapter.image_token_runs(g)]
+    want = [n for g in grids for n in adapter.token_runs(g)]
     if runs != want:
-        raise InvalidInput(f"image token runs {runs} do not match the images' token runs {want}",
+        raise InvalidInput(f"image token runs {runs} do not match the images' token counts {want}",
                            item="images", code="image_count_mismatch")
 
 

@@ -38,7 +38,7 @@ def run_demo(args) -> int:
 
         device = pick_device()
         tower = adapter.load_tower(device, resolve_dtype("auto", device))
-        splits = [adapter.split(item) for item in items]  # units of work: the image, or its views
+        splits = [adapter.units(item) for item in items]  # units of work: the image, or its views
         t3 = time.perf_counter()
         outputs = iter(tower.encode([unit for split in splits for unit in split]))
         reference = [torch.cat([next(outputs) for _ in split]) for split in splits]

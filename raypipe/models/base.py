@@ -4,11 +4,14 @@ A `VisionAdapter` is built from a checkpoint's config alone (no weights), so the
 compute each item's geometry, token count and cost without touching a GPU. Workers call
 `load_tower` once and then `encode` shards of items.
 
-`make_item` describes a whole image (its geometry and the embedding rows it yields). `split` cuts
-it into units of encoder work — the image itself (Qwen2.5-VL), or its views (Step3: each crop and
-the global view), each balanced on its own — whose embeddings, concatenated in `split`'s order,
-are the image's embedding. The coordinator only ever sees `cost`, `num_tokens` and `content_hash`,
-so new families plug in without touching it.
+An item is whatever the family's vision tower consumes as one unit and produces one embedding
+tensor for: a whole variable-size image (Qwen2.5-VL), a fixed-size image or its crops stacked
+(LLaVA/SigLIP, Step3), or an image's slices (MiniCPM-V). The coordinator only ever sees `cost`,
+`num_tokens` and `content_hash`, so new families plug in without touching it.
+
+An item may be cut into finer units of work (`units`: MiniCPM-V's overview and slices, Step3's
+crops and global view) that workers encode separately; with `split_units` the coordinator balances
+units rather than whole items and concatenates each item's unit embeddings in unit order.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class VisionAdapter(abc.ABC):
 
     checkpoint: pathlib.Path
     hidden_size: int  # width of each embedding row (= the language model's hidden size)
+    image_token_id: int  # the token whose rows the image embeddings replace
+    split_units: bool = False  # balance an item's units separately (slices of one image on several workers)
 
     @abc.abstractmethod
     def make_item(self, image: DecodedImage) -> VisionItem:
@@ -71,25 +76,56 @@ class VisionAdapter(abc.ABC):
         """
         return image
 
-    def split(self, item: VisionItem) -> list[VisionItem]:
-        """Units of encoder work for one image, in the order their embeddings concatenate; each
-        unit's `content_hash` is unique to it. By default the image is one unit."""
-        return [item]
-
-    # What the chat template renders once per image; `placeholder_ids` replaces it in the prompt.
-    image_placeholder: str = "<|image_pad|>"
-
-    def placeholder_ids(self, item: VisionItem, tokenizer) -> list[int]:
-        """The image's tokens in the prompt: by default `num_tokens` copies of the placeholder."""
-        return [tokenizer.convert_tokens_to_ids(self.image_placeholder)] * item.num_tokens
-
     @abc.abstractmethod
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
-        """Relative compute of encoding one unit (from `split`) under `cost_model` (one of `ADAPTER_COST_MODELS`)."""
+        """Relative compute of encoding one unit (from `units`) under `cost_model` (one of `ADAPTER_COST_MODELS`)."""
 
     @abc.abstractmethod
     def load_tower(self, device: torch.device, dtype: torch.dtype) -> VisionTower:
         """Load only the vision encoder's weights from the checkpoint onto `device`."""
 
+    def units(self, item: VisionItem) -> list[VisionItem]:
+        """What workers encode for `item`, in the order their embeddings concatenate into its embedding."""
+        return [item]
+
+    def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
+        """Prompt tokens that stand for the `index`-th image of a prompt (its image tokens included)."""
+        return [self.image_token_id] * item.num_tokens
+
     def embedding_nbytes(self, item: VisionItem, dtype: torch.dtype = torch.float32) -> int:
         return item.num_tokens * self.hidden_size * torch.tensor([], dtype=dtype).element_size()
+
+
+class LanguageAdapter(abc.ABC):
+    """Config-level knowledge of a family's language side (no weights): tokens, limits, positions."""
+
+    def __init__(self, checkpoint: str | pathlib.Path):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.checkpoint = pathlib.Path(checkpoint)
+        self.config = AutoConfig.from_pretrained(self.checkpoint)
+        self.text_config = self.config.text_config
+        self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
+        self.hidden_size = self.text_config.hidden_size
+        self.vocab_size = self.text_config.vocab_size
+        self.max_position_embeddings = self.text_config.max_position_embeddings
+        self.image_token_id = self.config.image_token_id
+        found = self.text_config.eos_token_id
+        found = self.tokenizer.eos_token_id if found is None else found
+        self.eos_token_ids = tuple(int(i) for i in (found if isinstance(found, (list, tuple)) else [found])
+                                   if i is not None)
+
+    @abc.abstractmethod
+    def token_runs(self, grid) -> list[int]:
+        """Lengths of the image-token runs one image with this geometry puts in the prompt."""
+
+    def tokens_per_image(self, grid) -> int:
+        return sum(self.token_runs(grid))
+
+    @abc.abstractmethod
+    def positions(self, token_ids, grids) -> tuple[torch.Tensor, int]:
+        """`(position_ids (3, L), rope_delta)` of one prompt; decode position = cache index + rope_delta."""
+
+    @abc.abstractmethod
+    def load_model(self, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        """The language model alone (`text_decoder.TextDecoder`) on `device`."""

@@ -69,9 +69,11 @@ _QWEN2_5_VL_SHAPES = {
 
 def _preset_families() -> dict[str, str]:
     """Preset name -> model family (`model_type`) of the checkpoint it writes."""
+    from raypipe.models.minicpmv4_6_preset import SHAPES as MINICPMV_SHAPES
     from raypipe.models.step3_preset import STEP3_SHAPES
 
-    return {**{name: "qwen2_5_vl" for name in _QWEN2_5_VL_SHAPES}, **{name: "step3p7" for name in STEP3_SHAPES}}
+    return {**{name: "qwen2_5_vl" for name in _QWEN2_5_VL_SHAPES},
+            **{name: "minicpmv4_6" for name in MINICPMV_SHAPES}, **{name: "step3p7" for name in STEP3_SHAPES}}
 
 
 PRESETS = tuple(_preset_families())
@@ -83,8 +85,8 @@ def default_cache_dir() -> pathlib.Path:
 
 
 def resolve_model(model: str | os.PathLike) -> pathlib.Path:
-    """A preset name (`tiny`, `small`, `tiny-step3`; written on first use), `s3://...` a checkpoint
-    in object storage (copied to this node's cache once, see `raypipe.models.remote`), or a local folder."""
+    """A name in `PRESETS` names a preset (written on first use); `s3://...` a checkpoint in object
+    storage (copied to this node's cache once, see `raypipe.models.remote`); anything else a local folder."""
     if isinstance(model, str) and model in PRESETS:
         return preset_checkpoint(model)
     if isinstance(model, str) and model.startswith("s3://"):
@@ -121,12 +123,16 @@ def preset_checkpoint(name: str, path: str | os.PathLike | None = None) -> pathl
     # Write beside the target and rename: concurrent actors may race to create the same preset.
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        if family == "step3p7":
+        if family == "qwen2_5_vl":
+            _write_qwen2_5_vl(staging, _QWEN2_5_VL_SHAPES[name])
+        elif family == "step3p7":
             from raypipe.models.step3_preset import write_step3
 
             write_step3(staging, name, PRESET_VERSION)
         else:
-            _write_qwen2_5_vl(staging, _QWEN2_5_VL_SHAPES[name])
+            from raypipe.models import minicpmv4_6_preset
+
+            minicpmv4_6_preset.write(staging, name, PRESET_VERSION)
         try:
             staging.rename(target)
         except OSError:

@@ -26,6 +26,7 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         self.config = AutoConfig.from_pretrained(self.checkpoint)
         self.vision_config = self.config.vision_config
         self.hidden_size = self.vision_config.out_hidden_size
+        self.image_token_id = self.config.image_token_id
         self.processor = AutoImageProcessor.from_pretrained(self.checkpoint)
         self.merge = self.vision_config.spatial_merge_size
         self._flops = _attention_flops_model(self.vision_config)

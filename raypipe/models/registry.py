@@ -22,6 +22,18 @@ def _qwen2_5_vl_language(path):
     return Qwen2_5_VLLanguageAdapter(path)
 
 
+def _minicpmv4_6_vision(path):
+    from raypipe.models.minicpmv4_6_vision import MiniCPMV4_6VisionAdapter
+
+    return MiniCPMV4_6VisionAdapter(path)
+
+
+def _minicpmv4_6_language(path):
+    from raypipe.models.minicpmv4_6_language import MiniCPMV4_6LanguageAdapter
+
+    return MiniCPMV4_6LanguageAdapter(path)
+
+
 def _step3_vision(path):
     from raypipe.models.step3_vision import Step3VisionAdapter
 
@@ -34,8 +46,9 @@ def _step3_language(path):
     return Step3LanguageAdapter(path)
 
 
-VISION_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_vision, "step3p7": _step3_vision}
-LANGUAGE_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_language, "step3p7": _step3_language}
+VISION_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_vision, "minicpmv4_6": _minicpmv4_6_vision, "step3p7": _step3_vision}
+LANGUAGE_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_language, "minicpmv4_6": _minicpmv4_6_language,
+                     "step3p7": _step3_language}
 
 
 def vision_adapter(model: str | os.PathLike) -> VisionAdapter:

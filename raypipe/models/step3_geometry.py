@@ -58,7 +58,7 @@ class Step3Geometry:
         """Embedding rows of one image (= `<im_patch>` tokens in its placeholder)."""
         return grid[0] * grid[1] * self.crop_tokens + self.global_tokens
 
-    def image_token_runs(self, grid: tuple[int, int]) -> list[int]:
+    def token_runs(self, grid: tuple[int, int]) -> list[int]:
         """Lengths of the image's runs of `<im_patch>`, in prompt order (crops, then the global view)."""
         return [self.crop_tokens] * (grid[0] * grid[1]) + [self.global_tokens]
 

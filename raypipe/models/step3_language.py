@@ -16,10 +16,11 @@ from collections.abc import Sequence
 
 import torch
 
-from raypipe.models.language_model import DecoderLM, LanguageAdapter
+from raypipe.models.base import LanguageAdapter
 from raypipe.models.step3_geometry import IMAGE_TOKEN, Step3Geometry
 from raypipe.models.step3_image_processor import load_image_processor
 from raypipe.models.step3_loading import load_step3_model
+from raypipe.models.text_decoder import TextDecoder
 
 
 class Step3LanguageAdapter(LanguageAdapter):
@@ -31,11 +32,8 @@ class Step3LanguageAdapter(LanguageAdapter):
             raise ValueError(f"{checkpoint}: config image_token_id {self.image_token_id} is not {IMAGE_TOKEN!r}")
         self.geometry = Step3Geometry(load_image_processor(self.checkpoint))
 
-    def tokens_per_image(self, grid: Sequence[int]) -> int:
-        return self.geometry.num_tokens(tuple(grid))
-
-    def image_token_runs(self, grid: Sequence[int]) -> list[int]:
-        return self.geometry.image_token_runs(tuple(grid))
+    def token_runs(self, grid: Sequence[int]) -> list[int]:
+        return self.geometry.token_runs(tuple(grid))
 
     def positions(self, token_ids: Sequence[int], grids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
         """`(position_ids (3, L), rope_delta=0)`: the engine's 3-row layout, the same index on each row."""
@@ -45,11 +43,15 @@ class Step3LanguageAdapter(LanguageAdapter):
         return Step3LanguageModel(self, device, dtype)
 
 
-class Step3LanguageModel(DecoderLM):
-    """Token embeddings, decoder stack, final norm and lm_head of Step3 on one device."""
+class Step3LanguageModel(TextDecoder):
+    """Token embeddings, decoder stack, final norm and lm_head of Step3 on one device.
+
+    Loaded through `from_pretrained` (see `step3_loading.py`) rather than `TextDecoder`'s
+    tensor-prefix loader; embedding, logits and the engine's calls are `TextDecoder`'s.
+    """
 
     def __init__(self, adapter: Step3LanguageAdapter, device: torch.device, dtype: torch.dtype):
-        super().__init__()
+        torch.nn.Module.__init__(self)
         full = load_step3_model(adapter.checkpoint, dtype)
         self.model = full.model.language_model
         self.lm_head = full.lm_head
@@ -58,5 +60,6 @@ class Step3LanguageModel(DecoderLM):
         self.dtype = dtype
         self.image_token_id = adapter.image_token_id
 
-    def model_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        return position_ids[0]  # 1-D rope: all three rows are equal
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: dict, cache) -> torch.Tensor:
+        # The engine's positions are (3, B, L) rows of equal 1-D indices; Step3's rope takes one row.
+        return super().forward(inputs_embeds, position_ids[0], attention_mask, cache)

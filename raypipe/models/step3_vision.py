@@ -2,7 +2,7 @@
 
 An image is a global view plus sliding-window crops (`step3_geometry.py`). Every view costs a
 full ViT forward of a fixed size, so one large image is many units: the coordinator balances
-views, not images, and an image's crops may be encoded on several workers at once. `split`
+views, not images, and an image's crops may be encoded on several workers at once. `units`
 lists the units in the order the language model reads them (crops row-major, then the global
 view); the coordinator concatenates their embeddings back into the image's.
 
@@ -20,13 +20,13 @@ import pathlib
 import torch
 
 from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, check_cost_model
-from raypipe.models.step3_geometry import IMAGE_TOKEN, Step3Geometry
+from raypipe.models.step3_geometry import Step3Geometry
 from raypipe.models.step3_image_processor import load_image_processor
 from raypipe.models.step3_loading import load_step3_model
 from raypipe.preprocess import DecodedImage
 
 class Step3VisionAdapter(VisionAdapter):
-    image_placeholder = IMAGE_TOKEN
+    split_units = True  # views of one image are balanced (and may run) on different workers
 
     def __init__(self, checkpoint: str | pathlib.Path):
         from transformers import AutoConfig
@@ -35,6 +35,7 @@ class Step3VisionAdapter(VisionAdapter):
         self.config = AutoConfig.from_pretrained(self.checkpoint)
         self.vision_config = self.config.vision_config
         self.hidden_size = self.config.text_config.hidden_size
+        self.image_token_id = self.config.image_token_id
         self.processor = load_image_processor(self.checkpoint)
         self.geometry = Step3Geometry(self.processor)
 
@@ -43,7 +44,7 @@ class Step3VisionAdapter(VisionAdapter):
         grid = self.geometry.crop_grid(image.height, image.width)
         return VisionItem(image.pixels, image.content_hash, grid, self.geometry.num_tokens(grid))
 
-    def split(self, item: VisionItem) -> list[VisionItem]:
+    def units(self, item: VisionItem) -> list[VisionItem]:
         """One unit per view, `grid = (view, nx, ny)`: views `0..nx*ny-1` are crops, `nx*ny` the global view."""
         nx, ny = item.grid
         crops = nx * ny
@@ -51,7 +52,7 @@ class Step3VisionAdapter(VisionAdapter):
                            self.geometry.crop_tokens if view < crops else self.geometry.global_tokens)
                 for view in range(crops + 1)]
 
-    def placeholder_ids(self, item: VisionItem, tokenizer) -> list[int]:
+    def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
         return self.geometry.placeholder_ids(item.grid, tokenizer.convert_tokens_to_ids)
 
     def view_side(self, unit: VisionItem) -> int:

@@ -1,0 +1,57 @@
+"""A VLM's language model alone: token embeddings, decoder stack, final norm and lm_head on one device.
+
+The decode engine never holds the vision tower. A family's language adapter names transformers'
+text-model class and where its tensors sit in the checkpoint; this module builds that class from
+`text_config`, loads only those tensors, and drives it with `inputs_embeds` (text embeddings with
+image embeddings scattered at the image tokens), explicit positions, the engine's cache and one
+mask per layer type.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raypipe.models.checkpoint import load_module_weights, load_tensors
+
+LM_HEAD_PREFIXES = ("lm_head.",)
+
+
+class TextDecoder(torch.nn.Module):
+    def __init__(self, adapter, text_model_class, device: torch.device, dtype: torch.dtype, *,
+                 prefixes: tuple[str, ...], exclude: tuple[str, ...]):
+        from transformers.initialization import no_init_weights
+
+        super().__init__()
+        text_config = adapter.text_config
+        with no_init_weights():  # weights come from the checkpoint; skip the random init
+            self.model = text_model_class._from_config(text_config, dtype=dtype)
+            self.lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + LM_HEAD_PREFIXES)
+        load_module_weights(self.model, state, what=f"{adapter.checkpoint} language model")
+        if getattr(adapter.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            head = load_tensors(adapter.checkpoint, LM_HEAD_PREFIXES, dtype=dtype)
+            load_module_weights(self.lm_head, head, what=f"{adapter.checkpoint} lm_head")
+        self.to(device).eval()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.image_token_id = adapter.image_token_id
+
+    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Text embeddings with image rows written over the image tokens, row-major over the batch."""
+        embeds = self.model.embed_tokens(input_ids)
+        if image_embeds is not None and image_embeds.numel():
+            mask = (input_ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
+            embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
+        return embeds
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: dict, cache) -> torch.Tensor:
+        """Final hidden states `(B, L, hidden)`; `attention_mask` maps each layer type to its mask (4-D
+        additive for attention), which transformers passes to the layers as-is."""
+        out = self.model(inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=attention_mask,
+                         past_key_values=cache, use_cache=True)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
