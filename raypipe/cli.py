@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--max-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--repetition-penalty", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--num-scheduler-steps", type=int, default=8)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible Ray Serve endpoint")
@@ -49,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer token (or set RAYPIPE_API_KEY)")
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and ratios")
-    bench.add_argument("target", choices=["encode", "decode", "serve", "serve-load"],
+    bench.add_argument("target", choices=["encode", "decode", "detok", "serve", "serve-load"],
                        help="serve-load: large images before/after ingress resizing, /health under load and "
                             "after every encoder worker is killed")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -22,7 +23,7 @@ from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
 from raypipe.encoder import RemoteEncoderWorker
-from raypipe.errors import InvalidInput
+from raypipe.errors import InvalidInput, RaypipeError
 from raypipe.models.base import check_cost_model
 from raypipe.models.presets import resolve_model
 from raypipe.models.registry import language_adapter, vision_adapter
@@ -57,6 +58,8 @@ class Pipeline:
         self.engine_config = engine_config or EngineConfig()
         self.decode_gpus = decode_gpus
         self._engine = None  # DecodeEngine actor, started by the first generate()
+        self._engine_ready = None  # its info() ref: resolves once the model is loaded
+        self._engine_lock = threading.Lock()  # concurrent first calls must start one engine
         self._tokenizer = None
         self._owns_ray = owns_ray
         self._closed = False
@@ -115,20 +118,31 @@ class Pipeline:
         """Generate for every request (messages list, `{"messages": ...}` or `{"prompt_token_ids", "images"}`).
 
         `sampling_params` is one for all or one per request. Every request is validated first: a bad
-        one raises `InvalidInput` naming `requests[i]` and nothing runs. All images are encoded as one
-        balanced batch; the decode engine batches the requests together.
+        one raises `InvalidInput` naming `requests[i]` and nothing runs. Requests go to the engine in
+        windows of at most its capacity (`max_num_seqs + max_num_waiting`, so a long list is never
+        refused as a full queue); the images of a window are encoded as one balanced batch and the
+        decode engine batches its requests together.
         """
         if _is_messages(requests):
             requests = [requests]
         params = _params_per_request(sampling_params, len(requests))
         prompts = [self._prepare(request, f"requests[{i}]") for i, request in enumerate(requests)]
         engine = self._engine_actor()
+        ray.get(self._engine_ready)
         checks = [engine.check_request.remote(p.without_pixels(), sp) for p, sp in zip(prompts, params)]
         for i, check in enumerate(checks):
             try:
                 _unwrap_ray(lambda: ray.get(check))
             except InvalidInput as exc:
                 raise _named(exc, f"requests[{i}]") from None
+        window = self.engine_config.max_num_seqs + self.engine_config.max_num_waiting
+        outputs = []
+        for first in range(0, len(prompts), window):
+            outputs += self._generate_window(engine, prompts[first: first + window], params[first: first + window])
+        return outputs
+
+    def _generate_window(self, engine, prompts: list[PreparedPrompt], params: list[SamplingParams]
+                         ) -> list[RequestOutput]:
         encoded = self.coordinator.submit([image for p in prompts for image in p.images])
         calls, start = [], 0
         for prompt, sp in zip(prompts, params):
@@ -139,10 +153,15 @@ class Pipeline:
 
     async def generate_stream(self, request, sampling_params: SamplingParams | None = None
                               ) -> AsyncIterator[RequestDelta]:
-        """Deltas of one request as the engine produces them (at least one per round)."""
+        """Deltas of one request as the engine produces them (at least one per round).
+
+        Nothing here blocks the caller's event loop: prompt building (tokenizer, image decoding) runs
+        in a thread and the engine's start-up is awaited. A full engine raises `QueueFull`.
+        """
         params = sampling_params if sampling_params is not None else SamplingParams()
-        prompt = self._prepare(request, "request")
+        prompt = await asyncio.to_thread(self._prepare, request, "request")
         engine = self._engine_actor()
+        await self._engine_ready
         await _unwrap_async(engine.check_request.remote(prompt.without_pixels(), params))
         encoded = await asyncio.to_thread(self.coordinator.submit, prompt.images)
         request_id = uuid.uuid4().hex
@@ -167,13 +186,15 @@ class Pipeline:
             raise _named(exc, where) from None
 
     def _engine_actor(self):
-        if self._engine is None:
-            # num_cpus=0 like the encoders (see PLATFORM-NOTES); it picks its device itself.
-            engine = RemoteDecodeEngine.options(num_cpus=0, num_gpus=self.decode_gpus).remote(
-                str(self.checkpoint), self.engine_config)
-            ray.get(engine.info.remote())  # surface load errors here
-            self._engine = engine
-        return self._engine
+        """The decode engine actor, created once (without waiting: await or get `_engine_ready`,
+        which surfaces load errors)."""
+        with self._engine_lock:
+            if self._engine is None:
+                # num_cpus=0 like the encoders (see PLATFORM-NOTES); it picks its device itself.
+                self._engine = RemoteDecodeEngine.options(num_cpus=0, num_gpus=self.decode_gpus).remote(
+                    str(self.checkpoint), self.engine_config)
+                self._engine_ready = self._engine.info.remote()
+            return self._engine
 
     def engine_stats(self) -> dict:
         return ray.get(self._engine.stats.remote()) if self._engine is not None else {}
@@ -221,11 +242,12 @@ def _named(exc: InvalidInput, where: str) -> InvalidInput:
 
 
 def _unwrap_ray(call):
-    """Run `call`; an `InvalidInput` raised inside an actor comes back as itself, not as RayTaskError."""
+    """Run `call`; our own errors raised inside an actor (`InvalidInput`, `CapacityError`, ...) come
+    back as themselves, not as RayTaskError."""
     try:
         return call()
     except RayTaskError as exc:
-        _raise_invalid_input_cause(exc)
+        _raise_own_cause(exc)
         raise
 
 
@@ -233,10 +255,10 @@ async def _unwrap_async(ref):
     try:
         return await ref
     except RayTaskError as exc:
-        _raise_invalid_input_cause(exc)
+        _raise_own_cause(exc)
         raise
 
 
-def _raise_invalid_input_cause(exc: RayTaskError) -> None:
-    if isinstance(exc.cause, InvalidInput):
+def _raise_own_cause(exc: RayTaskError) -> None:
+    if isinstance(exc.cause, RaypipeError):
         raise exc.cause from None

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+import time
 
 import pytest
+import ray
 
 from raypipe import InvalidInput, Pipeline, SamplingParams
+from raypipe import pipeline as pipeline_module
+from raypipe.decode.actor import RemoteDecodeEngine
+from raypipe.errors import QueueFull
 from raypipe.models.registry import vision_adapter
 from tests import decode_reference as ref
 
@@ -61,3 +69,94 @@ def test_bad_request_names_its_index_and_runs_nothing(pipe):
     assert info.value.item == "requests[1].prompt" and info.value.code == "prompt_too_long"
     with pytest.raises(InvalidInput):
         pipe.generate([ref.request(0)], [SamplingParams(), SamplingParams()])  # params count mismatch
+
+
+@pytest.fixture
+def fresh(pipe):
+    """`make(**engine_config)`: a Pipeline on `pipe`'s encoders whose decode engine has not started yet."""
+    made = []
+
+    def make(**config) -> Pipeline:
+        config = dataclasses.replace(pipe.engine_config, **config)
+        made.append(Pipeline(pipe.checkpoint, pipe.coordinator, pipe.image_limits, False, config, pipe.decode_gpus))
+        return made[-1]
+
+    yield make
+    for pipeline in made:
+        if pipeline._engine is not None:
+            ray.kill(pipeline._engine)  # not shutdown(): the encoders are pipe's
+
+
+@pytest.mark.parametrize("pipe", [8], indirect=True)  # one K is enough: this is about engine start-up
+def test_concurrent_first_calls_start_one_engine(fresh, expected, monkeypatch):
+    """Issue 8 item 3: four threads making the first call used to start four DecodeEngine actors."""
+    pipeline = fresh()
+    created = []
+
+    class Counting:
+        def options(self, **kwargs):
+            created.append(kwargs)
+            return RemoteDecodeEngine.options(**kwargs)
+
+    monkeypatch.setattr(pipeline_module, "RemoteDecodeEngine", Counting())
+    barrier = threading.Barrier(4)
+
+    def first_call(i):
+        barrier.wait()
+        return pipeline.generate([ref.request(i)], SamplingParams(max_tokens=MAX_NEW))[0].token_ids
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(first_call, range(4)))
+    assert len(created) == 1
+    assert outs == expected[:4]
+
+
+@pytest.mark.parametrize("pipe", [8], indirect=True)  # one K is enough: this is about engine start-up
+def test_generate_stream_never_blocks_the_event_loop(fresh, expected):
+    """Issue 8 item 9: the first generate_stream waited for the engine to load with a blocking ray.get."""
+    pipeline = fresh()
+
+    async def scenario():
+        gaps, stop = [], asyncio.Event()
+
+        async def heartbeat():
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        beat = asyncio.ensure_future(heartbeat())
+        await asyncio.sleep(0.02)  # the heartbeat is running before the first call
+        started = time.perf_counter()
+        deltas = [d async for d in pipeline.generate_stream(ref.request(1), SamplingParams(max_tokens=MAX_NEW))]
+        took = time.perf_counter() - started
+        stop.set()
+        await beat
+        return deltas, max(gaps), took
+
+    deltas, longest_gap, took = asyncio.run(scenario())
+    assert [t for d in deltas for t in d.token_ids] == expected[1]
+    # Before: one gap as long as the engine's start-up, most of the call. (Relative: the CI machine may be busy.)
+    assert longest_gap < max(0.5, took / 4), (longest_gap, took)
+
+
+@pytest.mark.parametrize("pipe", [8], indirect=True)  # one K is enough: this is about engine start-up
+def test_generate_sends_windows_and_a_full_engine_refuses_with_capacity_error(fresh, expected):
+    """Issue 8 item 8: the engine's queue is bounded; Pipeline.generate stays within it, a flood gets QueueFull."""
+    pipeline = fresh(max_num_seqs=2, max_num_waiting=1)
+    requests = [ref.request(i) for i in range(len(ref.REQUESTS))]
+    outs = pipeline.generate(requests, SamplingParams(max_tokens=MAX_NEW))  # 8 requests, windows of 3
+    assert [out.token_ids for out in outs] == expected
+
+    async def flood():
+        async def one(i):
+            return [d async for d in pipeline.generate_stream({"prompt_token_ids": [5, 6, i]}, SamplingParams(max_tokens=200, ignore_eos=True))]
+
+        return await asyncio.gather(*(one(i) for i in range(4)), return_exceptions=True)
+
+    results = asyncio.run(flood())
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(refused) == 1 and isinstance(refused[0], QueueFull), results
+    assert all(sum(len(d.token_ids) for d in r) == 200 for r in results if not isinstance(r, BaseException))

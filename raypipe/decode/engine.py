@@ -18,6 +18,11 @@ requests enter the decode batch one round later; their outputs do not change.
 Callers `await` deltas from `generate()`; validation happens in the caller's task before a
 request is queued, so a bad request fails alone. The engine needs no Ray actor around it: image
 embeddings may be tensors or Ray `ObjectRef`s (awaited in `generate`).
+
+Work is bounded: at most `max_num_seqs + max_num_waiting` requests are in the engine, one more is
+refused with `QueueFull` (retryable). Aborts name a `Sequence`, not an id, so an abort that arrives
+after its request ended cannot hit a new request reusing the id; `shutdown()` fails every request
+still in the engine with `EngineClosed`.
 """
 
 from __future__ import annotations

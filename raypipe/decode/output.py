@@ -7,8 +7,9 @@ completes first wins). Tokens a sequence sampled past its stop inside a round ar
 never reach the caller.
 
 Detokenization is incremental (vLLM's offsets): only `output_ids[prefix_offset:]` is decoded, and
-the text it adds beyond `output_ids[prefix_offset:read_offset]` is appended once it does not end in
-an incomplete character (U+FFFD: byte-level tokens may split one). Offsets only move to character
+the text it adds beyond the `prefix_chars` characters of `output_ids[prefix_offset:read_offset]`
+(the previous call's new text) is appended once it does not end in an incomplete character (U+FFFD:
+byte-level tokens may split one). Offsets only move to character
 boundaries, so the text equals decoding all ids at once, at a cost per token that does not grow
 with the output. Incomplete characters are flushed when the sequence ends, and the tail that could
 still be the start of a stop string is held back until the next round or the end.
@@ -74,14 +75,13 @@ class OutputProcessor:
 
     def _detokenize(self, seq: Sequence) -> bool:
         """Append the complete characters the new ids add to `seq.text`; True if there were any."""
-        prefix = self._decode(seq.output_ids[seq.prefix_offset: seq.read_offset])
         full = self._decode(seq.output_ids[seq.prefix_offset:])
         if full.endswith(REPLACEMENT_CHAR):  # an incomplete character so far: wait for its next bytes
             return False
-        new = full[len(prefix):]
+        new = full[seq.prefix_chars:]
         seq.text += new
-        if new:
-            seq.prefix_offset = seq.read_offset
+        if new:  # (ids that add nothing, e.g. skipped special tokens, leave the window where it is)
+            seq.prefix_offset, seq.prefix_chars = seq.read_offset, len(new)
         seq.read_offset = len(seq.output_ids)
         return bool(new)
 
@@ -100,8 +100,7 @@ class OutputProcessor:
     def _emit(self, seq: Sequence) -> str:
         if seq.finished:
             if seq.read_offset < len(seq.output_ids):  # ended inside a character: flush it as decoded
-                prefix = self._decode(seq.output_ids[seq.prefix_offset: seq.read_offset])
-                seq.text += self._decode(seq.output_ids[seq.prefix_offset:])[len(prefix):]
+                seq.text += self._decode(seq.output_ids[seq.prefix_offset:])[seq.prefix_chars:]
                 seq.read_offset = len(seq.output_ids)
             end = len(seq.text)
         else:

@@ -83,7 +83,10 @@ class SamplingBatch:
                 seq.token_counts = batch.counts[row]  # a view: the step's scatter-add updates it too
             batch.repetition = torch.tensor([[p.repetition_penalty] for p in params], device=device)
             if any(p.repetition_penalty != 1.0 for p in params):
-                batch.prompt_seen = torch.stack([_prompt_seen(s, vocab_size, device) for s in seqs])
+                for seq in seqs:
+                    if seq.prompt_mask is None:
+                        seq.prompt_mask = _prompt_mask(seq, vocab_size, device)
+                batch.prompt_seen = torch.stack([s.prompt_mask for s in seqs])
             batch.presence = torch.tensor([[p.presence_penalty] for p in params], device=device)
             batch.frequency = torch.tensor([[p.frequency_penalty] for p in params], device=device)
         if any(p.min_tokens > len(s.output_ids) for p, s in zip(params, seqs)):
@@ -130,7 +133,7 @@ def _token_counts(seq: Sequence, vocab_size: int, device: torch.device) -> torch
     return counts
 
 
-def _prompt_seen(seq: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor:
+def _prompt_mask(seq: Sequence, vocab_size: int, device: torch.device) -> torch.Tensor:
     seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
     seen[torch.tensor(seq.prompt_ids, device=device)] = True
     return seen

@@ -76,11 +76,14 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None  # KV cache row while running
     finish_reason: str | None = None
-    token_counts: torch.Tensor | None = None  # (vocab,) int32 output token counts, for penalties (sampler.py)
+    # For penalties (sampler.py), made on first use: (vocab,) int32 output token counts, (vocab,) bool prompt tokens
+    token_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
     # Incremental detokenization (see output.py): output_ids[prefix_offset:read_offset] decode to the
-    # last characters of `text`, which holds every complete character decoded so far.
+    # last `prefix_chars` characters of `text`, which holds every complete character decoded so far.
     prefix_offset: int = 0
     read_offset: int = 0
+    prefix_chars: int = 0
     text: str = ""
     checked_chars: int = 0  # text[:checked_chars] has been searched for stop strings
     emitted_chars: int = 0  # text[:emitted_chars] has been sent to the caller

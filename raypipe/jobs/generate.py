@@ -10,7 +10,9 @@ from raypipe import InvalidInput, Pipeline, SamplingParams
 
 def run_generate(args) -> int:
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                seed=args.seed)
         images = [pathlib.Path(path).read_bytes() for path in args.image]
     except (InvalidInput, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
