@@ -16,6 +16,7 @@ import torch
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from raypipe import InvalidInput, SamplingParams
 from raypipe.decode.config import EngineConfig
@@ -224,7 +225,6 @@ def test_logprobs_of_greedy_tokens_equal_generate_scores(engines, cases, hf_mode
     prompt, embeds = cases[1]
     device = hf_model.device
     ids = torch.tensor([prompt.prompt_token_ids], device=device)
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
     kwargs = dict(image_grid_thw=torch.tensor(prompt.image_grids), mm_token_type_ids=(ids == hf_model.config.image_token_id).int(),
                   mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(embeds))})
     with torch.no_grad():

@@ -355,7 +355,9 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
     assert not failures, "\n".join(failures)
 
 
-def test_vllm_sampling_fields_take_effect(client):
+def test_vllm_sampling_fields_take_effect(client, tiny_ckpt):
+    from transformers import AutoTokenizer
+
     greedy = client.chat.completions.create(model="tiny", messages=user("Pick words."), max_tokens=16, temperature=0)
     # top_k=1 at temperature 1 is greedy: only an honoured top_k gives the greedy text.
     top1 = client.chat.completions.create(model="tiny", messages=user("Pick words."), max_tokens=16, temperature=1.0,
@@ -364,8 +366,9 @@ def test_vllm_sampling_fields_take_effect(client):
     forced = client.chat.completions.create(model="tiny", messages=user("Pick words."), max_tokens=12, temperature=0,
                                             extra_body={"ignore_eos": True, "stop_token_ids": None})
     assert forced.usage.completion_tokens == 12 and forced.choices[0].finish_reason == "length"
+    [q] = AutoTokenizer.from_pretrained(tiny_ckpt).encode("q", add_special_tokens=False)
     biased = client.chat.completions.create(model="tiny", messages=user("Pick words."), max_tokens=6, temperature=0,
-                                            logit_bias={str(ord("q")): 100})  # byte-level vocabulary: id = byte
+                                            logit_bias={str(q): 100})
     assert biased.choices[0].message.content == "q" * 6
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,12 +36,6 @@ def test_raypipe_serve_command(tiny_ckpt, tmp_path):
                                                   temperature=0)
         assert response.usage.completion_tokens >= 1
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
-        # Issue 9 item 2: a second server on the taken port fails at start instead of sharing it.
-        second = subprocess.run([sys.executable, "-m", "raypipe.cli", "serve", "--model", "tiny", "--port", str(port)],
-                                env={**env, "RAYPIPE_API_KEY": ""}, capture_output=True, text=True, timeout=120)
-        assert second.returncode == 1 and f"port {port}" in second.stderr and "in use" in second.stderr, second.stderr
-        assert "Ray" not in second.stderr  # refused before starting (or joining) any Ray
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # still only the first server
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
@@ -50,3 +45,17 @@ def test_raypipe_serve_command(tiny_ckpt, tmp_path):
     # Issue 9 item 12: a fresh start and a clean stop print nothing alarming.
     for noise in ("Connecting to existing Serve app", "graceful_shutdown", "never retrieved", "Traceback"):
         assert noise not in output, output[-3000:]
+
+
+def test_taken_port_fails_at_start():
+    """Issue 9 item 2: Serve's proxy binds with SO_REUSEPORT, so a second server would share the port."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as Serve's own proxy binds
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        env = {**os.environ, "RAY_ADDRESS": "", "RAYPIPE_API_KEY": ""}
+        second = subprocess.run([sys.executable, "-m", "raypipe.cli", "serve", "--model", "tiny", "--port", str(port)],
+                                env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 1 and f"port {port}" in second.stderr and "in use" in second.stderr, second.stderr
+    assert "Ray" not in second.stderr  # refused before starting (or joining) any Ray

@@ -22,9 +22,10 @@ class DecodeEngine:
         self.engine = LLMEngine(checkpoint, config)
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "device": str(self.engine.device), "max_model_len": self.engine.config.max_model_len,
-                "max_num_seqs": self.engine.config.max_num_seqs,
-                "num_scheduler_steps": self.engine.config.num_scheduler_steps, "threads": torch.get_num_threads()}
+        config = self.engine.config
+        return {"pid": os.getpid(), "device": str(self.engine.device), "max_model_len": config.max_model_len,
+                "max_num_seqs": config.max_num_seqs, "max_num_waiting": config.max_num_waiting,
+                "num_scheduler_steps": config.num_scheduler_steps, "threads": torch.get_num_threads()}
 
     def check_request(self, prompt, params) -> None:
         self.engine.check_request(prompt, params)

@@ -58,7 +58,9 @@ class RequestOutput:
         self.text += delta.text
         self.finish_reason = delta.finish_reason
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
