@@ -34,7 +34,7 @@ def test_serve_scales_gpu_nodes_up_and_down_without_failed_requests(tmp_path):
 
 
 def test_fake_cluster_stops_only_its_own_processes():
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     cluster = FakeCluster({"gpu_1x": {"resources": {"GPU": 1}, "max_workers": 1}}).start()
     try:
         own = cluster.own_pids()
