@@ -79,13 +79,14 @@ class BatchOptions:
 class BatchSummary:
     inputs: int  # inputs listed
     skipped: int  # already in the output before this run
-    processed: int  # rows written by this run
+    processed: int  # inputs newly in the output after this run
     errors: dict[str, int]  # error code -> rows, among this run's rows
     seconds: float
     output: str
     dry_run: bool = False
     to_process: int = 0  # what this run set out to do (after skip and limit)
     duplicates_removed: int = 0
+    rows_written: int = 0  # rows in the part files this run wrote (a retried write counts again)
 
     @property
     def images_per_s(self) -> float:
@@ -130,6 +131,7 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> Batch
     for batch in _dataset(options, todo, ray_address).iter_batches(batch_size=None, batch_format="pyarrow"):
         for counts in batch.column("errors").to_pylist():
             errors.update(json.loads(counts))
+        summary.rows_written += sum(batch.column("rows").to_pylist())
     summary.duplicates_removed += output.reconcile(fs, root)
     summary.processed = len(output.done_ids(fs, root)) - len(done)
     summary.errors = dict(errors)
