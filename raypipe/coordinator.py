@@ -1,10 +1,11 @@
 """Shard a batch of images over encoder workers, gather per-image embeddings in input order.
 
 Flow of `submit`: geometry and cost per image (adapter) -> cache lookup by content hash, and
-duplicates inside the batch encoded once -> balancer over the live workers -> one `ray.put` per
-shard and one task per non-empty shard, returning one object per item -> wait for the small
-receipts only; a shard whose worker died is re-run on a live worker while a replacement actor is
-started. Embeddings never pass through this process: callers get `ObjectRef`s in input order.
+duplicates inside the batch encoded once -> partition over the live workers (greedy plus an
+improvement pass, `partition.py`) -> one `ray.put` per shard and one task per non-empty shard,
+returning one object per item -> wait for the small receipts only (each shard's measured time
+feeds the `calibrated` cost model, `calibration.py`); a shard whose worker died is re-run on a
+live worker while a replacement actor is started. Embeddings never pass through this process: callers get `ObjectRef`s in input order.
 """
 
 from __future__ import annotations
