@@ -2,11 +2,13 @@
 
 Flow of `submit`: geometry per image (adapter) -> cache lookup by content hash, and duplicates
 inside the batch encoded once -> units of work and their costs (adapter: a whole image, or an
-image's slices) -> balancer over the live workers -> one `ray.put` per shard and one task per
-non-empty shard, returning one object per unit -> an image cut into several units gets one small
-task that concatenates them (units of one image may sit on different workers) -> wait for the small
-receipts only; a shard whose worker died is re-run on a live worker while a replacement actor is
-started. Embeddings never pass through this process: callers get `ObjectRef`s in input order.
+image's slices or views) -> partition over the ready workers (greedy plus an improvement pass,
+`partition.py`) -> one `ray.put` per shard and one task per non-empty shard, returning one object
+per unit -> an image cut into several units gets one small task that concatenates them (units of
+one image may sit on different workers) -> wait for the small receipts only (each shard's measured
+time feeds the `calibrated` cost model, `calibration.py`); a shard whose worker died is re-run on a
+live worker while a replacement actor is started. Embeddings never pass through this process:
+callers get `ObjectRef`s in input order.
 
 A replacement gets no shard until it has loaded its weights (its first `ping` answered): until
 then the balancer sees only the ready workers. `check_workers` pings every worker on its own

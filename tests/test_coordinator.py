@@ -9,6 +9,7 @@ import ray
 import torch
 
 from raypipe import InvalidInput, Pipeline
+from raypipe.preprocess import load_images
 from tests.conftest import random_images, reference_embeddings
 
 
@@ -171,3 +172,22 @@ def test_loading_replacement_gets_no_shard(pipe, hf_model, tiny_ckpt):
     for ours, ref in zip(got, reference_embeddings(hf_model, tiny_ckpt, images)):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
     assert elapsed < 3.0  # not stalled behind the replacement's start-up (~4 s: process, imports, weights)
+
+
+def test_calibrated_cost_model_is_fitted_from_worker_receipts(pipe, hf_model, tiny_ckpt):
+    coordinator = pipe.coordinator
+    coordinator.cost_model = "calibrated"
+    first = random_images([(56, 56), (280, 280), (112, 224), (84, 84)], seed=5)
+    pipe.encode(first)  # before any receipt: the attention model (the prior) balances
+    fit = pipe.stats()["encoder"]["cost_fit"]["cpu"]
+    assert fit["shards"] == 2 and fit["fit"] is not None and fit["rel_rms_error"] is not None
+    second = random_images([(168, 112), (56, 112), (224, 224)], seed=6)
+    items = [coordinator.adapter.make_item(d) for d in load_images(second)]
+    fitted = coordinator.calibration.for_device("cpu").unit_costs(  # the fitted seconds per image, now
+        [coordinator.adapter.cost(i, "patches") for i in items], [coordinator.adapter.cost(i, "attention") for i in items])
+    got = pipe.encode(second)
+    report = coordinator.last_report
+    assert report.loads == pytest.approx([sum(fitted[i] for i in shard) for shard in report.assignment])
+    assert sum(report.loads) < 10  # seconds, not patch counts or FLOPs
+    for ours, ref in zip(got, reference_embeddings(hf_model, tiny_ckpt, second)):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)

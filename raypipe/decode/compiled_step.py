@@ -24,14 +24,11 @@ against transformers' `generate()`.
 from __future__ import annotations
 
 import bisect
-import logging
 import time
 
 import torch
 
 from raypipe.decode.kv_cache import SlotKVCache
-
-log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 KV_BUCKET_MIN = 256  # KV buckets double from here up to max_model_len
@@ -75,7 +72,6 @@ class StaticDecodeStep:
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._compiled = None if self.use_cuda_graphs else _compile(self._forward, len(self.batch_buckets)
                                                                      * len(self.kv_buckets))
-        self.warmup_seconds = 0.0
 
     def bucket(self, n: int, kv_len: int) -> tuple[int, int]:
         return (self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)],
@@ -100,7 +96,6 @@ class StaticDecodeStep:
                 # Warm-up writes go to the padding column, which no sequence reads before writing.
                 write_index = torch.full((n,), self.pad_column, dtype=torch.long, device=self.device)
                 self(tokens, positions, write_index, k)
-        self.warmup_seconds += time.perf_counter() - start
         return time.perf_counter() - start
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
