@@ -24,6 +24,7 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from raypipe.batch import packing
 from raypipe.batch.output import write_part
@@ -157,8 +158,6 @@ class GenerateStage:
         await asyncio.gather(*(self._generate(row) for row in rows))
 
     async def _generate(self, row: dict) -> None:
-        import torch
-
         from raypipe.prompt import build_prompt
 
         # Only the image's size matters to the prompt (placeholder count): a zero-stride array carries it.
