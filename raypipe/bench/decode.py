@@ -96,7 +96,7 @@ def median_run(fn, repeats: int):
 
 
 def main(args) -> int:
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
@@ -113,7 +113,7 @@ def main(args) -> int:
     eos, pad = adapter.eos_token_ids[0], adapter.tokenizer.pad_token_id
     config = EngineConfig(max_num_seqs=32, max_model_len=512, num_scheduler_steps=8)
 
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint).eval()
+    hf = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()  # the checkpoint's own family
     with torch.inference_mode():
         hf_sequential(hf, prompts[:1], 4, eos)  # warm-up
         reference, _ = hf_sequential(hf, prompts, max_tokens, eos)

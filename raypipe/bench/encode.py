@@ -1,10 +1,11 @@
 """`raypipe bench encode`: balancer quality on measured costs, Ray overhead, 2-vs-1 worker speed-up.
 
-(a) For a heavy-tailed mix of image sizes (thumbnails to 4K screenshots and documents), each
-    image's encode time is *measured* alone on an encoder worker; then for n = 2, 4, 8 simulated
-    workers we compute each strategy's makespan (slowest worker's summed measured time) over the
-    lower bound max(total / n, largest item): count-based even split (vLLM's
-    `run_dp_sharded_vision_model` style), greedy by patch count, greedy by attention cost.
+(a) For a heavy-tailed mix of image sizes (thumbnails to 4K screenshots and documents), each unit
+    of work (an image, or a MiniCPM-V overview / slice) is *measured* alone on an encoder worker;
+    then for n = 2, 4, 8 simulated workers we compute each strategy's makespan (slowest worker's
+    summed measured time) over the lower bound max(total / n, largest unit): count-based even
+    split of images (vLLM's `run_dp_sharded_vision_model` style), greedy over whole images by patch
+    count / attention cost, and — for families whose images have several units — greedy over units.
 (b) Ray overhead: one encoder worker vs calling the same vision tower in this process.
 (c) Speed-up of 2 workers (1 thread each) over 1 worker (2 threads) on the same batch.
 All on the `small` preset (realistic shape, random weights) unless --model says otherwise.
@@ -24,6 +25,7 @@ from raypipe.bench.common import median_seconds, print_table, write_json
 from raypipe.jobs.sample_images import sample_image
 
 STRATEGIES = ("even split (count)", "greedy: patches", "greedy: attention")
+UNIT_STRATEGIES = ("units greedy: patches", "units greedy: attention")
 
 
 def heavy_tailed_sizes(count: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -45,21 +47,27 @@ def heavy_tailed_sizes(count: int, seed: int = 0) -> list[tuple[int, int]]:
     return [tuple(map(int, s)) for s in sizes]
 
 
-def makespan_ratio(shards: list[list[int]], seconds: list[float]) -> float:
-    loads = [sum(seconds[i] for i in shard) for shard in shards]
-    lower_bound = max(sum(seconds) / len(shards), max(seconds))
-    return max(loads) / lower_bound
+def makespan_ratio(shards: list[list[int]], seconds: list[float], lower_bound: float) -> float:
+    return max(sum(seconds[i] for i in shard) for shard in shards) / lower_bound
 
 
-def balancer_quality(adapter, items, seconds: list[float], worker_counts) -> list[dict]:
+def balancer_quality(adapter, items, units, unit_seconds: list[float], worker_counts) -> list[dict]:
+    """`units[i]`: item i's units; `unit_seconds`: measured time of each unit, flattened in that order."""
+    starts = np.cumsum([0, *(len(u) for u in units)])
+    item_seconds = [sum(unit_seconds[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    flat_units = [unit for item_units in units for unit in item_units]
+    split = any(len(u) > 1 for u in units)
     rows = []
     for n in worker_counts:
+        bound = max(sum(unit_seconds) / n, max(unit_seconds))  # the same bound for every strategy
         row = {"workers": n}
-        row[STRATEGIES[0]] = makespan_ratio(even_split_assignment(len(items), n), seconds)
+        row[STRATEGIES[0]] = makespan_ratio(even_split_assignment(len(items), n), item_seconds, bound)
         for name, cost_model in zip(STRATEGIES[1:], ("patches", "attention")):
-            sizes = [adapter.cost(item, cost_model) for item in items]
-            order, counts, _ = get_load_balance_assignment(sizes, n)
-            row[name] = makespan_ratio(split_by_counts(order, counts), seconds)
+            order, counts, _ = get_load_balance_assignment([adapter.cost(i, cost_model) for i in items], n)
+            row[name] = makespan_ratio(split_by_counts(order, counts), item_seconds, bound)
+        for name, cost_model in zip(UNIT_STRATEGIES, ("patches", "attention")) if split else ():
+            order, counts, _ = get_load_balance_assignment([adapter.cost(u, cost_model) for u in flat_units], n)
+            row[name] = makespan_ratio(split_by_counts(order, counts), unit_seconds, bound)
         rows.append(row)
     return rows
 
@@ -79,21 +87,23 @@ def main(args) -> int:
     limits = ImageLimits(max_pixels=16_000_000)
     decoded = load_images([sample_image(h, w, seed=i) for i, (h, w) in enumerate(sizes)], limits)
     items = [adapter.make_item(d) for d in decoded]
+    units = [adapter.units(item) for item in items]
     cores = os.cpu_count() or 1
     connect_ray()
 
-    # (a) per-image cost measured on one encoder worker (one thread: what each DP worker gets here)
+    # (a) per-unit cost measured on one encoder worker (the threads each of 2 DP workers gets here)
     probe = RemoteEncoderWorker.options(num_cpus=0).remote(str(checkpoint), num_threads=max(1, cores // 2))
-    seconds = ray.get(probe.encode_timed.remote(items, repeats=1 if args.quick else 3))
+    seconds = ray.get(probe.encode_timed.remote([u for item_units in units for u in item_units],
+                                                repeats=1 if args.quick else 3))
     ray.kill(probe)
-    quality = balancer_quality(adapter, items, seconds, (2, 4, 8))
+    quality = balancer_quality(adapter, items, units, seconds, (2, 4, 8))
 
     # (b) and (c) on one batch: a slice of the mix so a run stays within minutes
     batch = decoded[: 12 if args.quick else 24]
     repeats = 3 if args.quick else 5
     torch.set_num_threads(cores)
     tower = adapter.load_tower(pick_device(), torch.float32)
-    batch_items = [adapter.make_item(d) for d in batch]
+    batch_items = [unit for d in batch for unit in adapter.units(adapter.make_item(d))]
     in_process = median_seconds(lambda: tower.encode(batch_items), repeats)
     del tower
     timings = {}
@@ -105,7 +115,8 @@ def main(args) -> int:
             timings[workers, threads] = median_seconds(lambda: pipe.coordinator.encode(batch), repeats)
     one, two = timings[1, cores], timings[2, max(1, cores // 2)]
     result = {
-        "model": str(model), "images": count, "sizes": sizes, "measured_seconds": seconds,
+        "model": str(model), "images": count, "units": sum(len(u) for u in units), "sizes": sizes,
+        "measured_seconds": seconds,
         "balancer_makespan_over_lower_bound": quality,
         "batch_images": len(batch), "in_process_s": in_process, "one_worker_s": one, "two_workers_s": two,
         "one_worker_one_thread_s": timings[1, 1], "ray_overhead_ratio": one / in_process,
@@ -121,11 +132,13 @@ def _report(result: dict, args) -> None:
         print(json.dumps(result, indent=2))
         return
     secs = result["measured_seconds"]
-    print(f"model {result['model']}: {result['images']} images, measured encode time per image "
+    print(f"model {result['model']}: {result['images']} images ({result['units']} units), measured encode time per unit "
           f"min {min(secs) * 1e3:.1f} ms, median {np.median(secs) * 1e3:.1f} ms, max {max(secs) * 1e3:.0f} ms, "
           f"total {sum(secs):.2f} s")
-    rows = [[r["workers"], *(r[s] for s in STRATEGIES)] for r in result["balancer_makespan_over_lower_bound"]]
-    print_table("(a) makespan / lower bound on measured costs (1.000 = perfect)", ["n", *STRATEGIES], rows)
+    quality = result["balancer_makespan_over_lower_bound"]
+    names = [s for s in (*STRATEGIES, *UNIT_STRATEGIES) if s in quality[0]]
+    rows = [[r["workers"], *(r[s] for s in names)] for r in quality]
+    print_table("(a) makespan / lower bound on measured costs (1.000 = perfect)", ["n", *names], rows)
     print_table(f"(b, c) one batch of {result['batch_images']} images, median wall time",
                 ["setup", "seconds", "ratio"],
                 [[f"vision tower in-process, {result['cores']} threads", result["in_process_s"], 1.0],

@@ -38,9 +38,11 @@ def run_demo(args) -> int:
 
         device = pick_device()
         tower = adapter.load_tower(device, resolve_dtype("auto", device))
+        units = [adapter.units(item) for item in items]
         t3 = time.perf_counter()
-        reference = tower.encode(items)
+        flat = iter(tower.encode([unit for item_units in units for unit in item_units]))
         in_process = time.perf_counter() - t3
+        reference = [torch.cat([next(flat) for _ in item_units]) for item_units in units]
         exact = all(torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-4) for a, b in zip(embeddings, reference))
         print(f"\nsharded embeddings equal the single-process vision tower: {'yes' if exact else 'NO'} "
               f"(atol=1e-5, rtol=1e-4; {len(images)} images)")
@@ -69,10 +71,11 @@ def _demo_generate(pipe, images, picks=(3, 5, 9)) -> bool:
 
 def _print_assignment(report, items, cost_model: str) -> None:
     print(f"{len(items)} images, {len(report.loads)} encoder workers, cost model {cost_model!r}\n")
-    print(f"{'image':>5}  {'size (HxW)':>11}  {'grid (t,h,w)':>13}  {'tokens':>6}  worker")
-    owner = {i: w for w, shard in enumerate(report.assignment) for i in shard}
+    print(f"{'image':>5}  {'size (HxW)':>11}  {'grid':>22}  {'tokens':>6}  worker(s)")
+    owners = {i: [w for w, shard in enumerate(report.assignment) if i in shard] for i in range(len(items))}
     for i, ((h, w), item) in enumerate(zip(DEMO_SIZES, items)):
-        print(f"{i:>5}  {f'{h}x{w}':>11}  {str(item.grid):>13}  {item.num_tokens:>6}  {owner[i]}")
+        print(f"{i:>5}  {f'{h}x{w}':>11}  {str(item.grid):>22}  {item.num_tokens:>6}  "
+              f"{','.join(map(str, owners[i]))}")
     print()
     for w, (shard, load) in enumerate(zip(report.assignment, report.loads)):
         print(f"worker {w}: images {shard}, load {load:g}")
