@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from raypipe.models.presets import PRESETS
+
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny",
-                   help="preset name (tiny, small, tiny-step3), local HF checkpoint folder, or s3://bucket/prefix/ (copied once per node)")
+                   help=f"preset name ({', '.join(PRESETS)}), local HF checkpoint folder, or s3://bucket/prefix/ "
+                        "(copied once per node)")
 
 
 def _add_encoders(p: argparse.ArgumentParser, *, autoscale: bool = False, default: int = 2) -> None:
@@ -113,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
+    bench.add_argument("--model", default=None, help="preset name or local HF checkpoint folder (default: small)")
     return parser
 
 

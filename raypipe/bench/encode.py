@@ -1,13 +1,15 @@
 """`raypipe bench encode`: balancer quality on measured costs, Ray overhead, 2-vs-1 worker speed-up.
 
-(a) For a heavy-tailed mix of image sizes (thumbnails to 4K screenshots and documents), each
-    image's encode time is *measured* alone on an encoder worker; then for n = 2, 4, 8 simulated
-    workers we compute each strategy's makespan (slowest worker's summed measured time) over the
-    lower bound max(total / n, largest item): count-based even split (vLLM's
-    `run_dp_sharded_vision_model` style), greedy by patch count, greedy by attention cost, greedy by
-    the `calibrated` model, the calibrated model through raypipe's improving partitioner, and the
-    greedy oracle (greedy on the measured times themselves). The calibrated model is fitted, as in
-    the coordinator, from whole-shard times of a *different* image mix encoded on the same worker.
+(a) For a heavy-tailed mix of image sizes (thumbnails to 4K screenshots and documents), each unit
+    of work (an image, or a MiniCPM-V overview / slice, a Step3 view) is *measured* alone on an
+    encoder worker; then for n = 2, 4, 8 simulated workers we compute each strategy's makespan
+    (slowest worker's summed measured time) over one lower bound, max(total / n, largest unit):
+    count-based even split of images (vLLM's `run_dp_sharded_vision_model` style), greedy over
+    whole images by patch count, by attention cost, by the `calibrated` model, the calibrated model
+    through raypipe's improving partitioner, the greedy oracle (greedy on the measured times
+    themselves) and, for families whose images have several units, greedy over units. The
+    calibrated model is fitted, as in the coordinator, from whole-shard times of a *different*
+    image mix encoded on the same worker.
 (b) Ray overhead: one encoder worker vs calling the same vision tower in this process.
 (c) Speed-up of 2 workers (1 thread each) over 1 worker (2 threads) on the same batch.
 All on the `small` preset (realistic shape, random weights) unless --model says otherwise.
@@ -30,6 +32,7 @@ from raypipe.partition import partition
 
 STRATEGIES = ("even split (count)", "greedy: patches", "greedy: attention", "greedy: calibrated",
               "calibrated + improved", "greedy oracle (measured)")
+UNIT_STRATEGIES = ("units greedy: patches", "units greedy: attention")
 
 
 def heavy_tailed_sizes(count: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -51,10 +54,8 @@ def heavy_tailed_sizes(count: int, seed: int = 0) -> list[tuple[int, int]]:
     return [tuple(map(int, s)) for s in sizes]
 
 
-def makespan_ratio(shards: list[list[int]], seconds: list[float]) -> float:
-    loads = [sum(seconds[i] for i in shard) for shard in shards]
-    lower_bound = max(sum(seconds) / len(shards), max(seconds))
-    return max(loads) / lower_bound
+def makespan_ratio(shards: list[list[int]], seconds: list[float], lower_bound: float) -> float:
+    return max(sum(seconds[i] for i in shard) for shard in shards) / lower_bound
 
 
 def greedy(sizes, n: int) -> list[list[int]]:
@@ -63,7 +64,7 @@ def greedy(sizes, n: int) -> list[list[int]]:
 
 
 def calibrate(adapter, worker, items, seed: int = 1) -> CostCalibration:
-    """Fit the calibrated model from shard receipts of `items` encoded in random shards of 1-4 images."""
+    """Fit the calibrated model from shard receipts of `items` (units of work) in random shards of 1-4."""
     rng = np.random.default_rng(seed)
     calibration = CostCalibration()
     order, start = rng.permutation(len(items)).tolist(), 0
@@ -76,18 +77,31 @@ def calibrate(adapter, worker, items, seed: int = 1) -> CostCalibration:
     return calibration
 
 
-def balancer_quality(adapter, items, seconds: list[float], worker_counts, calibration) -> list[dict]:
+def balancer_quality(adapter, units, unit_seconds: list[float], worker_counts, calibration) -> list[dict]:
+    """`units[i]`: image i's units; `unit_seconds`: measured time of each unit, flattened in that order."""
+    starts = np.cumsum([0, *(len(u) for u in units)])
+    spans = list(zip(starts[:-1], starts[1:]))
+    seconds = [sum(unit_seconds[a:b]) for a, b in spans]  # per image
+    flat = [unit for item_units in units for unit in item_units]
+    unit_patches = [adapter.cost(u, "patches") for u in flat]
+    unit_calibrated = calibration.unit_costs(unit_patches, [adapter.cost(u, "attention") for u in flat])
+
+    def per_image(unit_costs):
+        return [sum(unit_costs[a:b]) for a, b in spans]
+
+    calibrated = per_image(unit_calibrated)
     rows = []
-    patches = [adapter.cost(item, "patches") for item in items]
-    calibrated = calibration.unit_costs(patches, [adapter.cost(item, "attention") for item in items])
     for n in worker_counts:
+        bound = max(sum(unit_seconds) / n, max(unit_seconds))  # the same bound for every strategy
         row = {"workers": n}
-        row[STRATEGIES[0]] = makespan_ratio(even_split_assignment(len(items), n), seconds)
+        row[STRATEGIES[0]] = makespan_ratio(even_split_assignment(len(units), n), seconds, bound)
         for name, cost_model in zip(STRATEGIES[1:3], ("patches", "attention")):
-            row[name] = makespan_ratio(greedy([adapter.cost(item, cost_model) for item in items], n), seconds)
-        row[STRATEGIES[3]] = makespan_ratio(greedy(calibrated, n), seconds)
-        row[STRATEGIES[4]] = makespan_ratio(partition(calibrated, n)[0], seconds)
-        row[STRATEGIES[5]] = makespan_ratio(greedy(seconds, n), seconds)
+            row[name] = makespan_ratio(greedy(per_image([adapter.cost(u, cost_model) for u in flat]), n), seconds, bound)
+        row[STRATEGIES[3]] = makespan_ratio(greedy(calibrated, n), seconds, bound)
+        row[STRATEGIES[4]] = makespan_ratio(partition(calibrated, n)[0], seconds, bound)
+        row[STRATEGIES[5]] = makespan_ratio(greedy(seconds, n), seconds, bound)
+        for name, cost_model in zip(UNIT_STRATEGIES, ("patches", "attention")) if len(flat) > len(units) else ():
+            row[name] = makespan_ratio(greedy([adapter.cost(u, cost_model) for u in flat], n), unit_seconds, bound)
         row["partitioner_ms"] = median_seconds(lambda: partition(calibrated, n), 5) * 1e3
         row["calibrated_improved_vs_oracle"] = row[STRATEGIES[4]] / row[STRATEGIES[5]]
         rows.append(row)
@@ -109,25 +123,27 @@ def main(args) -> int:
     limits = ImageLimits(max_pixels=16_000_000)
     decoded = load_images([sample_image(h, w, seed=i) for i, (h, w) in enumerate(sizes)], limits)
     items = [adapter.make_item(d) for d in decoded]
+    units = [adapter.units(item) for item in items]
     cores = os.cpu_count() or 1
     connect_ray()
 
-    # (a) per-image cost measured on one encoder worker (one thread: what each DP worker gets here)
+    # (a) per-unit cost measured on one encoder worker (the threads each of 2 DP workers gets here)
     probe = RemoteEncoderWorker.options(num_cpus=0).remote(str(checkpoint), num_threads=max(1, cores // 2))
-    seconds = ray.get(probe.encode_timed.remote(items, repeats=1 if args.quick else 3))
+    seconds = ray.get(probe.encode_timed.remote([u for item_units in units for u in item_units],
+                                                repeats=1 if args.quick else 3))
     warmup_sizes = heavy_tailed_sizes(count // 2, seed=1)  # a different mix: fit on one, judge on the other
-    warmup_items = [adapter.make_item(d) for d in load_images(
-        [sample_image(h, w, seed=1000 + i) for i, (h, w) in enumerate(warmup_sizes)], limits)]
-    calibration = calibrate(adapter, probe, warmup_items)
+    warmup_units = [u for d in load_images([sample_image(h, w, seed=1000 + i) for i, (h, w) in enumerate(warmup_sizes)],
+                                           limits) for u in adapter.units(adapter.make_item(d))]
+    calibration = calibrate(adapter, probe, warmup_units)
     ray.kill(probe)
-    quality = balancer_quality(adapter, items, seconds, (2, 4, 8), calibration)
+    quality = balancer_quality(adapter, units, seconds, (2, 4, 8), calibration)
 
     # (b) and (c) on one batch: a slice of the mix so a run stays within minutes
     batch = decoded[: 12 if args.quick else 24]
     repeats = 3 if args.quick else 5
     torch.set_num_threads(cores)
     tower = adapter.load_tower(pick_device(), torch.float32)
-    batch_items = [adapter.make_item(d) for d in batch]
+    batch_items = [unit for d in batch for unit in adapter.units(adapter.make_item(d))]
     in_process = median_seconds(lambda: tower.encode(batch_items), repeats)
     del tower
     timings = {}
@@ -139,7 +155,8 @@ def main(args) -> int:
             timings[workers, threads] = median_seconds(lambda: pipe.coordinator.encode(batch), repeats)
     one, two = timings[1, cores], timings[2, max(1, cores // 2)]
     result = {
-        "model": str(model), "images": count, "sizes": sizes, "measured_seconds": seconds,
+        "model": str(model), "images": count, "units": sum(len(u) for u in units), "sizes": sizes,
+        "measured_seconds": seconds,
         "balancer_makespan_over_lower_bound": quality, "calibration": calibration.stats(),
         "batch_images": len(batch), "in_process_s": in_process, "one_worker_s": one, "two_workers_s": two,
         "one_worker_one_thread_s": timings[1, 1], "ray_overhead_ratio": one / in_process,
@@ -155,18 +172,20 @@ def _report(result: dict, args) -> None:
         print(json.dumps(result, indent=2))
         return
     secs = result["measured_seconds"]
-    print(f"model {result['model']}: {result['images']} images, measured encode time per image "
+    print(f"model {result['model']}: {result['images']} images ({result['units']} units), measured encode time per unit "
           f"min {min(secs) * 1e3:.1f} ms, median {np.median(secs) * 1e3:.1f} ms, max {max(secs) * 1e3:.0f} ms, "
           f"total {sum(secs):.2f} s")
-    rows = [[r["workers"], *(r[s] for s in STRATEGIES)] for r in result["balancer_makespan_over_lower_bound"]]
-    print_table("(a) makespan / lower bound on measured costs (1.000 = perfect)", ["n", *STRATEGIES], rows)
+    quality = result["balancer_makespan_over_lower_bound"]
+    names = [s for s in (*STRATEGIES, *UNIT_STRATEGIES) if s in quality[0]]
+    rows = [[r["workers"], *(r[s] for s in names)] for r in quality]
+    print_table("(a) makespan / lower bound on measured costs (1.000 = perfect)", ["n", *names], rows)
     fit = result["calibration"]
     print(f"calibrated fit from {fit['shards']} shards of another mix: {fit['fit']}, "
           f"relative RMS error {fit['rel_rms_error']:.3f}")
     print_table("calibrated + improved vs the greedy oracle (target <= 1.005, < 1 at n=8); partitioner time",
                 ["n", "ratio to oracle", "partition ms", "oracle makespan ms"],
                 [[r["workers"], r["calibrated_improved_vs_oracle"], r["partitioner_ms"],
-                  r[STRATEGIES[5]] * max(sum(secs) / r["workers"], max(secs)) * 1e3]
+                  r[STRATEGIES[5]] * max(sum(secs) / r["workers"], max(secs)) * 1e3]  # the bound is per unit
                  for r in result["balancer_makespan_over_lower_bound"]])
     print_table(f"(b, c) one batch of {result['batch_images']} images, median wall time",
                 ["setup", "seconds", "ratio"],

@@ -38,11 +38,11 @@ def run_demo(args) -> int:
 
         device = pick_device()
         tower = adapter.load_tower(device, resolve_dtype("auto", device))
-        splits = [adapter.units(item) for item in items]  # units of work: the image, or its views
+        units = [adapter.units(item) for item in items]
         t3 = time.perf_counter()
-        outputs = iter(tower.encode([unit for split in splits for unit in split]))
-        reference = [torch.cat([next(outputs) for _ in split]) for split in splits]
+        flat = iter(tower.encode([unit for item_units in units for unit in item_units]))
         in_process = time.perf_counter() - t3
+        reference = [torch.cat([next(flat) for _ in item_units]) for item_units in units]
         exact = all(torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-4) for a, b in zip(embeddings, reference))
         print(f"\nsharded embeddings equal the single-process vision tower: {'yes' if exact else 'NO'} "
               f"(atol=1e-5, rtol=1e-4; {len(images)} images)")
@@ -71,13 +71,11 @@ def _demo_generate(pipe, images, picks=(3, 5, 9)) -> bool:
 
 def _print_assignment(report, items, cost_model: str) -> None:
     print(f"{len(items)} images, {len(report.loads)} encoder workers, cost model {cost_model!r}\n")
-    print(f"{'image':>5}  {'size (HxW)':>11}  {'grid':>13}  {'tokens':>6}  worker(s)")
-    owner: dict[int, list[int]] = {}  # an image split into views may be on several workers
-    for w, shard in enumerate(report.assignment):
-        for i in shard:
-            owner.setdefault(i, []).append(w)
+    print(f"{'image':>5}  {'size (HxW)':>11}  {'grid':>22}  {'tokens':>6}  worker(s)")
+    owners = {i: [w for w, shard in enumerate(report.assignment) if i in shard] for i in range(len(items))}
     for i, ((h, w), item) in enumerate(zip(DEMO_SIZES, items)):
-        print(f"{i:>5}  {f'{h}x{w}':>11}  {str(item.grid):>13}  {item.num_tokens:>6}  {','.join(map(str, owner[i]))}")
+        print(f"{i:>5}  {f'{h}x{w}':>11}  {str(item.grid):>22}  {item.num_tokens:>6}  "
+              f"{','.join(map(str, owners[i]))}")
     print()
     for w, (shard, load) in enumerate(zip(report.assignment, report.loads)):
         print(f"worker {w}: images {shard}, load {load:g}")

@@ -29,8 +29,10 @@ MERGER_PREFIXES = ("model.merger.",)
 
 
 class MiniCPMV4_6VisionAdapter(VisionAdapter):
-    # Balance slices, not whole images: at n=2/4/8 on a heavy-tailed mix it gave a lower makespan
-    # (see `raypipe bench encode --model tiny-minicpmv`).
+    # Balance slices, not whole images: an image is up to 10 units, so whole images cap the balance
+    # at its largest image. Measured (per-unit times, 24 heavy-tailed images, tiny preset, shared
+    # CPU): makespan / lower bound at n=4 and 8 was 1.19 / 1.26 over units vs 1.33 / 1.56 over images
+    # (`raypipe bench encode --model tiny-minicpmv`).
     split_units = True
 
     def __init__(self, checkpoint: str | pathlib.Path):
@@ -45,7 +47,7 @@ class MiniCPMV4_6VisionAdapter(VisionAdapter):
         p = self.processor
         self.patch = p.patch_size
         self.divisor = 4 if p.downsample_mode == "4x" else 16  # patches per embedding row
-        self._flops = _flops_model(self.config.vision_config, self.divisor)
+        self._flops = _flops_model(self.config)
 
     # ---- geometry (no pixels touched) ----
 
@@ -118,18 +120,25 @@ class MiniCPMV4_6VisionAdapter(VisionAdapter):
         return MiniCPMV4_6VisionTower(self, device, dtype)
 
 
-def _flops_model(vc, divisor: int):
-    """FLOPs of one unit of `n` patches: every SigLIP layer attends over the whole unit (O(n^2)),
-    layers after the window merger over n/4 patches; linear layers are O(n)."""
-    d, m, depth = vc.hidden_size, vc.intermediate_size, vc.num_hidden_layers
+def _flops_model(config):
+    """FLOPs of one unit of `n` patches through tower and mergers, counting what grows with its size.
+
+    Every SigLIP layer attends over the whole unit (O(n^2)); layers after the window merger see n/4
+    patches. The window merger attends within 2x2 windows and runs its MLP on n/4 windows; the
+    downsample MLP runs on n/16 rows. Slices are at most `scale_resolution` square, so the quadratic
+    term is bounded per unit: cutting an image into units is what lets a balancer spread it.
+    """
+    vc = config.vision_config
+    d, m, depth, out = vc.hidden_size, vc.intermediate_size, vc.num_hidden_layers, config.text_config.hidden_size
     before = vc.insert_layer_id + 1
 
+    def layer(k: float) -> float:
+        return 2 * k * (4 * d * d + 2 * d * m) + 4 * k * k * d  # projections + MLP, then QK^T and AV
+
     def flops(n: int) -> float:
-        after_n = n / 4
-        layer = lambda k: 2 * k * (4 * d * d + 2 * d * m) + 4 * k * k * d  # noqa: E731
-        merger = 2 * n * 4 * d * 4 * m / 4 + 4 * n * 4 * d  # window merger MLP on n/4 windows + window attention
-        return float(before * layer(n) + (depth - before) * layer(after_n) + merger
-                     + 2 * (n / divisor) * (4 * d) * (4 * d) * 2)
+        window_merger = 2 * n * 4 * d * d + 4 * n * 4 * d + 2 * (n / 4) * (4 * d * 4 * m + 4 * m * d)
+        downsample = 2 * (n / 16) * (4 * d * 4 * d + 4 * d * out)
+        return float(before * layer(n) + (depth - before) * layer(n / 4) + window_merger + downsample)
 
     return flops
 
