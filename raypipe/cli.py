@@ -116,7 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
-    bench.add_argument("--model", default=None, help="preset name or local HF checkpoint folder (default: small)")
     return parser
 
 
