@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from raypipe.bench.common import print_table, write_json
+from raypipe.bench.common import median_seconds, print_table, write_json
 
 CONCURRENCY = (1, 8, 32)
 STEP_BATCHES = (1, 8, 32)
@@ -97,8 +97,6 @@ def ray_run(pipe, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
 
 def step_times(runner, batch: int, kv_len: int, repeats: int) -> tuple[float, float]:
     """Median seconds of one decode step's forward + logits at `batch` rows: eager, then compiled."""
-    from raypipe.decode.kv_cache import decode_mask
-
     tokens = torch.zeros(batch, dtype=torch.long)
     positions = torch.full((3, batch, 1), kv_len - 1, dtype=torch.long)
     write_index = torch.full((batch,), kv_len - 1, dtype=torch.long)
@@ -106,24 +104,15 @@ def step_times(runner, batch: int, kv_len: int, repeats: int) -> tuple[float, fl
     @torch.inference_mode()
     def eager():
         runner.cache.prepare_decode(batch, write_index, kv_len)
-        hidden = runner.model(runner.model.embed(tokens[:, None]), positions,
-                              decode_mask(write_index, kv_len, runner.dtype), runner.cache)
+        hidden = runner.model(runner.model.embed(tokens[:, None]), positions, runner.cache.masks(runner.dtype),
+                              runner.cache)
         return runner.model.logits(hidden[:, -1])
 
     @torch.inference_mode()
     def compiled():
         return runner.static_step(tokens, positions, write_index, kv_len)
 
-    times = []
-    for fn in (eager, compiled):
-        fn()
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples))
-    return times[0], times[1]
+    return median_seconds(eager, repeats), median_seconds(compiled, repeats)
 
 
 def median_run(fn, repeats: int):
