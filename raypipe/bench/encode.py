@@ -77,19 +77,19 @@ def calibrate(adapter, worker, items, seed: int = 1) -> CostCalibration:
     return calibration
 
 
-def balancer_quality(adapter, units, unit_seconds: list[float], worker_counts, calibration) -> list[dict]:
+def balancer_quality(adapter, units, unit_seconds: list[float], worker_counts, calibration=None) -> list[dict]:
     """`units[i]`: image i's units; `unit_seconds`: measured time of each unit, flattened in that order."""
     starts = np.cumsum([0, *(len(u) for u in units)])
     spans = list(zip(starts[:-1], starts[1:]))
     seconds = [sum(unit_seconds[a:b]) for a, b in spans]  # per image
     flat = [unit for item_units in units for unit in item_units]
     unit_patches = [adapter.cost(u, "patches") for u in flat]
-    unit_calibrated = calibration.unit_costs(unit_patches, [adapter.cost(u, "attention") for u in flat])
 
     def per_image(unit_costs):
         return [sum(unit_costs[a:b]) for a, b in spans]
 
-    calibrated = per_image(unit_calibrated)
+    calibrated = (None if calibration is None else  # None: the calibrated strategies are left out
+                  per_image(calibration.unit_costs(unit_patches, [adapter.cost(u, "attention") for u in flat])))
     rows = []
     for n in worker_counts:
         bound = max(sum(unit_seconds) / n, max(unit_seconds))  # the same bound for every strategy
@@ -97,13 +97,14 @@ def balancer_quality(adapter, units, unit_seconds: list[float], worker_counts, c
         row[STRATEGIES[0]] = makespan_ratio(even_split_assignment(len(units), n), seconds, bound)
         for name, cost_model in zip(STRATEGIES[1:3], ("patches", "attention")):
             row[name] = makespan_ratio(greedy(per_image([adapter.cost(u, cost_model) for u in flat]), n), seconds, bound)
-        row[STRATEGIES[3]] = makespan_ratio(greedy(calibrated, n), seconds, bound)
-        row[STRATEGIES[4]] = makespan_ratio(partition(calibrated, n)[0], seconds, bound)
         row[STRATEGIES[5]] = makespan_ratio(greedy(seconds, n), seconds, bound)
+        if calibrated is not None:
+            row[STRATEGIES[3]] = makespan_ratio(greedy(calibrated, n), seconds, bound)
+            row[STRATEGIES[4]] = makespan_ratio(partition(calibrated, n)[0], seconds, bound)
+            row["partitioner_ms"] = median_seconds(lambda: partition(calibrated, n), 5) * 1e3
+            row["calibrated_improved_vs_oracle"] = row[STRATEGIES[4]] / row[STRATEGIES[5]]
         for name, cost_model in zip(UNIT_STRATEGIES, ("patches", "attention")) if len(flat) > len(units) else ():
             row[name] = makespan_ratio(greedy([adapter.cost(u, cost_model) for u in flat], n), unit_seconds, bound)
-        row["partitioner_ms"] = median_seconds(lambda: partition(calibrated, n), 5) * 1e3
-        row["calibrated_improved_vs_oracle"] = row[STRATEGIES[4]] / row[STRATEGIES[5]]
         rows.append(row)
     return rows
 

@@ -106,7 +106,7 @@ def model_for_actors(model: str | os.PathLike, checkpoint: pathlib.Path) -> str:
     """What to hand actors that may start on other nodes: a preset name or an s3:// URI, which each
     node resolves to its own local copy, else the local folder's absolute path."""
     model = os.fspath(model)
-    return model if model in _QWEN2_5_VL_SHAPES or model.startswith("s3://") else str(checkpoint.resolve())
+    return model if model in PRESETS or model.startswith("s3://") else str(checkpoint.resolve())
 
 
 def tiny_checkpoint(path: str | os.PathLike | None = None) -> pathlib.Path:
