@@ -61,16 +61,17 @@ class EncoderWorker:
         return (*embeddings, receipt)
 
     def encode_timed(self, items: list[VisionItem], repeats: int = 3) -> list[float]:
-        """Median seconds to encode each item alone (benchmarks measure real per-item cost)."""
-        times = []
-        for item in items:
-            samples = []
-            for _ in range(repeats):
+        """Median seconds to encode each item alone (benchmarks measure real per-item cost).
+
+        Round robin over the items, `repeats` times: a slow phase of a shared machine then slows
+        every item alike instead of inflating whichever item it happened to hit."""
+        samples: list[list[float]] = [[] for _ in items]
+        for _ in range(repeats):
+            for item, item_samples in zip(items, samples):
                 start = time.perf_counter()
                 self.tower.encode([item])
-                samples.append(time.perf_counter() - start)
-            times.append(sorted(samples)[len(samples) // 2])
-        return times
+                item_samples.append(time.perf_counter() - start)
+        return [sorted(s)[len(s) // 2] for s in samples]
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
