@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from raypipe import InvalidInput, SamplingParams
 from raypipe.models.registry import vision_adapter
@@ -68,6 +69,9 @@ def test_staggered_concurrent_requests_join_a_running_batch(engines, cases, k):
     assert after["max_running_seen"] > 1
     assert after["prefill_batches"] - before["prefill_batches"] >= 2  # later requests joined a running batch
     assert after["running"] == 0 and after["waiting"] == 0
+    # Its timers ran, and the torch threads it split between overlapping prefill and decode are back.
+    assert after["prefill_seconds"] > before["prefill_seconds"] and after["decode_seconds"] > before["decode_seconds"]
+    assert torch.get_num_threads() == engine.num_threads
 
 
 @pytest.mark.parametrize("k", [1, 8])

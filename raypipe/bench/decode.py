@@ -5,7 +5,9 @@ tiny-step3` for Step3), text prompts of
 varied length, greedy, `max_tokens` per request:
 (a) tokens/s of `LLMEngine` (in process, K=8, compiled decode step) with 1, 8 and 32 concurrent
     requests, against transformers' `generate()` run one request at a time and on one left-padded
-    static batch, and against the same engine with eager decode steps;
+    static batch, and against the same engine with eager decode steps; then where the time goes:
+    prefill (the same FLOPs one by one or batched: on a CPU it cannot get cheaper per token) and
+    decode (the part continuous batching speeds up), from the engine's own timers;
 (b) one decode step (forward + logits) at batch 1, 8 and 32: eager vs the static-shape compiled step;
 (c) tokens/s through Ray (`Pipeline.generate_stream`, all requests concurrent) with K=1 and K=8.
 Every engine output is checked token for token against the one-at-a-time `generate()` output.
@@ -112,7 +114,26 @@ def step_times(runner, batch: int, kv_len: int, repeats: int) -> tuple[float, fl
     def compiled():
         return runner.static_step(tokens, positions, write_index, kv_len)
 
+    if runner.static_step is None:  # the cache has layer kinds the static step cannot run (engine says why)
+        return median_seconds(eager, repeats), float("nan")
     return median_seconds(eager, repeats), median_seconds(compiled, repeats)
+
+
+def hf_prefill_seconds(model, prompts) -> float:
+    """Seconds of the prompts' forwards alone, one at a time (the prefill inside `hf_sequential`)."""
+    start = time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    return time.perf_counter() - start
+
+
+def engine_split(engine, prompts, max_tokens: int) -> tuple[float, float, float]:
+    """(wall, prefill, decode) seconds of one engine run, from its own timers (they may overlap)."""
+    before = engine.stats()
+    _, seconds = engine_run(engine, prompts, max_tokens)
+    after = engine.stats()
+    return seconds, *(after[k] - before[k] for k in ("prefill_seconds", "decode_seconds"))
 
 
 def median_run(fn, repeats: int):
@@ -148,7 +169,7 @@ def main(args) -> int:
     eager_engine = LLMEngine(checkpoint, dataclasses.replace(config, compiled_decode=False))
     for e in (engine, eager_engine):
         engine_run(e, prompts[:4], 4)  # warm-up
-    rows, result = [], {"model": str(checkpoint), "max_tokens": max_tokens, "repeats": repeats, "engine": {},
+    rows, split_rows, result = [], [], {"model": str(checkpoint), "max_tokens": max_tokens, "repeats": repeats, "engine": {},
                         "decode_step": engine.stats()["decode_step"]}
     all_identical = True
     for c in CONCURRENCY:
@@ -170,7 +191,15 @@ def main(args) -> int:
         row["vs_sequential"] = row["engine_tok_s"] / row["sequential_tok_s"]
         row["vs_static_batch"] = row["engine_tok_s"] / row["static_batch_tok_s"]
         row["compiled_vs_eager_engine"] = row["engine_tok_s"] / row["eager_engine_tok_s"]
+        with torch.inference_mode():
+            row["sequential_prefill_s"] = statistics.median(hf_prefill_seconds(hf, batch) for _ in range(repeats))
+        row["sequential_s"] = seq_s
+        row["engine_wall_s"], row["engine_prefill_s"], row["engine_decode_s"] = engine_split(engine, batch, max_tokens)
+        sequential_decode = seq_s - row["sequential_prefill_s"]
+        row["decode_phase_speedup"] = sequential_decode / row["engine_decode_s"]
         result["engine"][c] = row
+        split_rows.append([c, seq_s, row["sequential_prefill_s"], sequential_decode, row["engine_wall_s"],
+                           row["engine_prefill_s"], row["engine_decode_s"], row["decode_phase_speedup"]])
         rows.append([c, tokens, row["sequential_tok_s"], row["static_batch_tok_s"], row["eager_engine_tok_s"],
                      row["engine_tok_s"], row["vs_sequential"], row["vs_static_batch"],
                      row["compiled_vs_eager_engine"], "yes" if identical else "NO", f"{static_same}/{c}"])
@@ -211,9 +240,16 @@ def main(args) -> int:
                     ["requests", "tokens", "generate 1-by-1", "generate static batch", "engine K=8 eager",
                      "engine K=8 compiled", "x 1-by-1", "x static", "x eager engine", "identical",
                      "static rows identical"], rows)
+        print_table("where the time goes (seconds; the engine's prefill and decode overlap, so they may add up to "
+                    "more than its wall time)", ["requests", "1-by-1 total", "1-by-1 prefill", "1-by-1 decode",
+                                                 "engine wall", "engine prefill", "engine decode",
+                                                 "decode x 1-by-1"], split_rows)
         step = result["decode_step"]
-        print(f"compiled step: {step['mode']}, buckets {step['batch_buckets']} x {step['kv_buckets']}, "
-              f"warm-up (compile) {step['warmup_seconds']:.1f} s")
+        if step["mode"] == "eager":
+            print(f"compiled step: not used ({step['reason']}); the compiled columns repeat eager")
+        else:
+            print(f"compiled step: {step['mode']}, buckets {step['batch_buckets']} x {step['kv_buckets']}, "
+                  f"warm-up (compile) {step['warmup_seconds']:.1f} s")
         print_table("one decode step (forward + logits), KV length 100, median", ["batch", "eager ms", "compiled ms",
                                                                                   "speed-up"], step_rows)
         print_table(f"through Ray (Pipeline.generate_stream, {ray_c} concurrent requests)",

@@ -9,11 +9,13 @@ view per thread, so it keeps no per-call state that two threads could share):
        || [engine thread] K decode steps for the sequences that were already running
     -> per sequence: cut at its stop, emit one delta -> free the rows of finished sequences
 
-Prefill and decode overlap because, on a CPU, each is a single-threaded stream of GEMMs that can
-have a core of its own; run one after the other, a round took prefill + decode time and
-profiling showed prefill at ~40% of the engine's time. They touch disjoint cache rows and join at
-the round boundary, so rows are only moved (finished ones released) while nothing runs. Joining
-requests enter the decode batch one round later; their outputs do not change.
+Prefill and decode overlap because, on a CPU, each is a stream of GEMMs that can have cores of
+its own; run one after the other, a round took prefill + decode time and profiling showed prefill
+at ~40% of the engine's time. While both run, the engine's torch threads are split between them:
+two forwards each asking for every core put twice as many OpenMP threads as cores on the machine,
+and every parallel op then waits at its barrier for a descheduled thread. They touch disjoint cache
+rows and join at the round boundary, so rows are only moved (finished ones released) while nothing
+runs. Joining requests enter the decode batch one round later; their outputs do not change.
 
 Callers `await` deltas from `generate()`; validation happens in the caller's task before a
 request is queued, so a bad request fails alone. The engine needs no Ray actor around it: image
@@ -28,8 +30,10 @@ still in the engine with `EngineClosed`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 
@@ -58,6 +62,7 @@ class LLMEngine:
         self.config = (config or EngineConfig()).resolved(self.adapter.max_position_embeddings)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        self.num_threads = torch.get_num_threads()
         self.device = pick_device()
         self.runner = ModelRunner(self.adapter, device=self.device, dtype=resolve_dtype(self.config.dtype, self.device),
                                   max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
@@ -67,7 +72,8 @@ class LLMEngine:
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
         self._counters = dict(rounds=0, prefills=0, prefill_tokens=0, decode_steps=0, decode_row_steps=0,
-                              max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0)
+                              max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0,
+                              prefill_seconds=0.0, decode_seconds=0.0)
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
         self._aborts: set[Sequence] = set()  # objects, not ids: an id may be reused once its request ends
@@ -151,6 +157,7 @@ class LLMEngine:
                 "mean_decode_batch": c["decode_row_steps"] / c["decode_steps"] if c["decode_steps"] else 0.0,
                 "tokens_generated": c["tokens_generated"], "requests_finished": c["finished"],
                 "requests_aborted": c["aborted"], "failed_rounds": c["failed_rounds"],
+                "prefill_seconds": c["prefill_seconds"], "decode_seconds": c["decode_seconds"],
                 "num_scheduler_steps": self.config.num_scheduler_steps, "max_num_seqs": self.config.max_num_seqs,
                 "max_model_len": self.config.max_model_len, "kv_cache_bytes": self.runner.cache.nbytes,
                 "device": str(self.device), "decode_step": self.decode_step}
@@ -223,12 +230,13 @@ class LLMEngine:
     def _round(self) -> None:
         running = list(self.scheduler.running)  # rows 0..n-1; joining requests get the rows after
         groups = self.scheduler.admit()
-        prefill = self._prefill_thread.submit(self._prefill, groups) if groups else None
-        try:
-            if running:
-                self._decode(running)
-        finally:
-            first = prefill.result() if prefill is not None else []  # never leave a prefill running
+        with self._cores_split(bool(groups and running)):
+            prefill = self._prefill_thread.submit(self._prefill, groups) if groups else None
+            try:
+                if running:
+                    self._decode(running)
+            finally:
+                first = prefill.result() if prefill is not None else []  # never leave a prefill running
         for group, (tokens, logprobs) in zip(groups, first):
             self._counters["prefills"] += 1
             self._counters["prefill_tokens"] += sum(s.prompt_len for s in group)
@@ -236,13 +244,26 @@ class LLMEngine:
                 self._emit(seq, self.output.append(seq, [token], lp))
         self._release_finished()
 
+    @contextlib.contextmanager
+    def _cores_split(self, overlapping: bool):
+        """Half the torch threads each for prefill and decode while both run on the CPU (see top)."""
+        split = overlapping and self.device.type == "cpu" and self.num_threads > 1
+        if split:
+            torch.set_num_threads(self.num_threads // 2)
+        try:
+            yield
+        finally:
+            if split:
+                torch.set_num_threads(self.num_threads)
+
     def _prefill(self, groups: list[list[Sequence]]) -> list[tuple[list[int], list]]:
         """First token ids and log-probabilities per group (on the prefill thread: it touches only
         the joining sequences)."""
-        out = []
+        out, start = [], time.perf_counter()
         for group in groups:
             batch = self._sampling_batch(group)
             out.append((self.runner.prefill(group, batch), batch.take_logprobs(group)))
+        self._counters["prefill_seconds"] += time.perf_counter() - start
         return out
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -264,8 +285,9 @@ class LLMEngine:
                     done[row] = len(new_ids[row]) >= budgets[row] or token in stop_ids[row]
             return all(done)
 
-        batch = self._sampling_batch(running)
+        batch, start = self._sampling_batch(running), time.perf_counter()
         steps = self.runner.decode(running, batch, self.config.num_scheduler_steps, on_step)
+        self._counters["decode_seconds"] += time.perf_counter() - start
         self._counters["decode_steps"] += steps
         self._counters["decode_row_steps"] += steps * len(running)
         for seq, ids, logprobs in zip(running, new_ids, batch.take_logprobs(running)):
