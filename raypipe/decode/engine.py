@@ -246,8 +246,12 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def _cores_split(self, overlapping: bool):
-        """Half the torch threads each for prefill and decode while both run on the CPU (see top)."""
-        split = overlapping and self.device.type == "cpu" and self.num_threads > 1
+        """Half the torch threads each for prefill and decode while both run on the CPU (see top).
+
+        Not with a compiled decode step: torch.compile guards on the thread count, so every change
+        would recompile the step's buckets."""
+        split = (overlapping and self.device.type == "cpu" and self.num_threads > 1
+                 and self.runner.static_step is None)
         if split:
             torch.set_num_threads(self.num_threads // 2)
         try:
