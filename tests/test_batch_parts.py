@@ -65,3 +65,30 @@ def test_listing_and_manifest(tmp_path):
     manifest.write_text('{"path": "in/b.png"}\n{"path": "in/b.png"}\n')
     with pytest.raises(ValueError, match="not unique"):
         list_inputs(str(manifest))
+
+
+def test_decode_stage_ships_pixels_at_the_towers_size(tmp_path, tiny_ckpt):
+    """Only what the tower consumes travels to the encoders; rows still report the original size."""
+    from PIL import Image
+
+    from raypipe.batch import stages
+    from raypipe.config import ImageLimits
+    from raypipe.models.registry import vision_adapter
+
+    sizes = {"big.png": (1400, 1000), "wide.png": (90, 610), "thumb.png": (30, 41)}  # (height, width)
+    rng = np.random.default_rng(0)
+    for name, (h, w) in sizes.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / name)
+    batch = list_inputs(str(tmp_path))
+    packs = stages.read_and_pack(batch, model=str(tiny_ckpt), image_limits=ImageLimits(), s3=None,
+                                 cost_model="patches", budget=None, per_pack=8)
+    rows = pa.concat_tables([stages._from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
+    adapter = vision_adapter(str(tiny_ckpt))
+    assert adapter.tower_size(1400, 1000)[0] * adapter.tower_size(1400, 1000)[1] < 1400 * 1000 / 4  # the big one shrinks
+    assert sorted(r["id"] for r in rows) == sorted(sizes)
+    for row in rows:
+        h, w = sizes[row["id"]]
+        tower_h, tower_w = adapter.tower_size(h, w)
+        assert (row["height"], row["width"]) == (h, w)  # the original image's size, as the output reports it
+        assert len(row["pixels"]) == tower_h * tower_w * 3  # resized before it travels
+        assert stages._pixels(row).shape == (tower_h, tower_w, 3)
