@@ -24,6 +24,19 @@ def test_cost_packs_are_even_and_cover_every_item_once():
     assert max(count_sums) / np.mean(count_sums) > max(sums) / np.mean(sums)
 
 
+def test_cost_packs_are_never_coarser_than_count_packs():
+    """Thumbnails under a budget of several large images: as many packs as fixed-count batching would
+    make (one pack per decode slice would leave one encoder a 32-image straggler), still even in cost."""
+    costs = [float(c) for c in np.random.default_rng(1).uniform(4, 64, 32)]
+    assert len(packing.by_cost(costs, budget=4096)) == 1  # the budget alone: the whole slice in one pack
+    packs = packing.by_cost(costs, budget=4096, per_pack=8)
+    assert len(packs) == len(packing.by_count(len(costs), 8)) == 4
+    assert sorted(i for p in packs for i in p) == list(range(len(costs)))
+    sums = [sum(costs[i] for i in p) for p in packs]
+    assert max(sums) - min(sums) <= max(costs)
+    assert len(packing.by_cost(costs, budget=64, per_pack=8)) == round(sum(costs) / 64)  # the budget binds
+
+
 def test_reconcile_keeps_each_id_in_one_part(tmp_path):
     fs, root = open_filesystem(str(tmp_path))
 

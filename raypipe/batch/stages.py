@@ -80,7 +80,8 @@ def _image_cost(adapter, item, cost_model: str) -> float:
 
 def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3: S3Options | None,
                   cost_model: str, budget: float | None, per_pack: int) -> pa.Table:
-    """Decode a slice of inputs and return it as packs: by cost (`budget`) or by count (`per_pack`)."""
+    """Decode a slice of inputs and return it as packs: by cost (`budget`, at most `per_pack` images
+    per pack on average) or by count (`per_pack`)."""
     adapter = _vision_adapter(model)
     rows = []
     prompts = batch.column("prompt").to_pylist() if "prompt" in batch.column_names else [None] * batch.num_rows
@@ -100,7 +101,7 @@ def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3:
             row.update(error=UNREADABLE, error_message=f"{type(exc).__name__}: {exc}")
         rows.append(row)
     good = [r for r in rows if r.get("error") is None]
-    groups = (packing.by_cost([r["cost"] for r in good], budget) if budget is not None
+    groups = (packing.by_cost([r["cost"] for r in good], budget, per_pack) if budget is not None
               else packing.by_count(len(good), per_pack))
     packs = [[good[i] for i in group] for group in groups]
     bad = [r for r in rows if r.get("error") is not None]
