@@ -61,7 +61,8 @@ def _add_batch(sub) -> None:
                        help="encoder batches by cost budget (default) or by a fixed image count")
     batch.add_argument("--batch-cost", type=float, default=4.0,
                        help="encoder batch budget, in multiples of the model's largest image")
-    batch.add_argument("--batch-images", type=int, default=8, help="images per encoder batch with --batching count")
+    batch.add_argument("--batch-images", type=int, default=8,
+                       help="images per encoder batch with --batching count; the most on average with cost")
     batch.add_argument("--read-batch", type=int, default=32, help="inputs per CPU decode task")
     batch.add_argument("--rows-per-file", type=int, default=256, help="rows per output part file (unit of resume)")
     batch.add_argument("--limit", type=int, default=None, help="process at most N of the missing inputs")

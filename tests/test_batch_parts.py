@@ -24,6 +24,19 @@ def test_cost_packs_are_even_and_cover_every_item_once():
     assert max(count_sums) / np.mean(count_sums) > max(sums) / np.mean(sums)
 
 
+def test_cost_packs_are_never_coarser_than_count_packs():
+    """Thumbnails under a budget of several large images: as many packs as fixed-count batching would
+    make (one pack per decode slice would leave one encoder a 32-image straggler), still even in cost."""
+    costs = [float(c) for c in np.random.default_rng(1).uniform(4, 64, 32)]
+    assert len(packing.by_cost(costs, budget=4096)) == 1  # the budget alone: the whole slice in one pack
+    packs = packing.by_cost(costs, budget=4096, per_pack=8)
+    assert len(packs) == len(packing.by_count(len(costs), 8)) == 4
+    assert sorted(i for p in packs for i in p) == list(range(len(costs)))
+    sums = [sum(costs[i] for i in p) for p in packs]
+    assert max(sums) - min(sums) <= max(costs)
+    assert len(packing.by_cost(costs, budget=64, per_pack=8)) == round(sum(costs) / 64)  # the budget binds
+
+
 def test_reconcile_keeps_each_id_in_one_part(tmp_path):
     fs, root = open_filesystem(str(tmp_path))
 
@@ -65,3 +78,30 @@ def test_listing_and_manifest(tmp_path):
     manifest.write_text('{"path": "in/b.png"}\n{"path": "in/b.png"}\n')
     with pytest.raises(ValueError, match="not unique"):
         list_inputs(str(manifest))
+
+
+def test_decode_stage_ships_pixels_at_the_towers_size(tmp_path, tiny_ckpt):
+    """Only what the tower consumes travels to the encoders; rows still report the original size."""
+    from PIL import Image
+
+    from raypipe.batch import stages
+    from raypipe.config import ImageLimits
+    from raypipe.models.registry import vision_adapter
+
+    sizes = {"big.png": (1400, 1000), "wide.png": (90, 610), "thumb.png": (30, 41)}  # (height, width)
+    rng = np.random.default_rng(0)
+    for name, (h, w) in sizes.items():
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / name)
+    batch = list_inputs(str(tmp_path))
+    packs = stages.read_and_pack(batch, model=str(tiny_ckpt), image_limits=ImageLimits(), s3=None,
+                                 cost_model="patches", budget=None, per_pack=8)
+    rows = pa.concat_tables([stages._from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
+    adapter = vision_adapter(str(tiny_ckpt))
+    assert adapter.tower_size(1400, 1000)[0] * adapter.tower_size(1400, 1000)[1] < 1400 * 1000 / 4  # the big one shrinks
+    assert sorted(r["id"] for r in rows) == sorted(sizes)
+    for row in rows:
+        h, w = sizes[row["id"]]
+        tower_h, tower_w = adapter.tower_size(h, w)
+        assert (row["height"], row["width"]) == (h, w)  # the original image's size, as the output reports it
+        assert len(row["pixels"]) == tower_h * tower_w * 3  # resized before it travels
+        assert stages._pixels(row).shape == (tower_h, tower_w, 3)

@@ -44,7 +44,7 @@ class BatchOptions:
     num_decoders: tuple[int, int] = (1, 1)  # decode actor pool (min, max)
     batching: Literal["cost", "count"] = "cost"  # how encoder batches are formed
     batch_cost: float = 4.0  # cost budget per encoder batch, in units of the model's largest image
-    batch_images: int = 8  # images per encoder batch with batching="count"
+    batch_images: int = 8  # images per encoder batch with batching="count"; the most on average with "cost"
     read_batch: int = 32  # inputs per CPU decode task (packs are formed within one)
     rows_per_file: int = 256  # rows per output part file (the unit of resume)
     limit: int | None = None  # process at most this many of the missing inputs

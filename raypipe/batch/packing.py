@@ -6,23 +6,31 @@ CPU stage groups each slice of decoded images into packs of about `budget` cost,
 balancer as the online coordinator (`get_load_balance_assignment`: largest first, to the cheapest
 pack), and ships each pack to the encoder pool as one row. `by_count` is the fixed-count baseline
 that `raypipe bench batch` compares against.
+
+The budget is a multiple of the model's largest image, so a slice of thumbnails fits in one pack:
+the job would then have one pack per decode slice (32 images), too few to keep every encoder busy
+to the end. Cost packs are therefore never fewer than fixed-count batching would make (`per_pack`
+images on average); the two then differ only in how even the packs are.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from raypipe.balance import get_load_balance_assignment, split_by_counts
 
 
-def by_cost(costs: Sequence[float], budget: float) -> list[list[int]]:
-    """Index groups whose summed costs are each about `budget` (and as even as LPT makes them)."""
+def by_cost(costs: Sequence[float], budget: float, per_pack: int | None = None) -> list[list[int]]:
+    """Index groups whose summed costs are each about `budget` or less (as even as LPT makes them),
+    with at most `per_pack` items per group on average."""
     if budget <= 0:
         raise ValueError(f"budget must be positive, got {budget}")
     total = float(sum(costs))
     if not costs:
         return []
-    num_packs = min(len(costs), max(1, round(total / budget)))
+    num_packs = max(1, round(total / budget), math.ceil(len(costs) / per_pack) if per_pack else 1)
+    num_packs = min(len(costs), num_packs)
     order, counts, _ = get_load_balance_assignment(list(costs), num_packs)
     return [sorted(pack) for pack in split_by_counts(order, counts) if pack]
 

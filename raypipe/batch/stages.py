@@ -1,8 +1,9 @@
 """The Ray Data stages of a batch job; each wraps a piece the online path uses too.
 
     read_and_pack   (CPU tasks)   bytes from storage -> `preprocess.load_image` (same limits and
-                                  error codes as the endpoint) -> geometry and cost from the vision
-                                  adapter -> packs of about equal cost (`packing`)
+                                  error codes as the endpoint) -> resized to the tower's size
+                                  (`resize_for_tower`, as the endpoint does) -> geometry and cost
+                                  from the vision adapter -> packs of about equal cost (`packing`)
     EncodeStage     (actor pool)  one `EncoderWorker` (the same class the coordinator drives) per actor
     GenerateStage   (actor pool)  one `LLMEngine` per actor: all rows of a batch decode together in
                                   multi-step rounds, built with the same `build_prompt` as `Pipeline`
@@ -34,8 +35,10 @@ from raypipe.storage import S3Options, is_s3, open_filesystem, read_bytes
 
 ROW_SCHEMA = pa.schema([
     ("id", pa.string()), ("uri", pa.string()), ("prompt", pa.string()),
-    ("width", pa.int32()), ("height", pa.int32()), ("num_tokens", pa.int32()), ("cost", pa.float64()),
-    ("pixels", pa.large_binary()),  # (height, width, 3) uint8 after decoding; null once encoded
+    ("width", pa.int32()), ("height", pa.int32()),  # the input image's size, as the output reports it
+    ("num_tokens", pa.int32()), ("cost", pa.float64()),
+    # (pixel_height, pixel_width, 3) uint8: the image resized to what the tower consumes; null once encoded
+    ("pixels", pa.large_binary()), ("pixel_height", pa.int32()), ("pixel_width", pa.int32()),
     ("embedding", pa.large_binary()),  # (num_tokens, hidden) float32 after encoding
     ("hidden", pa.int32()),
     ("text", pa.string()), ("finish_reason", pa.string()),
@@ -77,7 +80,8 @@ def _image_cost(adapter, item, cost_model: str) -> float:
 
 def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3: S3Options | None,
                   cost_model: str, budget: float | None, per_pack: int) -> pa.Table:
-    """Decode a slice of inputs and return it as packs: by cost (`budget`) or by count (`per_pack`)."""
+    """Decode a slice of inputs and return it as packs: by cost (`budget`, at most `per_pack` images
+    per pack on average) or by count (`per_pack`)."""
     adapter = _vision_adapter(model)
     rows = []
     prompts = batch.column("prompt").to_pylist() if "prompt" in batch.column_names else [None] * batch.num_rows
@@ -85,16 +89,19 @@ def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3:
         row = {"id": id_, "uri": uri, "prompt": prompt}
         try:
             image = load_image(_read(uri, s3, image_limits.max_bytes), image_limits, item=id_)
-            item = adapter.make_item(image)
+            # As the endpoint does: only what the tower consumes travels to the encoder actors.
+            resized = adapter.resize_for_tower(image)
+            item = adapter.make_item(resized)
             row.update(width=image.width, height=image.height, num_tokens=item.num_tokens,
-                       cost=_image_cost(adapter, item, cost_model), pixels=image.pixels.tobytes())
+                       cost=_image_cost(adapter, item, cost_model), pixels=resized.pixels.tobytes(),
+                       pixel_height=resized.height, pixel_width=resized.width)
         except InvalidInput as exc:
             row.update(error=exc.code, error_message=exc.reason)
         except OSError as exc:  # missing, forbidden or unreachable object
             row.update(error=UNREADABLE, error_message=f"{type(exc).__name__}: {exc}")
         rows.append(row)
     good = [r for r in rows if r.get("error") is None]
-    groups = (packing.by_cost([r["cost"] for r in good], budget) if budget is not None
+    groups = (packing.by_cost([r["cost"] for r in good], budget, per_pack) if budget is not None
               else packing.by_count(len(good), per_pack))
     packs = [[good[i] for i in group] for group in groups]
     bad = [r for r in rows if r.get("error") is not None]
@@ -161,7 +168,9 @@ class GenerateStage:
         from raypipe.prompt import build_prompt
 
         # Only the image's size matters to the prompt (placeholder count): a zero-stride array carries it.
-        shape_only = DecodedImage(np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (row["height"], row["width"], 3)), "")
+        # The tower-size shape gives the same placeholders as the original and needs no resizing again.
+        shape = (row["pixel_height"], row["pixel_width"], 3)
+        shape_only = DecodedImage(np.broadcast_to(np.zeros((1, 1, 3), np.uint8), shape), "")
         messages = [{"role": "user", "content": [{"type": "image", "image": shape_only},
                                                  {"type": "text", "text": row["prompt"] or self.default_prompt}]}]
         embedding = torch.from_numpy(np.frombuffer(row["embedding"], np.float32).reshape(-1, row["hidden"]).copy())
@@ -219,7 +228,7 @@ def pool(row: dict, pooling: str):
 
 
 def _pixels(row: dict) -> np.ndarray:
-    return np.frombuffer(row["pixels"], np.uint8).reshape(row["height"], row["width"], 3)
+    return np.frombuffer(row["pixels"], np.uint8).reshape(row["pixel_height"], row["pixel_width"], 3)
 
 
 def _to_ipc(table: pa.Table) -> bytes:
