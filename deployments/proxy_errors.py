@@ -34,7 +34,11 @@ from deployments.error_body import REPLICA_UNAVAILABLE, REPLICA_UNAVAILABLE_MESS
 
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "deployments.proxy_errors:middlewares"
-CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: PROXY_CALLBACK}}}
+# An actor with its own environment gets a fresh worker process, not a prestarted one; on a busy
+# machine the proxy then took longer than the controller's 5 s ready check, was killed, and
+# `serve.start` failed. The controller now waits as long as `serve.start` itself does (60 s).
+PROXY_READY_TIMEOUT = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": {PROXY_CALLBACK_ENV: PROXY_CALLBACK, **PROXY_READY_TIMEOUT}}}
 
 # Codes for Ray's plain-text error pages, by status.
 _RAY_PAGE_CODES = {404: "not_found", 408: "request_timeout", 429: "overloaded", 500: "internal_error",

@@ -118,3 +118,10 @@ def test_callback_is_what_ray_loads():
 
     [middleware] = validate_http_proxy_callback_return(call_function_from_import_path(PROXY_CALLBACK))
     assert middleware.cls is OpenAIErrorsMiddleware and middlewares()[0].cls is OpenAIErrorsMiddleware
+
+
+def test_config_yaml_sets_what_raypipe_serve_sets():
+    from deployments.kuberay.render import load_serve_config
+    from deployments.proxy_errors import CONTROLLER_OPTIONS
+
+    assert load_serve_config()["controller_options"] == CONTROLLER_OPTIONS
