@@ -15,12 +15,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 
+from deployments.error_body import REPLICA_UNAVAILABLE, REPLICA_UNAVAILABLE_MESSAGE, error_body
 from raypipe.errors import CapacityError, InvalidInput
 
 # InvalidInput codes that are not a plain 400.
 _STATUS_BY_CODE = {"invalid_api_key": 401, "model_not_found": 404, "request_too_large": 413}
-_TYPE_BY_STATUS = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                   429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
 
 
 # A process serving the request went away (Serve restarts it): the same request may succeed on retry.
@@ -47,12 +46,11 @@ class ApiError(Exception):
         if isinstance(exc, CapacityError):
             return cls(503, str(exc) or "server is at capacity, retry later", "overloaded")
         if isinstance(exc, _UNAVAILABLE):
-            return cls(503, "a serving replica stopped or is unreachable; retry the request", "replica_unavailable")
+            return cls(503, REPLICA_UNAVAILABLE_MESSAGE, REPLICA_UNAVAILABLE)
         return cls(500, f"internal error ({type(exc).__name__})", "internal_error")
 
     def body(self) -> dict:
-        kind = _TYPE_BY_STATUS.get(self.status, "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        return error_body(self.status, self.message, self.code, self.param)
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None

@@ -225,6 +225,10 @@ class Ingress:
         except Exception:  # noqa: BLE001 - a missing deployment shows as raypipe_deployment_up 0
             return None
 
+    def pid(self) -> int:
+        """The replica's process id (operators and tests locate the process that serves HTTP)."""
+        return os.getpid()
+
     def _error(self, endpoint: str, exc: Exception) -> JSONResponse:
         error = ApiError.from_exception(exc)
         self.metrics.record_error(endpoint, error.status, error.code)

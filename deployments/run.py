@@ -33,13 +33,15 @@ def run_serve(args) -> int:
         print(f"raypipe: could not start serving: {exc}", file=sys.stderr, flush=True)
         return 1
     from deployments.app import AppArgs, build_app  # heavy imports only once the port is known to be free
+    from deployments.proxy_errors import CONTROLLER_OPTIONS
 
     resolve_model(args.model)  # write a preset once here, before several replicas race to
     owns_ray = not ray.is_initialized()
     connect_ray()
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        # The proxies answer a dead replica's requests with OpenAI error bodies (deployments/proxy_errors.py).
+        serve.start(http_options={"host": args.host, "port": args.port}, controller_options=CONTROLLER_OPTIONS)
         api_key = args.api_key or os.environ.get("RAYPIPE_API_KEY")
         shared = {name: getattr(args, name) for name in AppArgs.model_fields if hasattr(args, name)}
         app = build_app(AppArgs(**{**shared, "api_key": api_key}))

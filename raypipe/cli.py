@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help="checkpoint to benchmark (default: each benchmark's own)")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
+    bench.add_argument("--requests", type=int, default=None,
+                       help="serve-load: requests per run (default 100; 20 with --quick)")
+    bench.add_argument("--side", type=int, default=None,
+                       help="serve-load: image side in pixels (default 4096; 2048 with --quick)")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
     return parser
 

@@ -72,9 +72,10 @@ def server(ray_local, tiny_ckpt):
     from ray import serve
 
     from deployments.app import build_app
+    from deployments.proxy_errors import CONTROLLER_OPTIONS
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
     serve.run(build_app({"api_key": KEY, "batch_window_s": 0.05, "limits": LIMITS,
                          "engine": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16}}),
               name="raypipe-test", route_prefix="/")
@@ -489,6 +490,69 @@ def test_health_recovers_after_every_encoder_worker_dies(server):
     assert not set(_serve_encoder_worker_pids()) & set(victims)
 
 
+def _wait_until_healthy(server: str, what: str) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{server}/health", timeout=10).status_code == 200:
+                return
+        except httpx.TimeoutException:
+            pass  # the proxy holds a request while the deployment has no replica yet
+        time.sleep(0.5)
+    pytest.fail(f"{what} never came back")
+
+
+def test_ingress_crash_mid_request_is_a_retryable_503(server):
+    """Issue 9 item 11: the replica the HTTP proxy forwards to (the ingress) dies with requests in flight."""
+    pid = _deployment("Ingress").pid.remote().result()
+    fields = dict(model="tiny", messages=user("Talk for a long time."), max_tokens=MAX_MODEL_LEN - 100, temperature=0,
+                  extra_body={"ignore_eos": True})
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+        plain = asyncio.ensure_future(aclient.chat.completions.create(**fields))
+        stream = await aclient.chat.completions.create(**fields, stream=True)  # returns once streaming started
+        events = []
+        raw = {"model": "tiny", "messages": fields["messages"], "max_tokens": fields["max_tokens"], "temperature": 0,
+               "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=raw) as response:
+                assert response.status_code == 200
+                try:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data:"):
+                            events.append(line[5:].strip())
+                            if len(events) == 3:
+                                os.kill(pid, signal.SIGKILL)
+                except httpx.RemoteProtocolError as exc:  # Ray's own behaviour: the stream is cut mid-body
+                    events.append(f"cut: {exc}")
+        chunks, stream_error = 0, None
+        try:
+            async for _ in stream:
+                chunks += 1
+        except openai.APIError as exc:
+            stream_error = exc
+        try:
+            await plain
+            plain_error = None
+        except openai.APIError as exc:
+            plain_error = exc
+        await aclient.close()
+        return events, chunks, stream_error, plain_error
+
+    events, chunks, stream_error, plain_error = asyncio.run(run())
+    # Non-streaming: a 503 with an OpenAI body (the client's retry policy retries 503s), not a bare 500.
+    assert isinstance(plain_error, openai.APIStatusError) and plain_error.status_code == 503, repr(plain_error)
+    assert plain_error.code == "replica_unavailable" and plain_error.type == "service_unavailable"
+    assert plain_error.response.headers["content-type"].startswith("application/json")
+    # Streams that had started: what was streamed, then an error event, then [DONE].
+    assert chunks >= 1 and stream_error is not None and stream_error.code == "replica_unavailable", repr(stream_error)
+    assert events[-1] == "[DONE]" and len(events) >= 5, events[-3:]
+    assert json.loads(events[-2])["error"]["code"] == "replica_unavailable", events[-3:]
+    _wait_until_healthy(server, "the ingress")
+    assert _deployment("Ingress").pid.remote().result() != pid
+
+
 def test_decoder_crash_mid_request_is_a_retryable_503(server):
     """Issue 9 item 11: last in the module, it kills the decoder replica (Serve restarts it)."""
     pid = _deployment("Decoder").pid.remote().result()
@@ -512,7 +576,4 @@ def test_decoder_crash_mid_request_is_a_retryable_503(server):
     assert json.loads(events[-2])["error"]["code"] == "replica_unavailable", events[-3:]
     assert plain.status_code == 503, plain.text
     assert plain.json()["error"]["code"] == "replica_unavailable" and plain.json()["error"]["type"]
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{server}/health", timeout=30).status_code != 200:
-        assert time.monotonic() < deadline, "the decoder never came back"
-        time.sleep(0.5)
+    _wait_until_healthy(server, "the decoder")

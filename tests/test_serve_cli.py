@@ -22,15 +22,15 @@ def test_raypipe_serve_command(tiny_ckpt, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "raypipe.cli", "serve", "--model", "tiny", "--port", str(port),
                              "--num-encoders", "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
+        deadline = time.monotonic() + 300  # a fresh Ray, Serve and three replicas: minutes on a busy 2-core machine
+        healthy = False
+        while time.monotonic() < deadline and proc.poll() is None and not healthy:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
+                healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        assert proc.poll() is None, open(tmp_path / "serve.log").read()[-3000:]
+        assert healthy and proc.poll() is None, open(tmp_path / "serve.log").read()[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="env-key", max_retries=0)
         response = client.chat.completions.create(model="tiny", messages=user("hi", image_url(56, 56)), max_tokens=4,
                                                   temperature=0)

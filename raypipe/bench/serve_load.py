@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ import time
 import numpy as np
 
 from raypipe.bench.common import print_table, write_json
+from raypipe.bench.png_variants import distinct_pngs
 
 CLIENTS = 8
 IMAGES_PER_REQUEST = 4
@@ -37,22 +37,21 @@ def _free_port() -> int:
 
 
 def make_bodies(count: int, side: int) -> list[dict]:
-    """`count` requests with IMAGES_PER_REQUEST distinct smooth `side`x`side` PNGs each (fast to encode)."""
-    from PIL import Image
-
+    """`count` requests with IMAGES_PER_REQUEST distinct smooth `side`x`side` PNGs each."""
     y, x = np.mgrid[0:side, 0:side]
     base = np.stack([x % 256, y % 256, ((x + y) // 2) % 256], -1).astype(np.uint8)
+    heads = []
+    for k in range(count * IMAGES_PER_REQUEST):  # distinct pixels in the first rows: no embedding-cache hits
+        head = base[:16].copy()
+        head[:8, :64], head[8:16, :64] = k % 251, k // 251
+        heads.append(head)
+    pngs = iter(distinct_pngs(base, heads))
     bodies = []
     for i in range(count):
         content = [{"type": "text", "text": f"Describe pictures {i}."}]
-        for j in range(IMAGES_PER_REQUEST):
-            pixels = base.copy()
-            pixels[:8, :64] = (i * IMAGES_PER_REQUEST + j) % 251  # distinct pixels: no embedding-cache hits
-            pixels[8:16, :64] = (i * IMAGES_PER_REQUEST + j) // 251
-            buffer = io.BytesIO()
-            Image.fromarray(pixels).save(buffer, "PNG", compress_level=1)
+        for _ in range(IMAGES_PER_REQUEST):
             content.append({"type": "image_url",
-                            "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}})
+                            "image_url": {"url": "data:image/png;base64," + base64.b64encode(next(pngs)).decode()}})
         bodies.append({"model": "bench", "max_tokens": 8, "temperature": 0,
                        "messages": [{"role": "user", "content": content}]})
     return bodies
@@ -139,7 +138,8 @@ def main(args) -> int:
     from raypipe.pipeline import connect_ray
 
     model = getattr(args, "model", None) or "tiny"
-    count, side = (20, 2048) if args.quick else (100, 4096)
+    count = getattr(args, "requests", None) or (20 if args.quick else 100)
+    side = getattr(args, "side", None) or (2048 if args.quick else 4096)
     num_workers = 2
     print(f"making {count} requests x {IMAGES_PER_REQUEST} PNGs of {side}x{side} ...", flush=True)
     bodies = make_bodies(count, side)
