@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 
-from raypipe.bench.common import print_table, write_json
+from raypipe.bench.common import Sampler, gpu_nodes, print_table, write_json
 from raypipe.bench.fake_cluster import AUTH_MODE, FakeCluster, free_port
 
 APP = "raypipe"
@@ -61,41 +61,23 @@ def test_serve_config(model: str, port: int) -> dict:
     return config
 
 
-class Timeline:
+class Timeline(Sampler):
     """Samples GPU node and replica counts in a thread; records when each count first changed."""
-
-    def __init__(self, period_s: float = 0.5):
-        self.period_s = period_s
-        self.samples: list[tuple[float, int, dict]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "Timeline":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def latest(self) -> tuple[int, dict]:
         return (self.samples[-1][1], self.samples[-1][2]) if self.samples else (0, {})
 
-    def _run(self) -> None:
-        import ray
+    def sample(self) -> tuple[int, dict]:
         from ray import serve
 
-        while not self._stop.is_set():
-            gpu_nodes = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0)
-            replicas = {}
-            app = serve.status().applications.get(APP)
-            if app is not None:
-                # (running, running + starting): a starting replica already holds its GPUs and node
-                replicas = {name: (d.replica_states.get("RUNNING", 0),
-                                   d.replica_states.get("RUNNING", 0) + d.replica_states.get("STARTING", 0))
-                            for name, d in app.deployments.items()}
-            self.samples.append((time.monotonic(), gpu_nodes, replicas))
-            self._stop.wait(self.period_s)
+        replicas = {}
+        app = serve.status().applications.get(APP)
+        if app is not None:
+            # (running, running + starting): a starting replica already holds its GPUs and node
+            replicas = {name: (d.replica_states.get("RUNNING", 0),
+                               d.replica_states.get("RUNNING", 0) + d.replica_states.get("STARTING", 0))
+                        for name, d in app.deployments.items()}
+        return gpu_nodes(), replicas
 
     def wait_for(self, predicate, since: float, timeout_s: float, what: str) -> float:
         """Seconds from `since` until a sample satisfied `predicate(gpu_nodes, replicas)`."""
