@@ -216,8 +216,9 @@ def main(args) -> int:
     results = [run_cycle() for _ in range(runs)]
     keys = ["first_gpu_node_s", "cold_start_s", "scale_up_s", "scale_down_s"]
     medians = {key: statistics.median(r[key] for r in results) for key in keys}
-    failed = sum(r["failed_during_scale_up"] + r["failed_during_scale_down"] for r in results)
-    requests = sum(r["requests_during_scale_up"] + r["requests_during_scale_down"] for r in results)
+    counts = {phase: (sum(r[f"requests_during_{phase}"] for r in results), sum(r[f"failed_during_{phase}"] for r in results))
+              for phase in ("scale_up", "scale_down")}  # (requests, failed) per phase, over all runs
+    requests, failed = (sum(c[i] for c in counts.values()) for i in (0, 1))
     summary = {"runs": results, "median": medians, "requests": requests, "failed": failed}
     if args.json:
         import json
@@ -227,6 +228,7 @@ def main(args) -> int:
         print_table(f"Serve on a fake cluster ({runs} runs; 1-GPU nodes: {BASE_GPU_NODES} -> {MAX_GPU_NODES} -> "
                     f"{BASE_GPU_NODES}; shared 2-core machine)", ["measure", "median s", "runs"],
                     [[key, medians[key], ", ".join(f"{r[key]:.1f}" for r in results)] for key in keys])
-        print(f"\nrequests: {requests}, failed: {failed}")
+        print(f"\nrequests: {requests}, failed: {failed} (" + "; ".join(
+            f"during {phase.replace('_', '-')}: {bad} failed of {n}" for phase, (n, bad) in counts.items()) + ")")
     write_json(args.out, "cluster", summary)
     return 0 if failed == 0 else 1

@@ -10,9 +10,15 @@ max 3) runs `raypipe batch --task embed --num-encoders 1:3 --encoder-gpus 1` ove
 3. when the job is done the pool shrinks to nothing and the idle nodes go away.
 
 A thread samples GPU nodes and the encoder actors alive (from the GCS actor table) and records
-when each count first changed. The fake GPU nodes declare one CPU, as real GPU nodes have CPUs:
-Ray Data's cluster autoscaler sizes the CPU stages (read, write) as well as the encoder pool, and
-a plan whose CPU part fits on no node type leaves the GPU part waiting too.
+when each count first changed. The fake GPU nodes declare one CPU, as real GPU instances have CPUs
+(Ray Data's cluster autoscaler sizes the CPU stages, read and write, alongside the encoder pool).
+
+What paces growth (Ray 2.60): the pool adds an actor when its tasks in flight reach 1.75 per actor
+and its resource budget has room; the budget is what Ray Data's autoscaling coordinator reserved
+from the nodes it saw at its last refresh (every 20 s); the cluster autoscaler asks for more nodes
+every 10 s. Here both run every 2 s (`RAY_DATA_ENV`, `start_coordinator`), as the Serve bench
+shortens Serve's delays, so the job needs work enough to outlast a node start and a second actor's
+model load, not 30 s of fixed delays: 360 images at the tiny preset's largest size.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ ENCODERS = (1, 3)  # the pool's min and max: it must grow to show anything
 # Ray Data asks the cluster for resources at most every 10 s by default; 2 s fits a few minutes.
 RAY_DATA_ENV = {"RAY_DATA_MIN_GAP_BETWEEN_AUTOSCALING_REQUESTS": "2"}
 ENCODER_ACTOR = "MapWorker(MapBatches(EncodeStage))"  # how Ray Data names the pool's actors
+COORDINATOR_REFRESH_S = 2
+IMAGES = 360
 SIDE = 448  # the tiny preset's largest image (longest_edge 200704 px): the most encoder work per decoded pixel
 
 
@@ -65,7 +73,27 @@ class PoolTimeline(Sampler):
         return next((at - since for at, n, e in self.samples if at >= since and predicate(n, e)), None)
 
 
-def run_cycle(work: pathlib.Path, images: int, scale_down_timeout_s: float = 120.0, log=print) -> dict:
+def start_coordinator(refresh_s: float) -> None:
+    """Start Ray Data's autoscaling coordinator (a named actor every job on the cluster shares)
+    with its view of the nodes refreshed every `refresh_s` instead of its fixed 20 s.
+
+    The coordinator class is private to Ray Data (Ray 2.60): this is the bench's only reach inside
+    it. Ray Data's own `get_or_create` starts the subclass under the name it later looks up."""
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
+
+    base = coordinator._AutoscalingCoordinatorActor
+
+    class RefreshingCoordinator(base):
+        TICK_INTERVAL_S = refresh_s
+
+    coordinator._AutoscalingCoordinatorActor = RefreshingCoordinator
+    try:
+        coordinator.get_or_create_autoscaling_coordinator()
+    finally:
+        coordinator._AutoscalingCoordinatorActor = base
+
+
+def run_cycle(work: pathlib.Path, images: int = IMAGES, scale_down_timeout_s: float = 120.0, log=print) -> dict:
     """One batch job on a fresh fake cluster; inputs in `work/in`, Parquet in `work/out`; times in seconds."""
     os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # before Ray reads it in this process
     for key, value in RAY_DATA_ENV.items():
@@ -86,6 +114,7 @@ def run_cycle(work: pathlib.Path, images: int, scale_down_timeout_s: float = 120
     result = {"images": images, "encoders": list(ENCODERS)}
     with FakeCluster(GPU_NODE_TYPE, head_resources={"CPU": 2}) as cluster:
         ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+        start_coordinator(COORDINATOR_REFRESH_S)
         timeline = PoolTimeline().start()
         try:
             start = time.monotonic()
@@ -122,8 +151,7 @@ def run_cycle(work: pathlib.Path, images: int, scale_down_timeout_s: float = 120
 
 def main(args) -> int:
     runs = 1 if args.quick else 3
-    images = 480
-    results = [run_cycle(pathlib.Path(args.out) / "cluster-batch" / f"run{i}", images) for i in range(runs)]
+    results = [run_cycle(pathlib.Path(args.out) / "cluster-batch" / f"run{i}") for i in range(runs)]
     keys = ["first_gpu_node_s", "first_encoder_s", "second_encoder_s", "job_s", "scale_down_s"]
     medians = {k: statistics.median(r[k] for r in results) if all(r[k] is not None for r in results) else None
                for k in keys}
@@ -133,7 +161,7 @@ def main(args) -> int:
 
         print(json.dumps(summary, indent=2))
     else:
-        print_table(f"Batch job on a fake cluster ({runs} runs; {images} images, encoder pool "
+        print_table(f"Batch job on a fake cluster ({runs} runs; {IMAGES} images, encoder pool "
                     f"{ENCODERS[0]}:{ENCODERS[1]}, 1-GPU nodes from 0; shared 2-core machine)",
                     ["measure", "median s", "runs"],
                     [[k, medians[k], ", ".join(f"{r[k]:.1f}" if r[k] is not None else "-" for r in results)]
