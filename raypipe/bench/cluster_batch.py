@@ -11,7 +11,8 @@ max 3) runs `raypipe batch --task embed --num-encoders 1:3 --encoder-gpus 1` ove
 
 A thread samples GPU nodes and the encoder actors alive (from the GCS actor table) and records
 when each count first changed. The fake GPU nodes declare one CPU, as real GPU instances have CPUs
-(Ray Data's cluster autoscaler sizes the CPU stages, read and write, alongside the encoder pool).
+(Ray Data's cluster autoscaler sizes the CPU stages, read and write, alongside the encoder pool);
+in one run with CPU-less GPU nodes, like the Serve bench's, the pool grew the same way.
 
 What paces growth (Ray 2.60): the pool adds an actor when its tasks in flight reach 1.75 per actor
 and its resource budget has room; the budget is what Ray Data's autoscaling coordinator reserved
