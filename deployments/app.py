@@ -27,7 +27,7 @@ class AppArgs(BaseModel):
     served_model_name: str | None = None  # the `model` clients send; default: the model argument
     api_key: str | None = None  # also read from RAYPIPE_API_KEY in the ingress replicas
     num_encoders: int = 2  # encoder-worker actors per EncoderGroup replica
-    encoder_gpus: float | None = None  # GPU share per encoder worker; None: 1 if the cluster has GPUs, else 0
+    encoder_gpus: float | None = None  # GPU share per encoder worker; None: 1 if the cluster has or can start GPUs, else 0
     cost_model: Literal["patches", "attention", "calibrated"] = "patches"
     cache_bytes: int = 256 * 1024 * 1024  # embedding cache per EncoderGroup replica
     batch_window_s: float = 0.005  # how long the encoder group waits to gather concurrent requests' images

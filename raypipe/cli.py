@@ -21,7 +21,7 @@ def _add_encoders(p: argparse.ArgumentParser, *, autoscale: bool = False, defaul
     else:
         p.add_argument("--num-encoders", type=int, default=default, help="vision-encoder replicas (Ray actors)")
     p.add_argument("--encoder-gpus", type=float, default=None,
-                   help="GPU share per encoder actor (default: 1 if the cluster has GPUs, else 0)")
+                   help="GPU share per encoder actor (default: 1 if the cluster has GPUs or its autoscaler publishes GPU node types, else 0)")
     p.add_argument("--cost-model", choices=["patches", "attention", "calibrated"], default="patches",
                    help="how the load balancer weighs images (calibrated: fitted from measured encode times)")
 
@@ -110,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and ratios")
-    bench.add_argument("target", choices=["encode", "decode", "detok", "serve", "serve-load", "batch", "cluster", "step3"],
+    bench.add_argument("target", choices=["encode", "decode", "detok", "serve", "serve-load", "batch", "cluster", "cluster-batch", "step3"],
                        help="serve-load: large images before/after ingress resizing, /health under load and "
-                            "after every encoder worker is killed")
+                            "after every encoder worker is killed; cluster / cluster-batch: Serve / a batch "
+                            "job autoscaling on a fake multi-node cluster")
     bench.add_argument("--model", default=None, help="checkpoint to benchmark (default: each benchmark's own)")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")

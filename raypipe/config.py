@@ -27,7 +27,7 @@ class ModelConfig:
     model: str = "tiny"  # preset name (tiny, small), local HF checkpoint folder, or s3://bucket/prefix/
     num_encoders: int = 2  # vision-tower replicas (the minimum when an autoscaling pool allows more)
     max_encoders: int | None = None  # upper bound of an autoscaling encoder pool (batch); None: fixed size
-    encoder_gpus: float | None = None  # GPU share per encoder; None: 1 if the cluster has GPUs, else 0
+    encoder_gpus: float | None = None  # GPU share per encoder; None: 1 if the cluster has or can start GPUs, else 0
     cost_model: str = "patches"  # how the load balancer weighs images: patches or attention
     cache_bytes: int = 256 * 1024 * 1024  # content-hash embedding cache (per coordinator)
     dtype: str = "auto"  # encoder dtype: fp32 on CPU, bf16 on CUDA

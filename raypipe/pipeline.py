@@ -53,7 +53,21 @@ def decode_threads(cores: int, *, encoders_on_cpu: bool) -> int:
 
 
 def default_encoder_gpus() -> float:
-    return 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    """The GPU share of an encoder (and decode) actor when none is given: 1 when the cluster has GPUs
+    or its autoscaler can start GPU nodes, else 0 (a CPU-only cluster).
+
+    A cluster that scales GPU nodes from zero has no GPU when a job starts: counting only the GPUs
+    present would give 0, the actors would never ask for a GPU, and no GPU node would ever start.
+    The node types come from the cluster config the autoscaler publishes in the GCS (autoscaler v2,
+    e.g. KubeRay with `autoscalerOptions.version: v2`). Ray's v1 autoscaler (`ray up`) publishes
+    none: pass the share explicitly there (`--encoder-gpus 1`, `encoder_gpus: 1`).
+    """
+    if ray.cluster_resources().get("GPU", 0) >= 1:
+        return 1.0
+    from ray._private.state import state  # the GCS view that Ray Train and Ray Data read the same bound from
+
+    can_scale_to = state.get_max_resources_from_cluster_config() or {}
+    return 1.0 if can_scale_to.get("GPU", 0) >= 1 else 0.0
 
 
 class Pipeline:

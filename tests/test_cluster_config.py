@@ -185,3 +185,34 @@ def test_rayjob_runs_the_batch_command_on_an_autoscaling_cluster():
     assert 1 <= low < high <= sum(g["maxReplicas"] for g in groups), "the encoder pool can grow to its max"
     # explicit: the default share is 0 on a cluster that starts without GPU pods, and nothing would scale
     assert args.encoder_gpus == 1
+
+
+def test_default_gpu_share_counts_gpu_nodes_the_autoscaler_can_start(ray_local):
+    """A cluster that scales GPU nodes from zero has no GPU when the job starts: the default share
+    must still be 1, or no actor ever asks for a GPU and no GPU node ever starts.
+
+    The node types are the ClusterConfig that autoscaler v2 reports to the GCS; it is written here
+    into the local Ray's GCS the way the GCS stores it (v2 does not run on the fake provider)."""
+    from ray._raylet import GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, GCS_AUTOSCALER_STATE_NAMESPACE
+    from ray.core.generated import autoscaler_pb2
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    from raypipe.pipeline import default_encoder_gpus
+
+    def publish(**groups):
+        config = autoscaler_pb2.ClusterConfig(node_group_configs=[
+            autoscaler_pb2.NodeGroupConfig(name=name, resources=resources, min_count=0, max_count=4)
+            for name, resources in groups.items()])
+        _internal_kv_put(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, config.SerializeToString(), overwrite=True,
+                         namespace=GCS_AUTOSCALER_STATE_NAMESPACE)
+
+    assert ray.cluster_resources().get("GPU", 0) == 0  # the session's local Ray: CPUs only
+    assert default_encoder_gpus() == 0  # no autoscaler, no GPU: a CPU-only cluster
+    try:
+        publish(head={"CPU": 8}, cpu_workers={"CPU": 16})
+        assert default_encoder_gpus() == 0, "an autoscaler without GPU node types is still CPU-only"
+        publish(head={"CPU": 8}, gpu_1x={"CPU": 8, "GPU": 1})
+        assert default_encoder_gpus() == 1
+    finally:
+        _internal_kv_del(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, namespace=GCS_AUTOSCALER_STATE_NAMESPACE)
+    assert default_encoder_gpus() == 0

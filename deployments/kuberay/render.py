@@ -4,8 +4,9 @@ config.yaml is written to run on one CPU machine. On an autoscaling GPU cluster 
 settings differ, and this module is the only place that says so:
 
 - encoder workers ask for a whole GPU (`encoder_gpus: 1`). config.yaml's `null` means "1 if the
-  cluster has GPUs", but an autoscaling cluster starts with no GPU node, so it would resolve to 0
-  and the encoders would never bring a GPU node up;
+  cluster has or can start GPUs", but an autoscaling cluster starts with no GPU node and only
+  autoscaler v2 publishes its node types: with v1 it would resolve to 0 and the encoders would
+  never bring a GPU node up;
 - each `Decoder` replica asks for one GPU (its language model gets the GPU to itself);
 - the HTTP proxy listens on all interfaces, so KubeRay's Service (or a load balancer) reaches it.
 

@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 
-from raypipe.bench.common import print_table, write_json
+from raypipe.bench.common import Sampler, gpu_nodes, print_table, write_json
 from raypipe.bench.fake_cluster import AUTH_MODE, FakeCluster, free_port
 
 APP = "raypipe"
@@ -61,41 +61,23 @@ def test_serve_config(model: str, port: int) -> dict:
     return config
 
 
-class Timeline:
+class Timeline(Sampler):
     """Samples GPU node and replica counts in a thread; records when each count first changed."""
-
-    def __init__(self, period_s: float = 0.5):
-        self.period_s = period_s
-        self.samples: list[tuple[float, int, dict]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "Timeline":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def latest(self) -> tuple[int, dict]:
         return (self.samples[-1][1], self.samples[-1][2]) if self.samples else (0, {})
 
-    def _run(self) -> None:
-        import ray
+    def sample(self) -> tuple[int, dict]:
         from ray import serve
 
-        while not self._stop.is_set():
-            gpu_nodes = sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0)
-            replicas = {}
-            app = serve.status().applications.get(APP)
-            if app is not None:
-                # (running, running + starting): a starting replica already holds its GPUs and node
-                replicas = {name: (d.replica_states.get("RUNNING", 0),
-                                   d.replica_states.get("RUNNING", 0) + d.replica_states.get("STARTING", 0))
-                            for name, d in app.deployments.items()}
-            self.samples.append((time.monotonic(), gpu_nodes, replicas))
-            self._stop.wait(self.period_s)
+        replicas = {}
+        app = serve.status().applications.get(APP)
+        if app is not None:
+            # (running, running + starting): a starting replica already holds its GPUs and node
+            replicas = {name: (d.replica_states.get("RUNNING", 0),
+                               d.replica_states.get("RUNNING", 0) + d.replica_states.get("STARTING", 0))
+                        for name, d in app.deployments.items()}
+        return gpu_nodes(), replicas
 
     def wait_for(self, predicate, since: float, timeout_s: float, what: str) -> float:
         """Seconds from `since` until a sample satisfied `predicate(gpu_nodes, replicas)`."""
@@ -234,8 +216,9 @@ def main(args) -> int:
     results = [run_cycle() for _ in range(runs)]
     keys = ["first_gpu_node_s", "cold_start_s", "scale_up_s", "scale_down_s"]
     medians = {key: statistics.median(r[key] for r in results) for key in keys}
-    failed = sum(r["failed_during_scale_up"] + r["failed_during_scale_down"] for r in results)
-    requests = sum(r["requests_during_scale_up"] + r["requests_during_scale_down"] for r in results)
+    counts = {phase: (sum(r[f"requests_during_{phase}"] for r in results), sum(r[f"failed_during_{phase}"] for r in results))
+              for phase in ("scale_up", "scale_down")}  # (requests, failed) per phase, over all runs
+    requests, failed = (sum(c[i] for c in counts.values()) for i in (0, 1))
     summary = {"runs": results, "median": medians, "requests": requests, "failed": failed}
     if args.json:
         import json
@@ -245,6 +228,7 @@ def main(args) -> int:
         print_table(f"Serve on a fake cluster ({runs} runs; 1-GPU nodes: {BASE_GPU_NODES} -> {MAX_GPU_NODES} -> "
                     f"{BASE_GPU_NODES}; shared 2-core machine)", ["measure", "median s", "runs"],
                     [[key, medians[key], ", ".join(f"{r[key]:.1f}" for r in results)] for key in keys])
-        print(f"\nrequests: {requests}, failed: {failed}")
+        print(f"\nrequests: {requests}, failed: {failed} (" + "; ".join(
+            f"during {phase.replace('_', '-')}: {bad} failed of {n}" for phase, (n, bad) in counts.items()) + ")")
     write_json(args.out, "cluster", summary)
     return 0 if failed == 0 else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -42,3 +43,36 @@ def write_json(out_dir: str, name: str, result: dict) -> pathlib.Path:
     target = path / f"{name}.json"
     target.write_text(json.dumps(result, indent=2))
     return target
+
+
+class Sampler:
+    """Records `(time.monotonic(), *self.sample())` every `period_s` in a daemon thread."""
+
+    def __init__(self, period_s: float = 0.5):
+        self.period_s = period_s
+        self.samples: list[tuple] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> tuple:
+        raise NotImplementedError
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), *self.sample()))
+            self._stop.wait(self.period_s)
+
+
+def gpu_nodes() -> int:
+    """Alive nodes with GPUs in the Ray cluster this process is connected to."""
+    import ray
+
+    return sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU", 0) > 0)
