@@ -15,7 +15,6 @@ vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_token
 from __future__ import annotations
 
 import dataclasses
-import time
 import uuid
 from typing import Annotated, Any, Literal
 

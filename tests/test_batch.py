@@ -134,7 +134,7 @@ def pipe(tiny_ckpt, ray_local):
         yield p
 
 
-def _read_output(uri: str, s3) -> "pa.Table":  # noqa: F821
+def _read_output(uri: str, s3):
     import pyarrow as pa
 
     fs, root = open_filesystem(uri, s3)

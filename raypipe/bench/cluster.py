@@ -82,8 +82,8 @@ class Timeline(Sampler):
     def wait_for(self, predicate, since: float, timeout_s: float, what: str) -> float:
         """Seconds from `since` until a sample satisfied `predicate(gpu_nodes, replicas)`."""
         while time.monotonic() - since < timeout_s:
-            for at, gpu_nodes, replicas in self.samples:
-                if at >= since and predicate(gpu_nodes, replicas):
+            for at, nodes, replicas in self.samples:
+                if at >= since and predicate(nodes, replicas):
                     return at - since
             time.sleep(0.2)
         raise TimeoutError(f"{what} within {timeout_s:.0f} s; last sample: {self.latest()}")
