@@ -360,3 +360,42 @@ def test_fetch_model_copies_once_and_repairs(s3, tiny_ckpt, tmp_path, monkeypatc
     assert fetch_model("s3://models/fetch/tiny/", s3) == folder
     assert (folder / "model.safetensors").read_bytes() == source["model.safetensors"]
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_a_lost_pool_actor_is_retried_around_exactly_once(tmp_path, pipe, tiny_ckpt, monkeypatch):
+    """Ray Data may give up on a pool actor (one cancelled while an autoscaling pool resizes took its
+    task down, seen on the fake cluster): the job carries on with what is not yet written."""
+    import ray
+
+    from raypipe.batch import job
+
+    images = _images(6, seed=7)
+    for name, data in images.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_bytes(data)
+    real, calls = job._dataset, []
+
+    class DiesAfterOneBatch:  # the first attempt's dataset: one batch of rows written, then the actor is lost
+        def __init__(self, dataset):
+            self.dataset = dataset
+
+        def iter_batches(self, **kwargs):
+            yield next(iter(self.dataset.iter_batches(**kwargs)))
+            raise ray.exceptions.ActorDiedError()
+
+    def dataset(options, todo, address):
+        calls.append(todo.num_rows)
+        return DiesAfterOneBatch(real(options, todo, address)) if len(calls) == 1 else real(options, todo, address)
+
+    monkeypatch.setattr(job, "_dataset", dataset)
+    summary = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), read_batch=2,
+                                     rows_per_file=2, model=ModelConfig(str(tiny_ckpt))))
+    assert len(calls) == 2 and calls[0] == 6 and 0 < calls[1] < 6  # the second attempt ran only the rest
+    table = _read_output(str(tmp_path / "out"), None)
+    assert sorted(table.column("id").to_pylist()) == sorted(images)  # every input exactly once
+    assert summary.processed == len(images)
+    names = sorted(images)
+    rows = {r["id"]: r for r in table.to_pylist()}
+    for name, emb in zip(names, pipe.encode([images[n] for n in names])):
+        np.testing.assert_allclose(np.asarray(rows[name]["embedding"], np.float32), emb.mean(0).numpy(),
+                                   atol=1e-5, rtol=0)

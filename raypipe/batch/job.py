@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 import time
 from typing import Literal
@@ -25,6 +26,13 @@ from raypipe.batch import output
 from raypipe.batch.inputs import list_inputs
 from raypipe.config import EngineConfig, ImageLimits, ModelConfig
 from raypipe.storage import S3Options, open_filesystem
+
+log = logging.getLogger(__name__)
+
+# Whole-job attempts when Ray Data gives up on an actor of a pool (seen on an autoscaling cluster: a
+# pool actor cancelled while the pool resized took its task down with it). Safe because every
+# attempt starts from the output folder: only inputs without a written row run again.
+JOB_ATTEMPTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +135,26 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> Batch
         summary.seconds = time.perf_counter() - start
         return summary
 
+    from ray.exceptions import RayActorError
+
     errors: collections.Counter = collections.Counter()
-    for batch in _dataset(options, todo, ray_address).iter_batches(batch_size=None, batch_format="pyarrow"):
-        for counts in batch.column("errors").to_pylist():
-            errors.update(json.loads(counts))
-        summary.rows_written += sum(batch.column("rows").to_pylist())
+    for attempt in range(1, JOB_ATTEMPTS + 1):
+        try:
+            for batch in _dataset(options, todo, ray_address).iter_batches(batch_size=None, batch_format="pyarrow"):
+                for counts in batch.column("errors").to_pylist():
+                    errors.update(json.loads(counts))
+                summary.rows_written += sum(batch.column("rows").to_pylist())
+            break
+        except RayActorError as exc:
+            if attempt == JOB_ATTEMPTS:
+                raise
+            summary.duplicates_removed += output.reconcile(fs, root)
+            now_done = output.done_ids(fs, root)
+            todo = todo.filter(pa.array([id_ not in now_done for id_ in todo.column("id").to_pylist()]))
+            log.warning("batch attempt %d of %d lost an actor (%s); carrying on with the %d inputs not yet "
+                        "written", attempt, JOB_ATTEMPTS, type(exc).__name__, todo.num_rows)
+            if todo.num_rows == 0:
+                break
     summary.duplicates_removed += output.reconcile(fs, root)
     summary.processed = len(output.done_ids(fs, root)) - len(done)
     summary.errors = dict(errors)
