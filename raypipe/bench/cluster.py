@@ -22,13 +22,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
 import statistics
 import threading
 import time
 
 from raypipe.bench.common import Sampler, gpu_nodes, print_table, write_json
-from raypipe.bench.fake_cluster import AUTH_MODE, FakeCluster, free_port
+from raypipe.bench.fake_cluster import FakeCluster, free_port, run_as_driver
 
 APP = "raypipe"
 GPU_NODE_TYPE = {"gpu_1x": {"resources": {"CPU": 0, "GPU": 1}, "max_workers": 4}}
@@ -148,7 +147,6 @@ class Load:
 
 def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 300.0, log=print) -> dict:
     """One deploy / scale-up / scale-down cycle on a fresh fake cluster; times in seconds."""
-    os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # before Ray reads it in this process
     import ray
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
@@ -212,6 +210,7 @@ def _all_at(replicas: dict, bound: str, running: bool = False) -> bool:
 
 
 def main(args) -> int:
+    run_as_driver()
     runs = 1 if args.quick else 3
     results = [run_cycle() for _ in range(runs)]
     keys = ["first_gpu_node_s", "cold_start_s", "scale_up_s", "scale_down_s"]

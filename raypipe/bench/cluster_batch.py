@@ -31,7 +31,7 @@ import statistics
 import time
 
 from raypipe.bench.common import Sampler, gpu_nodes, print_table, write_json
-from raypipe.bench.fake_cluster import AUTH_MODE, FakeCluster
+from raypipe.bench.fake_cluster import FakeCluster, run_as_driver
 
 GPU_NODE_TYPE = {"gpu_1x": {"resources": {"CPU": 1, "GPU": 1}, "max_workers": 3}}
 ENCODERS = (1, 3)  # the pool's min and max: it must grow to show anything
@@ -96,7 +96,6 @@ def start_coordinator(refresh_s: float) -> None:
 
 def run_cycle(work: pathlib.Path, images: int = IMAGES, scale_down_timeout_s: float = 120.0, log=print) -> dict:
     """One batch job on a fresh fake cluster; inputs in `work/in`, Parquet in `work/out`; times in seconds."""
-    os.environ["RAY_AUTH_MODE"] = AUTH_MODE  # before Ray reads it in this process
     for key, value in RAY_DATA_ENV.items():
         os.environ.setdefault(key, value)  # read when ray.data is imported: not yet, in a fresh process
     import ray
@@ -151,6 +150,7 @@ def run_cycle(work: pathlib.Path, images: int = IMAGES, scale_down_timeout_s: fl
 
 
 def main(args) -> int:
+    run_as_driver()
     runs = 1 if args.quick else 3
     results = [run_cycle(pathlib.Path(args.out) / "cluster-batch" / f"run{i}") for i in range(runs)]
     keys = ["first_gpu_node_s", "first_encoder_s", "second_encoder_s", "job_s", "scale_down_s"]

@@ -8,7 +8,8 @@ scale-down are then the autoscaler's real decisions, driven by real pending reso
 Ray's `AutoscalingCluster` helper is not used: in Ray 2.60 it reads a yaml that the wheel lacks
 and runs `ray stop --force`, which kills every Ray on the machine. Instead this cluster has its own
 temp dir and free ports, and `stop()` kills only processes whose command line names that temp dir,
-so other Ray clusters on the machine live on. Drivers must join with the same `RAY_AUTH_MODE`.
+so other Ray clusters on the machine live on. Drivers must join with the same `RAY_AUTH_MODE`
+(`run_as_driver`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,21 @@ import tempfile
 import time
 
 AUTH_MODE = "disabled"  # head, fake nodes and drivers must agree (token auth is on by default)
+
+
+def run_as_driver() -> None:
+    """Make this process fit to drive a fake cluster: restart it once with `RAY_AUTH_MODE` set to
+    the cluster's, unless it already started with it.
+
+    Ray fixes a process's auth mode before any bench code runs (`raypipe.cli` imports ray), so
+    setting the variable later is too late. A driver left in token mode (inherited from a parent
+    that called `ray.init()`, which exports RAY_AUTH_MODE=token) rejects the GCS's calls, so
+    the GCS takes every actor the driver owns as out of scope and cancels it before it starts:
+    Serve's detached actors live on, a batch job's pool actors all die ("The actor never ran").
+    """
+    if os.environ.get("RAY_AUTH_MODE") != AUTH_MODE:
+        sys.stdout.flush()
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, "RAY_AUTH_MODE": AUTH_MODE})
 
 
 def free_port() -> int:
