@@ -85,7 +85,8 @@ class Timeline(Sampler):
                 if at >= since and predicate(nodes, replicas):
                     return at - since
             time.sleep(0.2)
-        raise TimeoutError(f"{what} within {timeout_s:.0f} s; last sample: {self.latest()}")
+        raise TimeoutError(f"{what} within {timeout_s:.0f} s; last sample: {self.latest()}; "
+                           f"failed looks: {len(self.errors)} {self.errors[-1:]}")
 
 
 def chat_body(model: str, max_tokens: int) -> dict:

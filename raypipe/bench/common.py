@@ -51,6 +51,7 @@ class Sampler:
     def __init__(self, period_s: float = 0.5):
         self.period_s = period_s
         self.samples: list[tuple] = []
+        self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -67,7 +68,12 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic(), *self.sample()))
+            try:
+                self.samples.append((time.monotonic(), *self.sample()))
+            except Exception as exc:  # noqa: BLE001 - a failed look is a missing sample, not the end of sampling
+                # e.g. serve.status() before this cycle's Serve starts: Serve's cached client still
+                # points at the previous cycle's controller, on a cluster that is gone
+                self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
             self._stop.wait(self.period_s)
 
 
