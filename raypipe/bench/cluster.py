@@ -8,7 +8,8 @@ with replica targets and delays scaled down to fit a 2-core machine and a few mi
 1. deploy: the GPU requests of the first EncoderGroup's worker and Decoder bring up GPU nodes;
 2. high load (concurrent clients, bounded in time): Serve adds replicas, their GPU requests bring
    up more nodes, until every deployment is at its maximum;
-3. low load (one client): Serve removes replicas, the autoscaler removes the idle nodes.
+3. low load (one client pausing after each answer): Serve removes replicas, the autoscaler
+   removes the idle nodes.
 
 Every request goes through the official `openai` client (no retries) to 127.0.0.1 and is counted
 as ok or failed; failed requests must stay at zero through scale-up and scale-down. Fake GPU
@@ -39,6 +40,10 @@ AUTOSCALING = {
 }
 # downscale_delay_s 10: a replica that takes long to start on a busy machine is not cancelled by a lull
 FAST = {"upscale_delay_s": 2, "downscale_delay_s": 10, "look_back_period_s": 2, "metrics_interval_s": 0.5}
+# The light phase's client waits this long after each answer. Without a pause one client kept
+# EncoderGroup above its 0.25 target on a quiet machine (fast decode: encoding ~1/4 of each request),
+# so it never scaled down; a loaded machine's slow decode hid that.
+LIGHT_PAUSE_S = 1.0
 BASE_GPU_NODES = 2  # one encoder worker + one decoder
 MAX_GPU_NODES = 4  # two of each
 
@@ -103,13 +108,15 @@ def chat_body(model: str, max_tokens: int) -> dict:
 
 
 class Load:
-    """`clients` concurrent closed-loop clients until `stop()`; counts ok and failed requests."""
+    """`clients` concurrent closed-loop clients (each waits `pause_s` after an answer) until `stop()`;
+    counts ok and failed requests."""
 
     def __init__(self, base_url: str, body: dict):
         self.base_url, self.body = base_url, body
         self.ok = self.failed = 0
         self.errors: list[str] = []
         self._clients = 0
+        self._pause_s = 0.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._tasks = []
@@ -118,9 +125,9 @@ class Load:
         self._thread.start()
         return self
 
-    def set_clients(self, clients: int) -> None:
+    def set_clients(self, clients: int, pause_s: float = 0.0) -> None:
         """Grow or shrink the number of clients; a removed client finishes its request first."""
-        self._clients = clients
+        self._clients, self._pause_s = clients, pause_s
         while len(self._tasks) < clients:
             self._tasks.append(asyncio.run_coroutine_threadsafe(self._client(len(self._tasks)), self._loop))
 
@@ -143,6 +150,7 @@ class Load:
             except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
                 self.failed += 1
                 self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            await asyncio.sleep(self._pause_s)
         await client.close()
 
 
@@ -183,7 +191,7 @@ def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 3
             result["requests_during_scale_up"], result["failed_during_scale_up"] = load.ok, load.failed
             log(f"scaled up to {result['max_gpu_nodes']} GPU nodes in {result['scale_up_s']:.1f} s")
 
-            load.set_clients(1)  # light traffic continues while replicas and nodes go away
+            load.set_clients(1, pause_s=LIGHT_PAUSE_S)  # light traffic goes on while replicas and nodes go away
             before_ok, before_failed = load.ok, load.failed
             result["scale_down_s"] = timeline.wait_for(lambda n, r: n <= BASE_GPU_NODES and _all_at(r, "min_replicas"),
                                                        time.monotonic(), phase_timeout_s, "not scaled down")
