@@ -34,9 +34,11 @@ def run_as_driver() -> None:
 
     Ray fixes a process's auth mode before any bench code runs (`raypipe.cli` imports ray), so
     setting the variable later is too late. A driver left in token mode (inherited from a parent
-    that called `ray.init()`, which exports RAY_AUTH_MODE=token) rejects the GCS's calls, so
-    the GCS takes every actor the driver owns as out of scope and cancels it before it starts:
-    Serve's detached actors live on, a batch job's pool actors all die ("The actor never ran").
+    that called `ray.init()`, which exports RAY_AUTH_MODE=token) joins, but the GCS takes every
+    actor the driver owns as out of scope and cancels it before it starts (most likely because the
+    driver, in token mode, refuses the GCS's token-less calls about its references):
+    Serve's actors (its detached controller's) live on, a batch job's pool actors all die
+    ("The actor never ran").
     """
     if os.environ.get("RAY_AUTH_MODE") != AUTH_MODE:
         sys.stdout.flush()
