@@ -116,7 +116,7 @@ def test_batch_encoder_pool_grows_onto_new_gpu_nodes_and_writes_each_input_once(
     assert sorted(rows) == names and table.num_rows == len(names)  # every input, exactly once
     assert cycle["summary"]["processed"] == len(names) and cycle["summary"]["errors"] == {}
     assert all(r["error"] is None and r["model"] == str(tiny_ckpt) for r in rows.values())
-    sample = names[::24]  # 20 images: transformers' reference is computed in this process
+    sample = names[::24]  # 15 images: transformers' reference is computed in this process
     images = [np.asarray(Image.open(work / "in" / name).convert("RGB")) for name in sample]
     for name, reference in zip(sample, reference_embeddings(hf_model, tiny_ckpt, images)):
         np.testing.assert_allclose(np.asarray(rows[name]["embedding"], np.float32),
