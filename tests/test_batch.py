@@ -363,8 +363,8 @@ def test_fetch_model_copies_once_and_repairs(s3, tiny_ckpt, tmp_path, monkeypatc
 
 
 def test_a_lost_pool_actor_is_retried_around_exactly_once(tmp_path, pipe, tiny_ckpt, monkeypatch):
-    """Ray Data may give up on a pool actor (one cancelled while an autoscaling pool resizes took its
-    task down, seen on the fake cluster): the job carries on with what is not yet written."""
+    """Ray Data may give up on a pool actor (Ray 2.60 fails a dataset on the first one that dies while
+    starting, e.g. on a preempted node): the job carries on with what is not yet written."""
     import ray
 
     from raypipe.batch import job

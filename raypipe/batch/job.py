@@ -29,9 +29,10 @@ from raypipe.storage import S3Options, open_filesystem
 
 log = logging.getLogger(__name__)
 
-# Whole-job attempts when Ray Data gives up on an actor of a pool (seen on an autoscaling cluster: a
-# pool actor cancelled while the pool resized took its task down with it). Safe because every
-# attempt starts from the output folder: only inputs without a written row run again.
+# Whole-job attempts when Ray Data gives up on an actor of a pool (Ray 2.60 fails a dataset on the
+# first pool actor that dies while starting, e.g. on a node preempted while the actor loads its
+# model). Safe because every attempt starts from the output folder: only inputs without a written
+# row run again.
 JOB_ATTEMPTS = 3
 
 
@@ -123,12 +124,11 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> Batch
         output.check_job(fs, root, options.fingerprint())
         removed = output.reconcile(fs, root)  # a previous run may have died mid-way
     done = output.done_ids(fs, root)
-    ids = inputs.column("id").to_pylist()
-    todo = inputs.take(pa.array([i for i, id_ in enumerate(ids) if id_ not in done], pa.int64()))
+    todo = _not_written(inputs, done)
+    skipped = inputs.num_rows - todo.num_rows
     if options.limit is not None:
         todo = todo.slice(0, options.limit)
-    skipped = len(ids) - sum(1 for id_ in ids if id_ not in done)
-    summary = BatchSummary(inputs=len(ids), skipped=skipped, processed=0, errors={}, seconds=0.0,
+    summary = BatchSummary(inputs=inputs.num_rows, skipped=skipped, processed=0, errors={}, seconds=0.0,
                            output=options.output, dry_run=options.dry_run, to_process=todo.num_rows,
                            duplicates_removed=removed)
     if options.dry_run or todo.num_rows == 0:
@@ -149,8 +149,7 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> Batch
             if attempt == JOB_ATTEMPTS:
                 raise
             summary.duplicates_removed += output.reconcile(fs, root)
-            now_done = output.done_ids(fs, root)
-            todo = todo.filter(pa.array([id_ not in now_done for id_ in todo.column("id").to_pylist()]))
+            todo = _not_written(todo, output.done_ids(fs, root))
             log.warning("batch attempt %d of %d lost an actor (%s); carrying on with the %d inputs not yet "
                         "written", attempt, JOB_ATTEMPTS, type(exc).__name__, todo.num_rows)
             if todo.num_rows == 0:
@@ -160,6 +159,11 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> Batch
     summary.errors = dict(errors)
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _not_written(table: pa.Table, done: set[str]) -> pa.Table:
+    """The rows of `table` whose id has no row in the output yet, in their order."""
+    return table.filter(pa.array([id_ not in done for id_ in table.column("id").to_pylist()], pa.bool_()))
 
 
 def _dataset(options: BatchOptions, todo, ray_address: str | None):

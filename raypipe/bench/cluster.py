@@ -41,8 +41,8 @@ AUTOSCALING = {
 # downscale_delay_s 10: a replica that takes long to start on a busy machine is not cancelled by a lull
 FAST = {"upscale_delay_s": 2, "downscale_delay_s": 10, "look_back_period_s": 2, "metrics_interval_s": 0.5}
 # The light phase's client waits this long after each answer. Without a pause one client kept
-# EncoderGroup above its 0.25 target on a quiet machine (fast decode: encoding ~1/4 of each request),
-# so it never scaled down; a loaded machine's slow decode hid that.
+# EncoderGroup above its 0.25 target on a quiet machine (decode is fast there, so encoding is over a
+# quarter of each request), so it never scaled down; a loaded machine's slow decode hid that.
 LIGHT_PAUSE_S = 1.0
 BASE_GPU_NODES = 2  # one encoder worker + one decoder
 MAX_GPU_NODES = 4  # two of each
@@ -86,9 +86,9 @@ class Timeline(Sampler):
     def wait_for(self, predicate, since: float, timeout_s: float, what: str) -> float:
         """Seconds from `since` until a sample satisfied `predicate(gpu_nodes, replicas)`."""
         while time.monotonic() - since < timeout_s:
-            for at, nodes, replicas in self.samples:
-                if at >= since and predicate(nodes, replicas):
-                    return at - since
+            seconds = self.first(predicate, since)
+            if seconds is not None:
+                return seconds
             time.sleep(0.2)
         raise TimeoutError(f"{what} within {timeout_s:.0f} s; last sample: {self.latest()}; "
                            f"failed looks: {len(self.errors)} {self.errors[-1:]}")

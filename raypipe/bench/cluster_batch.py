@@ -69,10 +69,6 @@ class PoolTimeline(Sampler):
         return gpu_nodes(), {a["ActorID"]: a["Address"]["NodeID"] for a in actors().values()
                              if a["ActorClassName"] == ENCODER_ACTOR and a["State"] == "ALIVE"}
 
-    def first(self, predicate, since: float) -> float | None:
-        """Seconds from `since` to the first sample where `predicate(gpu_nodes, encoders)` held."""
-        return next((at - since for at, n, e in self.samples if at >= since and predicate(n, e)), None)
-
 
 def start_coordinator(refresh_s: float) -> None:
     """Start Ray Data's autoscaling coordinator (a named actor every job on the cluster shares)

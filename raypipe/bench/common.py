@@ -66,6 +66,10 @@ class Sampler:
         self._stop.set()
         self._thread.join()
 
+    def first(self, predicate, since: float) -> float | None:
+        """Seconds from `since` to the first sample whose values satisfy `predicate(*values)`; None if none has."""
+        return next((at - since for at, *values in self.samples if at >= since and predicate(*values)), None)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
