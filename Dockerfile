@@ -26,7 +26,7 @@ WORKDIR /home/ray/raypipe
 COPY --chown=ray:users pyproject.toml README.md ./
 COPY --chown=ray:users raypipe ./raypipe
 COPY --chown=ray:users deployments ./deployments
-RUN pip install --no-cache-dir . && python -c "import raypipe, deployments.app"
+RUN pip install --no-cache-dir . && python -c "import raypipe, raypipe.serve.app"
 
 # Nodes have no internet in many clusters: never let transformers try the Hub at run time.
 ENV HF_HUB_OFFLINE=1 \

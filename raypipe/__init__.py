@@ -2,6 +2,6 @@
 
 from raypipe.errors import InvalidInput
 from raypipe.pipeline import Pipeline
-from raypipe.sampling import SamplingParams
+from raypipe.inputs.sampling import SamplingParams
 
 __all__ = ["InvalidInput", "Pipeline", "SamplingParams"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from raypipe.models.presets import PRESETS
+from raypipe.models.registry import PRESETS
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_generate(args)
     if args.command == "serve":
-        from deployments.run import run_serve
+        from raypipe.serve.run import run_serve
 
         return run_serve(args)
     if args.command == "batch":

@@ -3,7 +3,7 @@
 - `ModelConfig` (here): which checkpoint, how many vision-tower replicas and where they run, how the
   balancer weighs images, the embedding cache, dtypes.
 - `EngineConfig` (`raypipe.decode.config`): the decode engine's limits.
-- `ImageLimits` (`raypipe.preprocess`): what an input image may be.
+- `ImageLimits` (`raypipe.inputs.images`): what an input image may be.
 
 Each front end builds these objects once and hands them down, instead of re-listing the same knobs
 as keyword arguments at every layer. CLI flags use the field names as their `dest`, so
@@ -17,7 +17,7 @@ import os
 
 from raypipe.decode.config import EngineConfig
 from raypipe.models.base import check_cost_model
-from raypipe.preprocess import ImageLimits
+from raypipe.inputs.images import ImageLimits
 
 __all__ = ["EngineConfig", "ImageLimits", "ModelConfig", "model_config_from_args"]
 

@@ -18,14 +18,14 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.fixture(scope="session")
 def tiny_ckpt():
-    from raypipe.models.presets import tiny_checkpoint
+    from raypipe.models.registry import tiny_checkpoint
 
     return tiny_checkpoint()
 
 
 @pytest.fixture(scope="session")
 def minicpmv_ckpt():
-    from raypipe.models.presets import preset_checkpoint
+    from raypipe.models.registry import preset_checkpoint
 
     return preset_checkpoint("tiny-minicpmv")
 
@@ -35,7 +35,7 @@ def ray_local():
     """One local Ray for the whole session; pipelines started in tests leave it running."""
     import ray
 
-    from raypipe.pipeline import connect_ray
+    from raypipe.runtime.ray_cluster import connect_ray
 
     connect_ray()
     yield ray
@@ -71,7 +71,7 @@ def reference_embeddings(hf_model, ckpt, images):
 
 @pytest.fixture(scope="session")
 def step3_ckpt():
-    from raypipe.models.presets import preset_checkpoint
+    from raypipe.models.registry import preset_checkpoint
 
     return preset_checkpoint("tiny-step3")
 

@@ -10,7 +10,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
-from raypipe.prompt import build_prompt
+from raypipe.models.prompt import build_prompt
 from tests.conftest import random_images, reference_embeddings
 
 # (text, image sizes) per request: different prompt lengths and image counts.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from raypipe.models.step3_image_processor import load_image_processor
+from raypipe.models.step3.image_processor import load_image_processor
 
 # (height, width): no crops, elongated-but-small (cropped), wide, tall, extreme (square-padded),
 # large (crop grid), oversized (scaled down first).

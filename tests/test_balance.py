@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raypipe.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
+from raypipe.encode.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
 
 
 def test_empty_input():
@@ -64,7 +64,7 @@ def test_even_split_baseline():
 
 def test_cost_models_order_images(tiny_ckpt):
     from raypipe.models.registry import vision_adapter
-    from raypipe.preprocess import load_image
+    from raypipe.inputs.images import load_image
     from tests.conftest import random_images
 
     adapter = vision_adapter(tiny_ckpt)

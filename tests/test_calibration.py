@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from raypipe.balance import get_load_balance_assignment, split_by_counts
-from raypipe.calibration import CostCalibration
-from raypipe.partition import makespan, partition
+from raypipe.encode.balance import get_load_balance_assignment, split_by_counts
+from raypipe.encode.calibration import CostCalibration
+from raypipe.encode.partition import makespan, partition
 
 TRUE = (3e-8, 2e-5, 4e-3)  # seconds: a p^2 + b p + c per unit
 OVERHEAD = 6e-3  # per shard (one tower call)

@@ -18,7 +18,7 @@ import pytest
 import ray
 import yaml
 
-from deployments.kuberay import render
+from raypipe.serve import kuberay as render
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KUBERAY = ROOT / "deployments" / "kuberay"
@@ -108,8 +108,8 @@ def test_dockerfile_installs_this_repository_with_pinned_torch():
     copied = {src for op, value in instructions if op == "COPY" for src in value.split()[1:-1]}
     [include] = re.findall(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
     packages = [name.strip(' "*') for name in include.split(",")]  # setuptools' package patterns
-    assert packages == ["raypipe", "deployments"]
-    assert {"pyproject.toml", "README.md", *packages} <= copied
+    assert packages == ["raypipe"]  # `deployments` is no package: raypipe.serve packages its config.yaml
+    assert {"pyproject.toml", "README.md", "deployments", *packages} <= copied
     ignore = (ROOT / ".dockerignore").read_text().split()
     assert all(f"!{name}" in ignore or f"!{name}/" in ignore for name in copied), "copied paths are not ignored"
 
@@ -124,7 +124,7 @@ def test_rayservice_serve_config_is_rendered_from_config_yaml(rayservice):
 
     text = (KUBERAY / "rayservice.yaml").read_text()
     assert render.with_serve_config(text, render.gpu_serve_config(render.load_serve_config())) == text, \
-        "rayservice.yaml is stale: run `python -m deployments.kuberay.render`"
+        "rayservice.yaml is stale: run `python -m raypipe.serve.kuberay`"
     served = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(served)
     local = render.load_serve_config()
@@ -197,7 +197,7 @@ def test_default_gpu_share_counts_gpu_nodes_the_autoscaler_can_start(ray_local):
     from ray.core.generated import autoscaler_pb2
     from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
 
-    from raypipe.pipeline import default_encoder_gpus
+    from raypipe.runtime.ray_cluster import default_encoder_gpus
 
     def publish(**groups):
         config = autoscaler_pb2.ClusterConfig(node_group_configs=[

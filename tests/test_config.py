@@ -27,7 +27,7 @@ def test_cli_flags_are_model_config_fields():
 
 
 def test_serve_app_args_give_the_same_model_config():
-    from deployments.app import AppArgs
+    from raypipe.serve.app import AppArgs
 
     args = AppArgs(model="small", num_encoders=3, encoder_gpus=0.5, cost_model="attention", cache_bytes=1024)
     assert args.as_model_config() == ModelConfig(model="small", num_encoders=3, encoder_gpus=0.5,

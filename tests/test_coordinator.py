@@ -9,7 +9,7 @@ import ray
 import torch
 
 from raypipe import InvalidInput, Pipeline
-from raypipe.preprocess import load_images
+from raypipe.inputs.images import load_images
 from tests.conftest import random_images, reference_embeddings
 
 
@@ -120,7 +120,7 @@ def test_concurrent_calls_are_correct_and_leave_nothing_in_flight(pipe, hf_model
 
 
 def test_unknown_cost_model_fails_at_start(ray_local, tiny_ckpt):
-    from raypipe.coordinator import Coordinator
+    from raypipe.encode.coordinator import Coordinator
     from raypipe.models.registry import vision_adapter
 
     with pytest.raises(ValueError, match="unknown cost model"):

@@ -17,7 +17,7 @@ from raypipe import pipeline as pipeline_module
 from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.errors import QueueFull
 from raypipe.models.registry import vision_adapter
-from raypipe.pipeline import decode_threads
+from raypipe.runtime.ray_cluster import decode_threads
 from tests import decode_reference as ref
 
 MAX_NEW = 16

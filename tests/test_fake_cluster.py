@@ -28,7 +28,7 @@ from PIL import Image
 
 from raypipe.bench.cluster import BASE_GPU_NODES, MAX_GPU_NODES
 from raypipe.bench.cluster_batch import ENCODERS
-from raypipe.bench.fake_cluster import AUTH_MODE, FakeCluster
+from raypipe.testing.fake_cluster import AUTH_MODE, FakeCluster
 from tests.conftest import reference_embeddings
 
 
@@ -70,7 +70,7 @@ def test_a_driver_started_in_token_mode_keeps_its_actors_on_the_fake_cluster():
     script = textwrap.dedent("""
         import os
         import ray
-        from raypipe.bench.fake_cluster import FakeCluster, run_as_driver
+        from raypipe.testing.fake_cluster import FakeCluster, run_as_driver
 
         run_as_driver()
 

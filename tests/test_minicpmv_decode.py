@@ -11,7 +11,7 @@ from raypipe import SamplingParams
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.models.registry import vision_adapter
-from raypipe.prompt import build_prompt
+from raypipe.models.prompt import build_prompt
 from tests import minicpmv_reference as ref
 from tests.conftest import random_images
 from tests.decode_reference import messages

@@ -6,7 +6,7 @@ import torch
 
 from raypipe import Pipeline
 from raypipe.models.registry import language_adapter, vision_adapter
-from raypipe.prompt import build_prompt
+from raypipe.models.prompt import build_prompt
 from tests import minicpmv_reference as ref
 from tests.conftest import random_images
 

@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raypipe.balance import get_load_balance_assignment, split_by_counts
-from raypipe.partition import improve, makespan, partition
+from raypipe.encode.balance import get_load_balance_assignment, split_by_counts
+from raypipe.encode.partition import improve, makespan, partition
 
 
 def greedy_makespan(costs, n, initial=None):

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from raypipe.errors import InvalidInput
-from raypipe.preprocess import ImageLimits, load_image, load_images
+from raypipe.inputs.images import ImageLimits, load_image, load_images
 
 
 def png_bytes(array: np.ndarray, mode=None) -> bytes:

@@ -4,7 +4,7 @@ import hashlib
 
 import torch
 
-from raypipe.models.presets import tiny_checkpoint
+from raypipe.models.registry import tiny_checkpoint
 
 
 def test_loads_with_transformers(tiny_ckpt, hf_model):

@@ -7,7 +7,7 @@ from PIL import Image
 
 from raypipe import InvalidInput
 from raypipe.models.registry import language_adapter, vision_adapter
-from raypipe.prompt import build_prompt
+from raypipe.models.prompt import build_prompt
 from tests.conftest import random_images
 
 
@@ -124,7 +124,7 @@ def test_plain_prompts_tokenize_as_the_chat_template_does(sides):
 
 
 def test_over_long_text_is_refused_before_tokenizing(sides):
-    from raypipe.prompt import max_chars_per_token
+    from raypipe.models.prompt import max_chars_per_token
 
     lang, vision = sides
     calls = []

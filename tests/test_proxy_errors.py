@@ -1,4 +1,4 @@
-"""The proxy middleware (deployments/proxy_errors.py) against the ASGI messages Ray Serve 2.60's proxy sends.
+"""The proxy middleware (raypipe/serve/proxy_errors.py) against the ASGI messages Ray Serve 2.60's proxy sends.
 
 Each fake proxy app below replays what `HTTPProxy.send_request_to_replica` sends in one case (read
 from ray/serve/_private/proxy.py and http_util.py); tests/test_serve_api.py kills a real ingress.
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from deployments.proxy_errors import PROXY_CALLBACK, OpenAIErrorsMiddleware, middlewares
+from raypipe.serve.proxy_errors import PROXY_CALLBACK, OpenAIErrorsMiddleware, middlewares
 
 
 def exchange(proxy_app, path="/v1/chat/completions", client_leaves=False) -> list[dict]:
@@ -121,7 +121,7 @@ def test_callback_is_what_ray_loads():
 
 
 def test_config_yaml_sets_what_raypipe_serve_sets():
-    from deployments.kuberay.render import load_serve_config
-    from deployments.proxy_errors import CONTROLLER_OPTIONS
+    from raypipe.serve.kuberay import load_serve_config
+    from raypipe.serve.proxy_errors import CONTROLLER_OPTIONS
 
     assert load_serve_config()["controller_options"] == CONTROLLER_OPTIONS

@@ -71,8 +71,8 @@ def user(*parts) -> list[dict]:
 def server(ray_local, tiny_ckpt):
     from ray import serve
 
-    from deployments.app import build_app
-    from deployments.proxy_errors import CONTROLLER_OPTIONS
+    from raypipe.serve.app import build_app
+    from raypipe.serve.proxy_errors import CONTROLLER_OPTIONS
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
@@ -342,7 +342,7 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
         "detail-high": (_chat(messages=[{"role": "user", "content": [image_part]}]),
                         "messages[0].content[0].image_url.detail"),
     }
-    from deployments.protocol import ENGINE_SAMPLING_FIELDS
+    from raypipe.serve.protocol import ENGINE_SAMPLING_FIELDS
     for field, value in (("logit_bias", {"5": 10}), ("min_p", 0.1), ("repetition_penalty", 1.2),
                          ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("min_tokens", 2)):
         if field not in ENGINE_SAMPLING_FIELDS:  # until the engine has it
@@ -449,7 +449,7 @@ def test_completions_endpoint_and_model_retrieval(client, pipe, tiny_ckpt):
     from transformers import AutoTokenizer
 
     from raypipe import SamplingParams
-    from raypipe.prompt import plain_text_ids
+    from raypipe.models.prompt import plain_text_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
     ids = plain_text_ids(tokenizer, "Once upon a time")

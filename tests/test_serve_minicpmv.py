@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from raypipe.models.registry import language_adapter, vision_adapter
-from raypipe.prompt import build_prompt
+from raypipe.models.prompt import build_prompt
 from tests import minicpmv_reference as ref
 from tests.conftest import random_images
 from tests.test_serve_api import free_port, image_url, user
@@ -20,7 +20,7 @@ MAX_NEW = 12
 def server(ray_local, minicpmv_ckpt):
     from ray import serve
 
-    from deployments.app import build_app
+    from raypipe.serve.app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

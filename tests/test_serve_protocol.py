@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from deployments.errors import ApiError
-from deployments.limits import ServeLimits
-from deployments.protocol import chunk_body, parse_request
+from raypipe.serve.errors import ApiError
+from raypipe.serve.limits import ServeLimits
+from raypipe.serve.protocol import chunk_body, parse_request
 from raypipe.errors import InvalidInput
 
 

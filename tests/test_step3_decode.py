@@ -16,7 +16,7 @@ from raypipe import SamplingParams
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.models.registry import vision_adapter
-from raypipe.prompt import build_prompt
+from raypipe.models.prompt import build_prompt
 from tests import step3_reference as ref
 from tests.conftest import random_images
 

@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from raypipe.models.registry import vision_adapter
-from raypipe.preprocess import load_image
-from raypipe.prompt import build_prompt
+from raypipe.inputs.images import load_image
+from raypipe.models.prompt import build_prompt
 from tests import step3_reference as ref
 from tests.conftest import random_images
 from tests.test_serve_api import data_url, free_port, png_bytes
@@ -20,7 +20,7 @@ MAX_TOKENS = 12
 def server(ray_local, step3_ckpt):
     from ray import serve
 
-    from deployments.app import build_app
+    from raypipe.serve.app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -170,8 +170,8 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     import ray
 
     from raypipe.batch import stages
-    from raypipe.models.presets import model_for_actors, resolve_model
-    from raypipe.pipeline import connect_ray, default_encoder_gpus
+    from raypipe.models.registry import model_for_actors, resolve_model
+    from raypipe.runtime.ray_cluster import connect_ray, default_encoder_gpus
 
     config = options.model
     # Copy or write it on this node once, before the actors race to; actors get a name every node can resolve.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from raypipe.balance import get_load_balance_assignment, split_by_counts
+from raypipe.encode.balance import get_load_balance_assignment, split_by_counts
 
 
 def by_cost(costs: Sequence[float], budget: float, per_pack: int | None = None) -> list[list[int]]:

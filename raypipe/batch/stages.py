@@ -30,7 +30,7 @@ import torch
 from raypipe.batch import packing
 from raypipe.batch.output import write_part
 from raypipe.errors import InvalidInput
-from raypipe.preprocess import DecodedImage, ImageLimits, load_image
+from raypipe.inputs.images import DecodedImage, ImageLimits, load_image
 from raypipe.storage import S3Options, is_s3, open_filesystem, read_bytes
 
 ROW_SCHEMA = pa.schema([
@@ -117,8 +117,8 @@ class EncodeStage:
     """An encoder actor: one `EncoderWorker` in-process, encoding one pack per call."""
 
     def __init__(self, model: str, dtype: str = "auto", num_threads: int | None = None):
-        from raypipe.encoder import EncoderWorker
-        from raypipe.models.presets import resolve_model
+        from raypipe.encode.worker import EncoderWorker
+        from raypipe.models.registry import resolve_model
 
         self.worker = EncoderWorker(str(resolve_model(model)), dtype=dtype, num_threads=num_threads)
 
@@ -144,8 +144,8 @@ class GenerateStage:
 
     def __init__(self, model: str, engine_config, image_limits: ImageLimits, max_tokens: int, default_prompt: str):
         from raypipe.decode.engine import LLMEngine
-        from raypipe.models.presets import resolve_model
-        from raypipe.sampling import SamplingParams
+        from raypipe.models.registry import resolve_model
+        from raypipe.inputs.sampling import SamplingParams
 
         checkpoint = resolve_model(model)
         self.engine = LLMEngine(checkpoint, engine_config)
@@ -165,7 +165,7 @@ class GenerateStage:
         await asyncio.gather(*(self._generate(row) for row in rows))
 
     async def _generate(self, row: dict) -> None:
-        from raypipe.prompt import build_prompt
+        from raypipe.models.prompt import build_prompt
 
         # Only the image's size matters to the prompt (placeholder count): a zero-stride array carries it.
         # The tower-size shape gives the same placeholders as the original and needs no resizing again.

@@ -32,7 +32,7 @@ import numpy as np
 
 from raypipe.bench.common import print_table, write_json
 from raypipe.bench.encode import heavy_tailed_sizes
-from raypipe.jobs.sample_images import sample_image
+from raypipe.testing.sample_images import sample_image
 
 NAIVE_BATCH = 8
 
@@ -157,8 +157,8 @@ def main(args) -> int:
 
     from raypipe.batch import BatchOptions, run_batch
     from raypipe.config import ModelConfig
-    from raypipe.models.presets import resolve_model
-    from raypipe.pipeline import connect_ray
+    from raypipe.models.registry import resolve_model
+    from raypipe.runtime.ray_cluster import connect_ray
     from raypipe.storage import S3Options
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)

@@ -2,7 +2,7 @@
 
 One run: a fake cluster (`fake_cluster.FakeCluster`: a CPU head with no GPUs, a 1-GPU node type
 with max 4) gets the GPU-cluster Serve config that KubeRay and cluster.yaml deploy
-(`deployments.kuberay.render.gpu_serve_config`, i.e. deployments/config.yaml with GPU requests),
+(`raypipe.serve.kuberay.gpu_serve_config`, i.e. deployments/config.yaml with GPU requests),
 with replica targets and delays scaled down to fit a 2-core machine and a few minutes. Then:
 
 1. deploy: the GPU requests of the first EncoderGroup's worker and Decoder bring up GPU nodes;
@@ -28,7 +28,7 @@ import threading
 import time
 
 from raypipe.bench.common import Sampler, gpu_nodes, print_table, write_json
-from raypipe.bench.fake_cluster import FakeCluster, free_port, run_as_driver
+from raypipe.testing.fake_cluster import FakeCluster, free_port, run_as_driver
 
 APP = "raypipe"
 GPU_NODE_TYPE = {"gpu_1x": {"resources": {"CPU": 0, "GPU": 1}, "max_workers": 4}}
@@ -50,7 +50,7 @@ MAX_GPU_NODES = 4  # two of each
 
 def test_serve_config(model: str, port: int) -> dict:
     """config.yaml's GPU-cluster form, on loopback, one encoder per group, test-sized autoscaling."""
-    from deployments.kuberay.render import gpu_serve_config, load_serve_config
+    from raypipe.serve.kuberay import gpu_serve_config, load_serve_config
 
     config = gpu_serve_config(load_serve_config(), model=model)
     config["http_options"].update(host="127.0.0.1", port=port)
@@ -160,7 +160,7 @@ def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 3
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
 
-    from raypipe.models.presets import resolve_model
+    from raypipe.models.registry import resolve_model
 
     model = str(resolve_model("tiny"))  # written once here; every fake node shares this machine's disk
     port = free_port()

@@ -31,7 +31,7 @@ import statistics
 import time
 
 from raypipe.bench.common import Sampler, gpu_nodes, print_table, write_json
-from raypipe.bench.fake_cluster import FakeCluster, run_as_driver
+from raypipe.testing.fake_cluster import FakeCluster, run_as_driver
 
 GPU_NODE_TYPE = {"gpu_1x": {"resources": {"CPU": 1, "GPU": 1}, "max_workers": 3}}
 ENCODERS = (1, 3)  # the pool's min and max: it must grow to show anything
@@ -98,7 +98,7 @@ def run_cycle(work: pathlib.Path, images: int = IMAGES, scale_down_timeout_s: fl
 
     from raypipe.batch import BatchOptions, run_batch
     from raypipe.config import ModelConfig
-    from raypipe.models.presets import resolve_model
+    from raypipe.models.registry import resolve_model
 
     shutil.rmtree(work, ignore_errors=True)
     write_images(work / "in", images)

@@ -148,7 +148,7 @@ def main(args) -> int:
 
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
-    from raypipe.models.presets import resolve_model
+    from raypipe.models.registry import resolve_model
     from raypipe.models.registry import language_adapter
     from raypipe.pipeline import Pipeline
 

@@ -67,7 +67,7 @@ def main(args) -> int:
     from raypipe.bench.decode import make_prompts
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
-    from raypipe.models.presets import resolve_model
+    from raypipe.models.registry import resolve_model
     from raypipe.models.registry import language_adapter
 
     checkpoint = resolve_model(getattr(args, "model", None) or "tiny")

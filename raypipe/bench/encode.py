@@ -28,11 +28,11 @@ import numpy as np
 import ray
 import torch
 
-from raypipe.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
+from raypipe.encode.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
 from raypipe.bench.common import median_seconds, print_table, write_json
-from raypipe.calibration import CostCalibration
-from raypipe.jobs.sample_images import sample_image
-from raypipe.partition import partition
+from raypipe.encode.calibration import CostCalibration
+from raypipe.testing.sample_images import sample_image
+from raypipe.encode.partition import partition
 
 STRATEGIES = ("even split (count)", "greedy: patches", "greedy: attention", "greedy: calibrated",
               "calibrated + improved", "oracle: greedy, in sample", "oracle: greedy, other pass")
@@ -122,11 +122,13 @@ def balancer_quality(adapter, units, unit_seconds: list[float], worker_counts, c
 
 
 def main(args) -> int:
-    from raypipe.encoder import RemoteEncoderWorker, pick_device
-    from raypipe.models.presets import resolve_model
+    from raypipe.encode.worker import RemoteEncoderWorker
+    from raypipe.runtime.device import pick_device
+    from raypipe.models.registry import resolve_model
     from raypipe.models.registry import vision_adapter
-    from raypipe.pipeline import Pipeline, connect_ray
-    from raypipe.preprocess import ImageLimits, load_images
+    from raypipe.pipeline import Pipeline
+    from raypipe.runtime.ray_cluster import connect_ray
+    from raypipe.inputs.images import ImageLimits, load_images
 
     model = getattr(args, "model", None) or "small"
     checkpoint = resolve_model(model)

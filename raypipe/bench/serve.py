@@ -136,8 +136,8 @@ def main(args) -> int:
     import ray
     from ray import serve
 
-    from raypipe.models.presets import resolve_model
-    from raypipe.pipeline import connect_ray
+    from raypipe.models.registry import resolve_model
+    from raypipe.runtime.ray_cluster import connect_ray
 
     model = getattr(args, "model", None) or "small"
     duration = 10.0 if args.quick else 30.0
@@ -171,7 +171,7 @@ def _compare(base: str, model: str, bodies: list[dict], duration: float) -> dict
     """Baseline, then raypipe, under the same load; each app is deleted before the next starts."""
     from ray import serve
 
-    from deployments.app import build_app
+    from raypipe.serve.app import build_app
     from raypipe.bench.serve_baseline import TransformersBaseline
 
     check, bodies = bodies[-4:], bodies[:-4]  # warm-up requests whose outputs are compared

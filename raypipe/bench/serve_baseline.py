@@ -20,7 +20,7 @@ class TransformersBaseline:
     def __init__(self, model: str, num_threads: int = 1):
         from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        from raypipe.models.presets import resolve_model
+        from raypipe.models.registry import resolve_model
         from raypipe.models.registry import vision_adapter
 
         torch.set_num_threads(num_threads)
@@ -33,7 +33,7 @@ class TransformersBaseline:
 
     @app.post("/v1/chat/completions")
     def chat_completions(self, body: dict) -> dict:
-        from raypipe.prompt import build_prompt
+        from raypipe.models.prompt import build_prompt
 
         prompt = build_prompt(body["messages"], self.tokenizer, self.vision)
         ids = torch.tensor([prompt.prompt_token_ids])

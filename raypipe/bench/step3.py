@@ -21,18 +21,18 @@ import os
 
 import torch
 
-from raypipe.balance import get_load_balance_assignment, split_by_counts
+from raypipe.encode.balance import get_load_balance_assignment, split_by_counts
 from raypipe.bench.common import median_seconds, print_table, write_json
 from raypipe.bench.encode import STRATEGIES, balancer_quality, heavy_tailed_sizes
-from raypipe.jobs.sample_images import sample_image
+from raypipe.testing.sample_images import sample_image
 
 WHOLE_IMAGES = "greedy: whole images"
 
 
 def main(args) -> int:
-    from raypipe.models.presets import resolve_model
+    from raypipe.models.registry import resolve_model
     from raypipe.models.registry import vision_adapter
-    from raypipe.preprocess import ImageLimits, load_images
+    from raypipe.inputs.images import ImageLimits, load_images
 
     model = getattr(args, "model", None) or "tiny-step3"
     checkpoint = resolve_model(model)

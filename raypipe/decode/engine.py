@@ -47,11 +47,11 @@ from raypipe.decode.request import check_image_embeds, check_request
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
-from raypipe.encoder import pick_device, resolve_dtype
+from raypipe.runtime.device import pick_device, resolve_dtype
 from raypipe.errors import EngineClosed, InvalidInput, QueueFull
 from raypipe.models.registry import language_adapter
-from raypipe.prompt import PreparedPrompt
-from raypipe.sampling import SamplingParams
+from raypipe.models.prompt import PreparedPrompt
+from raypipe.inputs.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from raypipe.sampling import SamplingParams
+from raypipe.inputs.sampling import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)

@@ -1,5 +1,2 @@
-"""Model families as adapters over transformers classes (see `base.py`)."""
-
-from raypipe.models.registry import vision_adapter
-
-__all__ = ["vision_adapter"]
+"""Model families as adapters over transformers classes: `base.py` is the interface, `registry.py`
+reads each family package's record."""

@@ -23,10 +23,10 @@ import pathlib
 import numpy as np
 import torch
 
-from raypipe.preprocess import DecodedImage
+from raypipe.inputs.images import DecodedImage
 
 ADAPTER_COST_MODELS = ("patches", "attention")  # what an adapter computes from geometry alone
-# `calibrated` is fitted by the coordinator from measured encode times (raypipe/calibration.py).
+# `calibrated` is fitted by the coordinator from measured encode times (raypipe/encode/calibration.py).
 COST_MODELS = (*ADAPTER_COST_MODELS, "calibrated")
 
 
@@ -122,9 +122,12 @@ class LanguageAdapter(abc.ABC):
     def tokens_per_image(self, grid) -> int:
         return sum(self.token_runs(grid))
 
-    @abc.abstractmethod
     def positions(self, token_ids, grids) -> tuple[torch.Tensor, int]:
-        """`(position_ids (3, L), rope_delta)` of one prompt; decode position = cache index + rope_delta."""
+        """`(position_ids (3, L), rope_delta)` of one prompt; decode position = cache index + rope_delta.
+
+        By default a token's position is its index, on each of the engine's 3 rows, whatever the
+        images (MiniCPM-V, Step3); families with multimodal rope (Qwen2.5-VL) override this."""
+        return torch.arange(len(token_ids)).expand(3, -1).clone(), 0
 
     @abc.abstractmethod
     def load_model(self, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

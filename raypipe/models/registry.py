@@ -1,70 +1,80 @@
-"""Pick the adapter for a checkpoint from its `config.json` `model_type`."""
+"""Model families by name: each family package declares one `ModelFamily` record, read here.
+
+A checkpoint is a preset name (written on first use), an `s3://` URI (copied to this node's cache
+once, see `raypipe.models.remote`) or a local folder; its `config.json` `model_type` picks the family.
+Adding a family: its package under `raypipe/models/` and one entry in `FAMILIES`.
+"""
 
 from __future__ import annotations
 
 import os
+import pathlib
 
 from raypipe.errors import InvalidInput
-from raypipe.models.base import VisionAdapter
+from raypipe.models import minicpmv4_6, qwen2_5_vl, step3
+from raypipe.models.base import LanguageAdapter, VisionAdapter
 from raypipe.models.checkpoint import read_config
-from raypipe.models.presets import resolve_model
+from raypipe.models.family import ModelFamily
+from raypipe.models.presets import PRESET_VERSION, default_cache_dir, write_once
 
+FAMILIES: tuple[ModelFamily, ...] = (qwen2_5_vl.FAMILY, minicpmv4_6.FAMILY, step3.FAMILY)
 
-def _qwen2_5_vl_vision(path):
-    from raypipe.models.qwen2_5_vl_vision import Qwen2_5_VLVisionAdapter
-
-    return Qwen2_5_VLVisionAdapter(path)
-
-
-def _qwen2_5_vl_language(path):
-    from raypipe.models.qwen2_5_vl_language import Qwen2_5_VLLanguageAdapter
-
-    return Qwen2_5_VLLanguageAdapter(path)
-
-
-def _minicpmv4_6_vision(path):
-    from raypipe.models.minicpmv4_6_vision import MiniCPMV4_6VisionAdapter
-
-    return MiniCPMV4_6VisionAdapter(path)
-
-
-def _minicpmv4_6_language(path):
-    from raypipe.models.minicpmv4_6_language import MiniCPMV4_6LanguageAdapter
-
-    return MiniCPMV4_6LanguageAdapter(path)
-
-
-def _step3_vision(path):
-    from raypipe.models.step3_vision import Step3VisionAdapter
-
-    return Step3VisionAdapter(path)
-
-
-def _step3_language(path):
-    from raypipe.models.step3_language import Step3LanguageAdapter
-
-    return Step3LanguageAdapter(path)
-
-
-VISION_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_vision, "minicpmv4_6": _minicpmv4_6_vision, "step3p7": _step3_vision}
-LANGUAGE_ADAPTERS = {"qwen2_5_vl": _qwen2_5_vl_language, "minicpmv4_6": _minicpmv4_6_language,
-                     "step3p7": _step3_language}
+_BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
+_BY_PRESET = {name: family for family in FAMILIES for name in family.presets}
+PRESETS = tuple(_BY_PRESET)
 
 
 def vision_adapter(model: str | os.PathLike) -> VisionAdapter:
-    """The vision adapter for a preset name or a local checkpoint folder."""
-    return _pick(VISION_ADAPTERS, model)
-
-
-def language_adapter(model: str | os.PathLike):
-    """The language-side adapter (tokenizer, positions, language model loader) for a checkpoint."""
-    return _pick(LANGUAGE_ADAPTERS, model)
-
-
-def _pick(adapters: dict, model: str | os.PathLike):
+    """The vision adapter for a preset name, an s3:// URI or a local checkpoint folder."""
     path = resolve_model(model)
-    kind = read_config(path).get("model_type", "")
-    if kind not in adapters:
-        raise InvalidInput(f"model_type {kind!r} is not supported yet (supported: {sorted(adapters)})",
+    return family_of(path).vision_adapter(path)
+
+
+def language_adapter(model: str | os.PathLike) -> LanguageAdapter:
+    """The language-side adapter (tokenizer, positions, language model loader) for a checkpoint."""
+    path = resolve_model(model)
+    return family_of(path).language_adapter(path)
+
+
+def family_of(checkpoint: pathlib.Path) -> ModelFamily:
+    kind = read_config(checkpoint).get("model_type", "")
+    if kind not in _BY_MODEL_TYPE:
+        raise InvalidInput(f"model_type {kind!r} is not supported yet (supported: {sorted(_BY_MODEL_TYPE)})",
                            item="model", code="unsupported_model")
-    return adapters[kind](path)
+    return _BY_MODEL_TYPE[kind]
+
+
+def resolve_model(model: str | os.PathLike) -> pathlib.Path:
+    """The local checkpoint folder `model` names: a preset (written on first use), an `s3://...` URI
+    (copied once per node), or a local folder with a `config.json`."""
+    if isinstance(model, str) and model in PRESETS:
+        return preset_checkpoint(model)
+    if isinstance(model, str) and model.startswith("s3://"):
+        from raypipe.models.remote import fetch_model
+
+        return fetch_model(model)
+    path = pathlib.Path(model)
+    if not (path / "config.json").is_file():
+        raise InvalidInput(f"no config.json in {str(path)!r}: expected a preset name {PRESETS}, a local HF "
+                           "checkpoint folder or an s3:// URI", item="model")
+    return path
+
+
+def model_for_actors(model: str | os.PathLike, checkpoint: pathlib.Path) -> str:
+    """What to hand actors that may start on other nodes: a preset name or an s3:// URI, which each
+    node resolves to its own local copy, else the local folder's absolute path."""
+    model = os.fspath(model)
+    return model if model in PRESETS or model.startswith("s3://") else str(checkpoint.resolve())
+
+
+def preset_checkpoint(name: str, path: str | os.PathLike | None = None) -> pathlib.Path:
+    """The preset's checkpoint folder, written once (deterministically) and reused."""
+    family = _BY_PRESET[name]
+    target = pathlib.Path(path) if path is not None else \
+        default_cache_dir() / f"{name}-{family.model_type}-{PRESET_VERSION}"
+    return write_once(target, lambda folder: family.write(folder, name))
+
+
+def tiny_checkpoint(path: str | os.PathLike | None = None) -> pathlib.Path:
+    """The tiny Qwen2.5-VL checkpoint folder."""
+    return preset_checkpoint("tiny", path)

@@ -17,26 +17,34 @@ LM_HEAD_PREFIXES = ("lm_head.",)
 
 
 class TextDecoder(torch.nn.Module):
-    def __init__(self, adapter, text_model_class, device: torch.device, dtype: torch.dtype, *,
-                 prefixes: tuple[str, ...], exclude: tuple[str, ...]):
-        from transformers.initialization import no_init_weights
-
+    def __init__(self, adapter, model: torch.nn.Module, lm_head: torch.nn.Module, device: torch.device,
+                 dtype: torch.dtype):
         super().__init__()
-        text_config = adapter.text_config
-        with no_init_weights():  # weights come from the checkpoint; skip the random init
-            self.model = text_model_class._from_config(text_config, dtype=dtype)
-            self.lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
-        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + LM_HEAD_PREFIXES)
-        load_module_weights(self.model, state, what=f"{adapter.checkpoint} language model")
-        if getattr(adapter.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            head = load_tensors(adapter.checkpoint, LM_HEAD_PREFIXES, dtype=dtype)
-            load_module_weights(self.lm_head, head, what=f"{adapter.checkpoint} lm_head")
+        self.model = model
+        self.lm_head = lm_head
         self.to(device).eval()
         self.device = torch.device(device)
         self.dtype = dtype
         self.image_token_id = adapter.image_token_id
+
+    @classmethod
+    def from_checkpoint(cls, adapter, text_model_class, device: torch.device, dtype: torch.dtype, *,
+                        prefixes: tuple[str, ...], exclude: tuple[str, ...]) -> "TextDecoder":
+        """Build `text_model_class` from `text_config` and load only its tensors (and lm_head's)."""
+        from transformers.initialization import no_init_weights
+
+        text_config = adapter.text_config
+        with no_init_weights():  # weights come from the checkpoint; skip the random init
+            model = text_model_class._from_config(text_config, dtype=dtype)
+            lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + LM_HEAD_PREFIXES)
+        load_module_weights(model, state, what=f"{adapter.checkpoint} language model")
+        if getattr(adapter.config, "tie_word_embeddings", False):
+            lm_head.weight = model.embed_tokens.weight
+        else:
+            head = load_tensors(adapter.checkpoint, LM_HEAD_PREFIXES, dtype=dtype)
+            load_module_weights(lm_head, head, what=f"{adapter.checkpoint} lm_head")
+        return cls(adapter, model, lm_head, device, dtype)
 
     def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Text embeddings with image rows written over the image tokens, row-major over the batch."""

@@ -1,0 +1,74 @@
+"""`EncoderWorker`: one vision-tower replica on one device, encoding the shards it is sent.
+
+A worker neither balances nor reorders; it returns one Ray object per item (exact size, no
+padding) plus a small receipt, so the coordinator can detect failures without fetching embeddings.
+
+On a CPU the workers share cores with the decode engine, and they yield to it (`CPU_NICE`): a
+decode step advances every running request, an encode only the one request waiting for it. Under
+`raypipe bench serve` load this gave ~10% more requests/s and a shorter time to first token.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+import torch
+
+from raypipe.models.base import VisionItem
+from raypipe.models.registry import vision_adapter
+from raypipe.runtime.device import pick_device, resolve_dtype
+
+CPU_NICE = 10  # added to a CPU worker's niceness (lower scheduling priority; never needs privileges)
+
+
+class EncoderWorker:
+    def __init__(self, checkpoint: str, *, dtype: str = "auto", num_threads: int | None = None):
+        self.device = pick_device()
+        if self.device.type == "cpu":
+            os.nice(CPU_NICE)
+            if num_threads:
+                torch.set_num_threads(num_threads)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.adapter = vision_adapter(checkpoint)
+        self.tower = self.adapter.load_tower(self.device, self.dtype)
+        self.items_encoded = 0
+        # The coordinator's cost calibration is kept per device kind.
+        self.device_kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+
+    # Its own thread ("health" group), so a liveness probe never queues behind encode calls.
+    @ray.method(concurrency_group="health")
+    def ping(self) -> int:
+        return os.getpid()
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "device": str(self.device), "dtype": str(self.dtype),
+                "threads": torch.get_num_threads(), "node": ray.get_runtime_context().get_node_id(),
+                "items_encoded": self.items_encoded}
+
+    def encode(self, items: list[VisionItem]):
+        """Returns `(*embeddings, receipt)`: call with `num_returns=len(items) + 1`."""
+        start = time.perf_counter()
+        embeddings = self.tower.encode(items)
+        self.items_encoded += len(items)
+        receipt = {"pid": os.getpid(), "items": len(items), "seconds": time.perf_counter() - start,
+                   "device": self.device_kind}
+        return (*embeddings, receipt)
+
+    def encode_timed(self, items: list[VisionItem], repeats: int = 3) -> list[float]:
+        """Median seconds to encode each item alone (benchmarks measure real per-item cost).
+
+        Round robin over the items, `repeats` times: a slow phase of a shared machine then slows
+        every item alike instead of inflating whichever item it happened to hit."""
+        samples: list[list[float]] = [[] for _ in items]
+        for _ in range(repeats):
+            for item, item_samples in zip(items, samples):
+                start = time.perf_counter()
+                self.tower.encode([item])
+                item_samples.append(time.perf_counter() - start)
+        return [sorted(s)[len(s) // 2] for s in samples]
+
+
+# encode() and info() keep the default group (one at a time); ping() has a thread of its own.
+RemoteEncoderWorker = ray.remote(concurrency_groups={"health": 1})(EncoderWorker)

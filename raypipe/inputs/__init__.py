@@ -1,0 +1,1 @@
+"""What a request brings, decoded and validated: images (and their limits) and sampling parameters."""

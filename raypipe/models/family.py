@@ -1,0 +1,34 @@
+"""`ModelFamily`: the one record a model family package declares to the registry.
+
+A record names the checkpoint `model_type` it serves, where its adapters live and which presets
+it writes. Adapters and preset writers are named as `"module:attribute"` strings and imported on
+first use, so reading the registry never imports torch or a transformers model class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelFamily:
+    model_type: str  # `config.json`'s model_type
+    vision: str  # "module:Class" of the `VisionAdapter`
+    language: str  # "module:Class" of the `LanguageAdapter`
+    presets: tuple[str, ...] = ()  # preset names this family writes
+    write_preset: str = ""  # "module:function(folder, name)" writing one preset's checkpoint
+
+    def vision_adapter(self, checkpoint):
+        return _load(self.vision)(checkpoint)
+
+    def language_adapter(self, checkpoint):
+        return _load(self.language)(checkpoint)
+
+    def write(self, folder, name: str) -> None:
+        _load(self.write_preset)(folder, name)
+
+
+def _load(target: str):
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)

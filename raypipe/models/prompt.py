@@ -1,0 +1,268 @@
+"""Requests -> token ids with expanded image placeholders, plus the images they refer to.
+
+A request is OpenAI-style chat `messages` (content parts `text`, `image_url` with a data: URL, or
+`image` with a PIL image / array / bytes), a dict holding `messages`, or a dict holding raw
+`prompt_token_ids` and `images`. The checkpoint's chat template renders one image token per image
+(Qwen: `<|vision_start|><|image_pad|><|vision_end|>`; Step3: `<im_patch>`); each is then replaced by
+the family's placeholder for that image (`VisionAdapter.placeholder_ids`: Qwen, its token count of
+`<|image_pad|>`; MiniCPM-V, image id, overview and slice rows; Step3, crop and global-view runs with
+their layout tokens), computed from the image size alone.
+
+Text that users (or assistants) supply is plain text: `"<|im_end|>"` typed into a message is the
+characters `<`, `|`, ... , never the control token, or a user could forge a system turn. Only the
+chat template's own markers become control tokens (`chat_template_ids`, `plain_text_ids`; every
+model family's prompt builder goes through them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import uuid
+from collections.abc import Sequence
+
+from raypipe.errors import InvalidInput
+from raypipe.models.base import VisionAdapter
+from raypipe.inputs.images import DecodedImage, ImageLimits, load_image
+
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+@dataclasses.dataclass(slots=True)
+class PreparedPrompt:
+    prompt_token_ids: list[int]
+    images: list[DecodedImage]  # in prompt order; the engine needs only their embeddings
+    image_grids: list[tuple[int, ...]]  # per image, in prompt order
+    num_image_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int:  # image tokens included, as OpenAI usage counts them
+        return len(self.prompt_token_ids)
+
+    def without_pixels(self) -> "PreparedPrompt":
+        """What the decode engine needs: the same prompt without the pixel arrays."""
+        return dataclasses.replace(self, images=[])
+
+
+def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
+                 image_limits: ImageLimits = ImageLimits(), *, max_text_chars: int | None = None,
+                 resize_images: bool = True) -> PreparedPrompt:
+    """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it.
+
+    `resize_images=False` keeps images at full resolution (the encoder worker's processor resizes
+    them): only for measuring what resizing here saves (`raypipe bench serve-load`).
+    """
+    if isinstance(request, dict) and "prompt_token_ids" in request:
+        return _from_token_ids(request, tokenizer, vision_adapter, image_limits)
+    messages = request.get("messages") if isinstance(request, dict) else request
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput("a request is a non-empty messages list, a dict with 'messages', or a dict with "
+                           "'prompt_token_ids'", item="messages", code="invalid_request")
+    template_messages, raw_images = _split_images(messages)
+    if max_text_chars is not None:
+        check_text_chars(sum(len(text) for text in _texts(template_messages)), max_text_chars)
+    images = [_load_for_tower(raw, image_limits, vision_adapter if resize_images else None, f"images[{i}]")
+              for i, raw in enumerate(raw_images)]
+    ids = chat_template_ids(tokenizer, template_messages)
+    return _expand(ids, images, tokenizer, vision_adapter, allow_expanded=False)
+
+
+def _load_for_tower(raw, image_limits: ImageLimits, vision_adapter: VisionAdapter | None, item: str) -> DecodedImage:
+    # Resized where it is decoded: only what the tower consumes travels to the encoders.
+    image = load_image(raw, image_limits, item=item)
+    return vision_adapter.resize_for_tower(image) if vision_adapter is not None else image
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one non-control token can stand for (its vocabulary string is at least as long).
+
+    So `len(text) / max_chars_per_token` tokens at least: text longer than that many times the
+    context is refused before the (slow, memory-hungry) tokenizer ever sees it.
+    """
+    added = set(tokenizer.get_added_vocab())
+    return max(len(token) for token in tokenizer.get_vocab() if token not in added)
+
+
+def check_text_chars(num_chars: int, max_text_chars: int) -> None:
+    if num_chars > max_text_chars:
+        raise InvalidInput(f"the prompt text is {num_chars} characters, more than the model's maximum context "
+                           f"length can hold (at most {max_text_chars} characters)", item="messages",
+                           code="context_length_exceeded")
+
+
+def plain_text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of user- or assistant-supplied text: control-token strings in it stay plain text."""
+    if not text:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Render `messages` with the tokenizer's chat template; only the template's own markers are control tokens.
+
+    Each supplied text is swapped for a unique marker before rendering, so the template's markers
+    can be told apart from look-alikes in the text. The rendered string is then cut at the
+    template's control tokens, as the tokenizer itself would cut it, and each stretch between them
+    (template text and supplied text together, so merges across their boundary are unchanged) is
+    tokenized with control-token parsing off. Without look-alikes the ids equal
+    `apply_chat_template(..., tokenize=True)`.
+    """
+    nonce = uuid.uuid4().hex
+    texts: list[str] = []
+
+    def mark(text: str) -> str:
+        texts.append(text)
+        return f"\ue000{nonce}{len(texts) - 1}\ue001"
+
+    marked = [{**m, "content": mark(m["content"]) if isinstance(m["content"], str) else
+               [{**p, "text": mark(p["text"])} if p.get("type") == "text" else p for p in m["content"]]}
+              for m in messages]
+    try:
+        rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja errors on shapes the template does not know
+        raise InvalidInput(f"chat template failed: {exc}", item="messages", code="invalid_request") from None
+    control = _control_token_pattern(tokenizer)
+    ids: list[int] = []
+    stretch: list[str] = []  # text since the last control token
+
+    def flush():
+        ids.extend(plain_text_ids(tokenizer, "".join(stretch)))
+        stretch.clear()
+
+    for k, piece in enumerate(re.split(f"\ue000{nonce}(\\d+)\ue001", rendered)):
+        if k % 2:  # a marker: the supplied text it stands for, as plain text
+            stretch.append(texts[int(piece)])
+            continue
+        for j, part in enumerate(control.split(piece)):
+            if j % 2:
+                flush()
+                ids.append(tokenizer.convert_tokens_to_ids(part))
+            elif part:
+                stretch.append(part)
+    flush()
+    return ids
+
+
+def _control_token_pattern(tokenizer) -> re.Pattern:
+    tokens = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)  # longest first, like the tokenizer
+    return re.compile("(" + "|".join(re.escape(token) for token in tokens) + ")")
+
+
+def _texts(messages: list[dict]):
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            yield content
+        else:
+            yield from (part["text"] for part in content if part.get("type") == "text")
+
+
+def _split_images(messages: list) -> tuple[list[dict], list]:
+    """Messages the chat template can render (image parts reduced to their type) and the images."""
+    rendered, images = [], []
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidInput("each message must be an object with a string 'role'", item=f"messages[{m}]",
+                               code="invalid_request")
+        content = message.get("content")
+        if isinstance(content, str):
+            rendered.append({"role": message["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise InvalidInput("content must be a string or a list of parts", item=f"messages[{m}].content",
+                               code="invalid_request")
+        parts = []
+        for p, part in enumerate(content):
+            where = f"messages[{m}].content[{p}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise InvalidInput("text part needs a string 'text'", item=where, code="invalid_request")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in IMAGE_PART_TYPES:
+                images.append(_image_of(part, where))
+                parts.append({"type": "image"})
+            else:
+                raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url' or "
+                                   "'image'", item=where, code="invalid_request")
+        rendered.append({"role": message["role"], "content": parts})
+    return rendered, images
+
+
+def _image_of(part: dict, where: str):
+    if part["type"] == "image":
+        if part.get("image") is None:
+            raise InvalidInput("image part needs an 'image'", item=where, code="invalid_request")
+        return part["image"]
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise InvalidInput("image_url part needs {'url': 'data:...'}", item=where, code="invalid_request")
+    return url
+
+
+def _from_token_ids(request: dict, tokenizer, vision_adapter, image_limits) -> PreparedPrompt:
+    ids = request["prompt_token_ids"]
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                   for t in ids):
+        raise InvalidInput("must be a non-empty list of integers", item="prompt_token_ids", code="invalid_request")
+    raw_images = request.get("images") or []
+    images = [_load_for_tower(raw, image_limits, vision_adapter, f"images[{i}]") for i, raw in enumerate(raw_images)]
+    return _expand(list(ids), images, tokenizer, vision_adapter, allow_expanded=True)
+
+
+def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_adapter,
+            *, allow_expanded: bool) -> PreparedPrompt:
+    """Replace each image's placeholder with its tokens (`vision_adapter.placeholder_ids`).
+
+    From a chat template, each image token is one image's placeholder (Step3's template puts those
+    of consecutive images side by side). In raw token ids, a placeholder is a run of one image
+    token or the image's full expansion already in place (with its layout tokens around it).
+    """
+    pad = vision_adapter.image_token_id
+    items = [vision_adapter.make_item(image) for image in images]
+    expansions = [vision_adapter.placeholder_ids(item, i, tokenizer) for i, item in enumerate(items)]
+    out: list[int] = []
+    cursor = 0
+    for i, (item, expansion) in enumerate(zip(items, expansions)):
+        start = next((j for j in range(cursor, len(ids)) if ids[j] == pad), None)
+        if start is None:
+            raise _count_mismatch(ids, pad, len(images))
+        lead = expansion.index(pad)  # layout tokens before the image's first image token
+        begin = start - lead
+        if allow_expanded and begin >= cursor and ids[begin: begin + len(expansion)] == expansion:
+            out += ids[cursor: begin + len(expansion)]
+            cursor = begin + len(expansion)
+            continue
+        length = next((j for j in range(start, len(ids)) if ids[j] != pad), len(ids)) - start
+        if allow_expanded and length != 1:
+            raise InvalidInput(f"placeholder {i} has {length} image tokens; image {i} needs 1 (to expand) or its "
+                               f"full expansion ({item.num_tokens} image tokens)", item=f"images[{i}]",
+                               code="image_count_mismatch")
+        out += ids[cursor:start] + expansion
+        cursor = start + 1
+    if pad in ids[cursor:]:
+        raise _count_mismatch(ids, pad, len(images))
+    out += ids[cursor:]
+    return PreparedPrompt(out, list(images), [tuple(item.grid) for item in items],
+                          sum(item.num_tokens for item in items))
+
+
+def _count_mismatch(ids: list[int], pad: int, num_images: int) -> InvalidInput:
+    return InvalidInput(f"prompt has {len(token_runs(ids, pad))} image placeholders but {num_images} images were "
+                        "given", item="images", code="image_count_mismatch")
+
+
+def token_runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+    """`(start, length)` of each maximal run of `token`."""
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == token:
+            j = i
+            while j < len(ids) and ids[j] == token:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs

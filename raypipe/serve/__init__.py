@@ -1,0 +1,1 @@
+"""The Ray Serve application: OpenAI-compatible ingress, encoder group and decoder deployments (`raypipe serve`)."""

@@ -1,0 +1,44 @@
+"""`Decoder` deployment: one `LLMEngine` in the replica process, streaming deltas per request.
+
+All concurrent requests routed to a replica share its engine, which batches them into the same
+decode rounds, so `max_ongoing_requests` should be at least the engine's `max_num_seqs`. Image
+embeddings arrive as `ObjectRef`s straight from the encoder workers and are resolved here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ray import serve
+
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
+from raypipe.models.registry import resolve_model
+from raypipe.models.prompt import PreparedPrompt
+from raypipe.inputs.sampling import SamplingParams
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+class Decoder:
+    def __init__(self, model: str = "tiny", engine: dict | None = None):
+        self.engine = LLMEngine(resolve_model(model), EngineConfig(**(engine or {})))
+
+    async def generate(self, request_id: str, prompt: PreparedPrompt, image_embeds: list, params: SamplingParams):
+        # When the caller goes away Serve cancels this generator; the engine's generate() then
+        # aborts the request, which frees its KV-cache row at the next round boundary.
+        async for delta in self.engine.generate(request_id, prompt, image_embeds, params):
+            yield delta
+
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    def pid(self) -> int:
+        """The replica's process id (operators and tests locate the process that holds the engine)."""
+        return os.getpid()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def __del__(self):
+        if hasattr(self, "engine"):
+            self.engine.shutdown()

@@ -1,0 +1,77 @@
+"""`EncoderGroup` deployment: one coordinator over N encoder-worker actors, fed in micro-batches.
+
+Each request's images arrive as one call; `@serve.batch` gathers the calls that arrive within a
+short window (or while the previous batch is still encoding) into one `Coordinator.submit`, so the
+load balancer spreads the images of many concurrent requests over the workers at once, instead of
+sending each request's one or two images to whichever worker is first. The embeddings stay in the
+object store: callers get `ObjectRef`s, which they hand on to the decoder.
+
+Serve calls `check_health` every `health_check_period_s`; it pings the workers and replaces dead
+ones, so the group repairs itself with no request in flight. Pings run on each worker's own health
+thread: a busy worker is alive, not dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+from ray import serve
+
+from raypipe.config import ModelConfig
+from raypipe.pipeline import Pipeline
+from raypipe.inputs.images import DecodedImage
+
+
+# Calls wait here to be micro-batched: allow many more than Serve's default of 5 per replica.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128, health_check_period_s=1.0)
+class EncoderGroup:
+    def __init__(self, config: ModelConfig | None = None, batch_window_s: float = 0.005, max_batch_images: int = 64):
+        # A Pipeline that is only ever asked to encode: its workers and coordinator, no decode engine.
+        self.pipeline = Pipeline.from_config(config or ModelConfig())
+        self.coordinator = self.pipeline.coordinator
+        self.encode.set_max_batch_size(max_batch_images)
+        self.encode.set_batch_wait_timeout_s(batch_window_s)
+        self.batching = {"batches": 0, "requests": 0, "images": 0, "max_requests_per_batch": 0}
+
+    # Two batches may encode at once: the coordinator balances the second against the first's
+    # work still in flight, so a lone image lands on an idle worker instead of queueing.
+    @serve.batch(batch_size_fn=lambda calls: sum(len(images) for images in calls), max_concurrent_batches=2)
+    async def encode(self, calls: list[list[DecodedImage]]) -> list[list[ray.ObjectRef]]:
+        """Per call, one embedding `ObjectRef` per image (in order). Batch size counts images, not calls."""
+        flat = [image for images in calls for image in images]
+        # submit() blocks on ray.wait; a thread keeps this replica's event loop free to queue the next batch.
+        encoded = await asyncio.to_thread(self.coordinator.submit, flat)
+        self._count_batch(calls)
+        refs, start = [], 0
+        for images in calls:
+            refs.append([item.ref for item in encoded[start:start + len(images)]])
+            start += len(images)
+            images.clear()  # drop the pixels now: the batching machinery may keep this list until the next batch
+        return refs
+
+    def _count_batch(self, calls: list) -> None:
+        with_images = sum(1 for images in calls if images)
+        self.batching["batches"] += 1
+        self.batching["requests"] += with_images
+        self.batching["images"] += sum(len(images) for images in calls)
+        self.batching["max_requests_per_batch"] = max(self.batching["max_requests_per_batch"], with_images)
+
+    async def ping(self, timeout_s: float = 2.0) -> dict:
+        """How many workers are alive (answer a ping within `timeout_s`) and how many are loading (for /health)."""
+        return await asyncio.to_thread(self.coordinator.check_workers, timeout_s)
+
+    async def check_health(self) -> None:
+        # Never raises: a dead worker is replaced here, not a reason for Serve to restart this replica.
+        await asyncio.to_thread(self.coordinator.check_workers, 5.0)
+
+    def worker_info(self) -> list[dict]:
+        """Each worker's `info()` (pid, device, items encoded): which processes serve this group."""
+        return ray.get([worker.info.remote() for worker in self.coordinator.workers])
+
+    def stats(self) -> dict:
+        return {**self.coordinator.stats(), "batching": dict(self.batching)}
+
+    def __del__(self):
+        if hasattr(self, "pipeline"):
+            self.pipeline.shutdown()  # kills the worker actors (Ray itself belongs to Serve)

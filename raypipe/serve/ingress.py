@@ -1,0 +1,235 @@
+"""`Ingress` deployment: the OpenAI-compatible HTTP front door.
+
+Per chat request: authorize -> bounded body -> schema -> model name -> (thread) decode images,
+resized to what the vision tower consumes, and apply the chat template (text too long for the
+context is refused before tokenizing) -> limits -> encoder group (image embeddings as
+`ObjectRef`s, never fetched here) -> decoder stream -> JSON body or SSE chunks. The first generated
+delta is awaited before a streaming response starts, so failures up to and including prefill still
+get a proper 4xx. `/v1/completions` is the same without images or chat template.
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string.
+import asyncio
+import hashlib
+import hmac
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from raypipe.serve.errors import ApiError, install_handlers
+from raypipe.serve.limits import ServeLimits
+from raypipe.serve.metrics import ServeMetrics
+from raypipe.serve.protocol import (ChatCompletionRequest, CompletionRequest, completion_id, model_card, models_body,
+                                  parse_request)
+from raypipe.serve.streaming import CompletionStream
+from raypipe.errors import InvalidInput
+from raypipe.models.registry import resolve_model
+from raypipe.models.registry import vision_adapter
+from raypipe.models.prompt import build_prompt, check_text_chars, max_chars_per_token, plain_text_ids
+from raypipe.inputs.sampling import SamplingParams
+
+app = FastAPI(title="raypipe", docs_url=None, redoc_url=None)
+install_handlers(app)
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+# Serve's default of 5 ongoing requests per replica would cap the decode batch at 5.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, model: str = "tiny",
+                 served_model_name: str | None = None, api_key: str | None = None, limits: dict | None = None,
+                 health_timeout_s: float = 5.0, resize_images: bool = True):
+        from transformers import AutoTokenizer
+
+        checkpoint = resolve_model(model)
+        self.encoder, self.decoder = encoder, decoder
+        self.model_names = {served_model_name or str(model), str(model)}
+        self.served_model_name = served_model_name or str(model)
+        self.api_key = api_key or os.environ.get("RAYPIPE_API_KEY") or None
+        self.limits = ServeLimits(**(limits or {}))
+        self.image_limits = self.limits.image_limits
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.chars_per_token = max_chars_per_token(self.tokenizer)
+        self.vision_adapter = vision_adapter(checkpoint)
+        # Names this deployment's model and weights: same checkpoint, same fingerprint.
+        self.fingerprint = "fp_" + hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()[:12]
+        self.health_timeout_s = health_timeout_s
+        self.resize_images = resize_images
+        self.metrics = ServeMetrics()
+        self.created = int(time.time())
+        self._max_model_len: int | None = None
+
+    # --- routes -------------------------------------------------------------------------------
+
+    @app.post(CHAT)
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            self._authorize(request)
+            chat = parse_request(await self._read_body(request), ChatCompletionRequest)
+            self._check_model(chat.model)
+            prompt, params = await self._prepare(chat)
+            image_refs = await self.encoder.encode.remote(prompt.images) if prompt.images else []
+            request_id = completion_id()
+            # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
+            deltas = self.decoder.options(stream=True).generate.remote(
+                request_id, prompt.without_pixels(), image_refs, params)
+            stream = CompletionStream("chat", request_id, self.served_model_name, self.fingerprint, deltas,
+                                      prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text)
+            await stream.start()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+            return self._error(CHAT, exc)
+        return await self._respond(CHAT, stream, bool(chat.stream))
+
+    @app.post(COMPLETIONS)
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            self._authorize(request)
+            completion = parse_request(await self._read_body(request), CompletionRequest)
+            self._check_model(completion.model)
+            prompt, params = await self._prepare_completion(completion)
+            request_id = completion_id("cmpl")
+            deltas = self.decoder.options(stream=True).generate.remote(request_id, prompt, [], params)
+            stream = CompletionStream("text", request_id, self.served_model_name, self.fingerprint, deltas,
+                                      len(prompt), arrival, completion.include_usage)
+            await stream.start()
+        except Exception as exc:  # noqa: BLE001
+            return self._error(COMPLETIONS, exc)
+        return await self._respond(COMPLETIONS, stream, bool(completion.stream))
+
+    async def _respond(self, endpoint: str, stream: CompletionStream, streaming: bool) -> Response:
+        if streaming:
+            return StreamingResponse(stream.sse(self.metrics, endpoint), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            body = await stream.collect()
+        except Exception as exc:  # noqa: BLE001
+            return self._error(endpoint, exc)
+        stream.record(self.metrics, endpoint)
+        return JSONResponse(body)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            body = models_body([model_card(self.served_model_name, await self._model_len(), self.created)])
+        except Exception as exc:  # noqa: BLE001
+            return self._error("/v1/models", exc)
+        self.metrics.requests.labels("/v1/models", "200").inc()
+        return JSONResponse(body)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._check_model(model_id)
+            body = model_card(self.served_model_name, await self._model_len(), self.created)
+        except Exception as exc:  # noqa: BLE001
+            return self._error("/v1/models/{id}", exc)
+        self.metrics.requests.labels("/v1/models/{id}", "200").inc()
+        return JSONResponse(body)
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """200 while at least one encoder worker and the decoder are alive (busy is alive); no auth (load balancers).
+
+        Both probes are awaited with `return_exceptions`, so a probe that fails after a client gave
+        up (or after the timeout) is still collected rather than logged as "never retrieved".
+        """
+        probes = asyncio.gather(self.encoder.ping.remote(), self.decoder.stats.remote(), return_exceptions=True)
+        try:
+            encoder, decoder = await asyncio.wait_for(probes, self.health_timeout_s)
+        except asyncio.TimeoutError:
+            encoder = decoder = TimeoutError(f"no answer within {self.health_timeout_s:g} s")
+        failed = next((r for r in (encoder, decoder) if isinstance(r, BaseException)), None)
+        if failed is not None:
+            return JSONResponse({"status": "unavailable", "reason": f"{type(failed).__name__}: {failed}"[:500]},
+                                status_code=503)
+        ready = encoder["alive"] >= 1
+        return JSONResponse({"status": "ok" if ready else "unavailable", "encoder_workers": encoder,
+                             "decoder": {k: decoder.get(k) for k in ("running", "waiting")}},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        encoder, decoder = await asyncio.gather(self._stats(self.encoder), self._stats(self.decoder))
+        return Response(self.metrics.render(encoder, decoder), media_type="text/plain; version=0.0.4")
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise InvalidInput("missing or invalid API key (send 'Authorization: Bearer <key>')",
+                               code="invalid_api_key")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # refuse before reading it
+            raise InvalidInput(f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise InvalidInput(f"request body exceeds the {limit}-byte limit", code="request_too_large")
+        return bytes(body)
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise InvalidInput(f"model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                               item="model", code="model_not_found")
+
+    async def _prepare(self, chat: ChatCompletionRequest):
+        self.limits.check_image_count(len(chat.image_urls()))
+        model_len = await self._model_len()
+        # Image decoding and the chat template are CPU work: keep the event loop serving other requests.
+        prompt = await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
+                                         self.vision_adapter, self.image_limits,
+                                         max_text_chars=model_len * self.chars_per_token,
+                                         resize_images=self.resize_images)
+        max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
+        return prompt, SamplingParams(max_tokens=max_tokens, **chat.sampling_kwargs())
+
+    async def _prepare_completion(self, completion: CompletionRequest) -> tuple[list[int], SamplingParams]:
+        prompt = completion.single_prompt()
+        model_len = await self._model_len()
+        if isinstance(prompt, str):
+            check_text_chars(len(prompt), model_len * self.chars_per_token)
+            prompt = await asyncio.to_thread(plain_text_ids, self.tokenizer, prompt)
+        requested = 16 if completion.max_tokens is None else completion.max_tokens  # OpenAI's default here
+        max_tokens = self.limits.max_tokens_for(requested, len(prompt), model_len)
+        return list(prompt), SamplingParams(max_tokens=max_tokens, **completion.sampling_kwargs())
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def _model_len(self) -> int:
+        if self._max_model_len is None:
+            self._max_model_len = await self.decoder.max_model_len.remote()
+        return self._max_model_len
+
+    async def _stats(self, handle: DeploymentHandle) -> dict | None:
+        try:
+            return await asyncio.wait_for(handle.stats.remote(), self.health_timeout_s)
+        except Exception:  # noqa: BLE001 - a missing deployment shows as raypipe_deployment_up 0
+            return None
+
+    def pid(self) -> int:
+        """The replica's process id (operators and tests locate the process that serves HTTP)."""
+        return os.getpid()
+
+    def _error(self, endpoint: str, exc: Exception) -> JSONResponse:
+        error = ApiError.from_exception(exc)
+        self.metrics.record_error(endpoint, error.status, error.code)
+        return error.response()

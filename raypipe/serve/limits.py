@@ -1,0 +1,50 @@
+"""What one request may ask of the server; each breach is a 4xx naming the limit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from raypipe.errors import InvalidInput
+from raypipe.inputs.images import ImageLimits
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServeLimits:
+    max_body_bytes: int = 32 * 1024 * 1024  # a 4K PNG as a data: URL is ~10-20 MB
+    max_images_per_request: int = 8
+    max_image_pixels: int = 4096 * 4096
+    min_image_side: int = 14  # smaller than one ViT patch carries nothing
+    allowed_url_prefixes: tuple[str, ...] = ()  # http(s)/file image URLs are refused unless listed here
+    default_max_tokens: int = 512  # when the request sets none (capped by the context left)
+
+    def __post_init__(self):
+        if min(self.max_body_bytes, self.max_images_per_request, self.max_image_pixels, self.default_max_tokens) < 1:
+            raise ValueError(f"limits must be positive: {self}")
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(min_side=self.min_image_side, max_pixels=self.max_image_pixels,
+                           max_bytes=self.max_body_bytes, allowed_url_prefixes=tuple(self.allowed_url_prefixes))
+
+    def check_image_count(self, count: int) -> None:
+        if count > self.max_images_per_request:
+            raise InvalidInput(f"{count} images in one request; the limit is {self.max_images_per_request}",
+                               item="messages", code="too_many_images")
+
+    def max_tokens_for(self, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+        """The request's max_tokens, checked against the context left after its prompt."""
+        room = max_model_len - prompt_tokens
+        if room < 1:
+            raise InvalidInput(f"the prompt is {prompt_tokens} tokens (images included); this model's maximum "
+                               f"context length is {max_model_len} tokens", item="messages",
+                               code="context_length_exceeded")
+        if requested is None:
+            return min(self.default_max_tokens, room)
+        if requested < 1:
+            raise InvalidInput(f"max_tokens must be at least 1, got {requested}", item="max_tokens",
+                               code="invalid_value")
+        if requested > room:
+            raise InvalidInput(f"max_tokens={requested} plus the {prompt_tokens}-token prompt exceeds this model's "
+                               f"maximum context length of {max_model_len} tokens", item="max_tokens",
+                               code="context_length_exceeded")
+        return requested
