@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 FORMATS = ["PNG", "JPEG", "WEBP", "BMP", "GIF"]
-# Expected error code per bad file: preprocess's codes, the same the endpoint returns.
+# Expected error code per bad file: inputs.images's codes, the same the endpoint returns.
 BAD_FILES = {
     "bad/not_an_image.jpg": "not_an_image",
     "bad/empty.png": "not_an_image",
