@@ -30,7 +30,8 @@ import torch
 from raypipe.batch import packing
 from raypipe.batch.output import write_part
 from raypipe.errors import InvalidInput
-from raypipe.inputs.images import DecodedImage, ImageLimits, load_image
+from raypipe.inputs.images import ImageLimits, load_image
+from raypipe.inputs.media import DecodedVisual
 from raypipe.storage import S3Options, is_s3, open_filesystem, read_bytes
 
 ROW_SCHEMA = pa.schema([
@@ -70,7 +71,7 @@ def max_image_cost(model: str, cost_model: str) -> float:
     """Cost of the largest image the model's processor produces (any bigger one is resized down)."""
     adapter = _vision_adapter(model)
     huge = np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (16384, 16384, 3))  # shape only, no memory
-    return _image_cost(adapter, adapter.make_item(DecodedImage(huge, "")), cost_model)
+    return _image_cost(adapter, adapter.make_item(DecodedVisual(huge, "")), cost_model)
 
 
 def _image_cost(adapter, item, cost_model: str) -> float:
@@ -126,7 +127,7 @@ class EncodeStage:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
         todo = [r for r in rows if r["error"] is None]
         adapter = self.worker.adapter
-        units_of = [adapter.units(adapter.make_item(DecodedImage(_pixels(r), ""))) for r in todo]
+        units_of = [adapter.units(adapter.make_item(DecodedVisual(_pixels(r), ""))) for r in todo]
         flat = [unit for units in units_of for unit in units]
         outs = iter(self.worker.encode(flat)[:-1] if flat else ())  # the last return is a receipt
         # An image's embedding is its units' embeddings concatenated in unit order.
@@ -170,7 +171,7 @@ class GenerateStage:
         # Only the image's size matters to the prompt (placeholder count): a zero-stride array carries it.
         # The tower-size shape gives the same placeholders as the original and needs no resizing again.
         shape = (row["pixel_height"], row["pixel_width"], 3)
-        shape_only = DecodedImage(np.broadcast_to(np.zeros((1, 1, 3), np.uint8), shape), "")
+        shape_only = DecodedVisual(np.broadcast_to(np.zeros((1, 1, 3), np.uint8), shape), "")
         messages = [{"role": "user", "content": [{"type": "image", "image": shape_only},
                                                  {"type": "text", "text": row["prompt"] or self.default_prompt}]}]
         embedding = torch.from_numpy(np.frombuffer(row["embedding"], np.float32).reshape(-1, row["hidden"]).copy())

@@ -54,13 +54,13 @@ class ImageLimits:
             raise ValueError(f"inconsistent image limits: {self}")
 
 
-def load_images(images: Sequence, limits: ImageLimits = ImageLimits(), *, item_prefix: str = "images") -> list[DecodedImage]:
+def load_images(images: Sequence, limits: ImageLimits = ImageLimits(), *, item_prefix: str = "images") -> list[DecodedVisual]:
     """Validate and decode every image; the first bad one raises `InvalidInput` naming its index."""
     return [load_image(image, limits, item=f"{item_prefix}[{i}]") for i, image in enumerate(images)]
 
 
-def load_image(image, limits: ImageLimits = ImageLimits(), *, item: str = "image") -> DecodedImage:
-    if isinstance(image, DecodedImage):
+def load_image(image, limits: ImageLimits = ImageLimits(), *, item: str = "image") -> DecodedVisual:
+    if isinstance(image, DecodedVisual):
         return image
     if isinstance(image, Image.Image):
         pixels = _pil_to_rgb(image, limits, item)

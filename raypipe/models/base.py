@@ -23,7 +23,7 @@ import pathlib
 import numpy as np
 import torch
 
-from raypipe.inputs.images import DecodedImage
+from raypipe.inputs.media import DecodedVisual
 
 ADAPTER_COST_MODELS = ("patches", "attention")  # what an adapter computes from geometry alone
 # `calibrated` is fitted by the coordinator from measured encode times (raypipe/encode/calibration.py).
@@ -64,10 +64,10 @@ class VisionAdapter(abc.ABC):
     split_units: bool = False  # balance an item's units separately (slices of one image on several workers)
 
     @abc.abstractmethod
-    def make_item(self, image: DecodedImage) -> VisionItem:
+    def make_item(self, image: DecodedVisual) -> VisionItem:
         """Geometry and token count of a validated image, without running the encoder."""
 
-    def resize_for_tower(self, image: DecodedImage) -> DecodedImage:
+    def resize_for_tower(self, image: DecodedVisual) -> DecodedVisual:
         """`image` at the size the tower consumes, resized exactly as the family's image processor would.
 
         Called where images are decoded (Serve ingress, `Pipeline`, batch preprocessing) so that

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 from raypipe.errors import InvalidInput
 from raypipe.models.base import VisionAdapter
-from raypipe.inputs.images import DecodedImage, ImageLimits, load_image
+from raypipe.inputs.images import ImageLimits, load_image
+from raypipe.inputs.media import DecodedVisual
 
 IMAGE_PART_TYPES = ("image", "image_url")
 
@@ -31,8 +32,8 @@ IMAGE_PART_TYPES = ("image", "image_url")
 @dataclasses.dataclass(slots=True)
 class PreparedPrompt:
     prompt_token_ids: list[int]
-    images: list[DecodedImage]  # in prompt order; the engine needs only their embeddings
-    image_grids: list[tuple[int, ...]]  # per image, in prompt order
+    visuals: list[DecodedVisual]  # in prompt order; the engine needs only their embeddings
+    visual_grids: list[tuple[int, ...]]  # per image, in prompt order
     num_image_tokens: int
 
     @property
@@ -41,7 +42,7 @@ class PreparedPrompt:
 
     def without_pixels(self) -> "PreparedPrompt":
         """What the decode engine needs: the same prompt without the pixel arrays."""
-        return dataclasses.replace(self, images=[])
+        return dataclasses.replace(self, visuals=[])
 
 
 def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
@@ -58,7 +59,7 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     if not isinstance(messages, list) or not messages:
         raise InvalidInput("a request is a non-empty messages list, a dict with 'messages', or a dict with "
                            "'prompt_token_ids'", item="messages", code="invalid_request")
-    template_messages, raw_images = _split_images(messages)
+    template_messages, raw_images = _split_visuals(messages)
     if max_text_chars is not None:
         check_text_chars(sum(len(text) for text in _texts(template_messages)), max_text_chars)
     images = [_load_for_tower(raw, image_limits, vision_adapter if resize_images else None, f"images[{i}]")
@@ -67,7 +68,7 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     return _expand(ids, images, tokenizer, vision_adapter, allow_expanded=False)
 
 
-def _load_for_tower(raw, image_limits: ImageLimits, vision_adapter: VisionAdapter | None, item: str) -> DecodedImage:
+def _load_for_tower(raw, image_limits: ImageLimits, vision_adapter: VisionAdapter | None, item: str) -> DecodedVisual:
     # Resized where it is decoded: only what the tower consumes travels to the encoders.
     image = load_image(raw, image_limits, item=item)
     return vision_adapter.resize_for_tower(image) if vision_adapter is not None else image
@@ -157,7 +158,7 @@ def _texts(messages: list[dict]):
             yield from (part["text"] for part in content if part.get("type") == "text")
 
 
-def _split_images(messages: list) -> tuple[list[dict], list]:
+def _split_visuals(messages: list) -> tuple[list[dict], list]:
     """Messages the chat template can render (image parts reduced to their type) and the images."""
     rendered, images = [], []
     for m, message in enumerate(messages):
@@ -180,7 +181,7 @@ def _split_images(messages: list) -> tuple[list[dict], list]:
                     raise InvalidInput("text part needs a string 'text'", item=where, code="invalid_request")
                 parts.append({"type": "text", "text": part["text"]})
             elif kind in IMAGE_PART_TYPES:
-                images.append(_image_of(part, where))
+                images.append(_visual_of(part, where))
                 parts.append({"type": "image"})
             else:
                 raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url' or "
@@ -189,7 +190,7 @@ def _split_images(messages: list) -> tuple[list[dict], list]:
     return rendered, images
 
 
-def _image_of(part: dict, where: str):
+def _visual_of(part: dict, where: str):
     if part["type"] == "image":
         if part.get("image") is None:
             raise InvalidInput("image part needs an 'image'", item=where, code="invalid_request")
@@ -211,7 +212,7 @@ def _from_token_ids(request: dict, tokenizer, vision_adapter, image_limits) -> P
     return _expand(list(ids), images, tokenizer, vision_adapter, allow_expanded=True)
 
 
-def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_adapter,
+def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_adapter,
             *, allow_expanded: bool) -> PreparedPrompt:
     """Replace each image's placeholder with its tokens (`vision_adapter.placeholder_ids`).
 

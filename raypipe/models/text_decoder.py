@@ -46,12 +46,12 @@ class TextDecoder(torch.nn.Module):
             load_module_weights(lm_head, head, what=f"{adapter.checkpoint} lm_head")
         return cls(adapter, model, lm_head, device, dtype)
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Text embeddings with image rows written over the image tokens, row-major over the batch."""
         embeds = self.model.embed_tokens(input_ids)
-        if image_embeds is not None and image_embeds.numel():
+        if visual_embeds is not None and visual_embeds.numel():
             mask = (input_ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
-            embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
+            embeds = embeds.masked_scatter(mask, visual_embeds.to(embeds.dtype))
         return embeds
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: dict, cache) -> torch.Tensor:
