@@ -45,8 +45,8 @@ def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tu
 
 
 def _check_placeholder_runs(ids: list[int], grids: list[tuple], adapter) -> None:
-    """The runs of image tokens must be the images' runs (one per image, or one per slice), in order."""
-    runs = [length for _, length in token_runs(ids, adapter.image_token_id)]
+    """The runs of placeholder tokens must be the visual items' runs (one per image, or one per slice), in order."""
+    runs = [length for _, length in token_runs(ids, adapter.placeholder_token_ids.values())]
     want = [n for g in grids for n in adapter.token_runs(g)]
     if runs != want:
         raise InvalidInput(f"image token runs {runs} do not match the images' token counts {want}",
@@ -54,7 +54,7 @@ def _check_placeholder_runs(ids: list[int], grids: list[tuple], adapter) -> None
 
 
 def check_visual_embeds(embeds: Sequence[torch.Tensor], grids: list[tuple], adapter) -> torch.Tensor | None:
-    """One `(tokens, hidden)` tensor per image, concatenated in prompt order (None for text only)."""
+    """One `(tokens, hidden)` tensor per visual item, concatenated in prompt order (None for text only)."""
     if len(embeds) != len(grids):
         raise InvalidInput(f"{len(embeds)} image embeddings for {len(grids)} images", item="images",
                            code="image_count_mismatch")
