@@ -60,7 +60,7 @@ def load_images(images: Sequence, limits: ImageLimits = ImageLimits(), *, item_p
 
 
 def load_image(image, limits: ImageLimits = ImageLimits(), *, item: str = "image") -> DecodedVisual:
-    if isinstance(image, DecodedVisual):
+    if isinstance(image, DecodedVisual) and image.kind == "image":
         return image
     if isinstance(image, Image.Image):
         pixels = _pil_to_rgb(image, limits, item)
