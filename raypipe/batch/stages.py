@@ -10,8 +10,8 @@
     write_rows      (CPU tasks)   one atomic Parquet part file per batch (`output`)
 
 Between stages a row is one visual item (`ROW_SCHEMA`; `kind` "image": the inputs are image files);
-a pack travels as a single row holding those rows in Arrow IPC form, so that Ray Data cannot regroup it. Pixels and embeddings travel as raw bytes
-(float32 / uint8) rather than tensor columns: rows that failed have none, and Ray Data's tensor
+a pack travels as a single row holding those rows in Arrow IPC form, so that Ray Data cannot regroup
+it. Pixels and embeddings travel as raw bytes (float32 / uint8) rather than tensor columns: rows that failed have none, and Ray Data's tensor
 columns do not mix with nulls. A bad input never raises: it becomes a row with `error` set.
 """
 
