@@ -145,11 +145,11 @@ class Pipeline:
 
     def _generate_window(self, engine, prompts: list[PreparedPrompt], params: list[SamplingParams]
                          ) -> list[RequestOutput]:
-        encoded = self.coordinator.submit([image for p in prompts for image in p.images])
+        encoded = self.coordinator.submit([image for p in prompts for image in p.visuals])
         calls, start = [], 0
         for prompt, sp in zip(prompts, params):
-            refs = [e.ref for e in encoded[start: start + len(prompt.images)]]
-            start += len(prompt.images)
+            refs = [e.ref for e in encoded[start: start + len(prompt.visuals)]]
+            start += len(prompt.visuals)
             calls.append(engine.generate.remote(uuid.uuid4().hex, prompt.without_pixels(), refs, sp))
         return _unwrap_ray(lambda: ray.get(calls))
 
@@ -165,7 +165,7 @@ class Pipeline:
         engine = self._engine_actor()
         await self._engine_ready
         await _unwrap_async(engine.check_request.remote(prompt.without_pixels(), params))
-        encoded = await asyncio.to_thread(self.coordinator.submit, prompt.images)
+        encoded = await asyncio.to_thread(self.coordinator.submit, prompt.visuals)
         request_id = uuid.uuid4().hex
         stream = engine.generate_stream.options(num_returns="streaming").remote(
             request_id, prompt.without_pixels(), [e.ref for e in encoded], params)

@@ -42,9 +42,9 @@ def prepare(i: int, tokenizer, vision, seed: int = 0):
 
 def embeddings(hf_model, ckpt, prompt) -> list[torch.Tensor]:
     """Per-image embeddings from transformers' own vision tower (not raypipe's encoder)."""
-    if not prompt.images:
+    if not prompt.visuals:
         return []
-    return reference_embeddings(hf_model, ckpt, [image.pixels for image in prompt.images])
+    return reference_embeddings(hf_model, ckpt, [image.pixels for image in prompt.visuals])
 
 
 def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: int, cut_at: int,
@@ -54,9 +54,9 @@ def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: in
     device = hf_model.device
     ids = torch.tensor([prompt.prompt_token_ids], device=device)
     kwargs = {}
-    if prompt.image_grids:
+    if prompt.visual_grids:
         pooled = tuple(e.to(device) for e in embeds)
-        kwargs = dict(image_grid_thw=torch.tensor(prompt.image_grids, device=device),
+        kwargs = dict(image_grid_thw=torch.tensor(prompt.visual_grids, device=device),
                       mm_token_type_ids=(ids == hf_model.config.image_token_id).int(),
                       mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=pooled)})
     with torch.no_grad():

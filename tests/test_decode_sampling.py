@@ -225,7 +225,7 @@ def test_logprobs_of_greedy_tokens_equal_generate_scores(engines, cases, hf_mode
     prompt, embeds = cases[1]
     device = hf_model.device
     ids = torch.tensor([prompt.prompt_token_ids], device=device)
-    kwargs = dict(image_grid_thw=torch.tensor(prompt.image_grids), mm_token_type_ids=(ids == hf_model.config.image_token_id).int(),
+    kwargs = dict(image_grid_thw=torch.tensor(prompt.visual_grids), mm_token_type_ids=(ids == hf_model.config.image_token_id).int(),
                   mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(embeds))})
     with torch.no_grad():
         gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,

@@ -58,7 +58,7 @@ def cases(minicpmv_ckpt, engines, hf):
     out = []
     for i, (text, sizes) in enumerate(REQUESTS):
         prompt = build_prompt(messages(text, random_images(sizes, seed=i)), tokenizer, vision)
-        embeds = ref.image_embeddings(hf, minicpmv_ckpt, [image.pixels for image in prompt.images])
+        embeds = ref.image_embeddings(hf, minicpmv_ckpt, [image.pixels for image in prompt.visuals])
         out.append((prompt, embeds, ref.hf_generate(hf, prompt.prompt_token_ids, embeds, MAX_NEW)))
     assert len({tuple(want) for _, _, want in out}) == len(out)  # the oracle tells prompts apart
     return out

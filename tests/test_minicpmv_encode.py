@@ -28,9 +28,9 @@ def test_prompt_equals_processor(minicpmv_ckpt, sizes):
     text = lang.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     want = ref.processor(minicpmv_ckpt)(text=[text], images=images or None, return_tensors="pt")["input_ids"][0]
     assert prompt.prompt_token_ids == want.tolist()
-    assert [lang.token_runs(g) for g in prompt.image_grids] == [vision.token_runs(vision.grid_for(*s)) for s in sizes]
+    assert [lang.token_runs(g) for g in prompt.visual_grids] == [vision.token_runs(vision.grid_for(*s)) for s in sizes]
     if len(sizes) == 3:
-        assert max(g[0] * g[1] for g in prompt.image_grids) == 9  # one image has the maximum of slices
+        assert max(g[0] * g[1] for g in prompt.visual_grids) == 9  # one image has the maximum of slices
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")

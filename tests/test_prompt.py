@@ -29,14 +29,14 @@ def test_placeholders_expand_to_each_images_token_count(sides):
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": data_url(a)}},
         {"type": "image", "image": Image.fromarray(b)}]}]
     prompt = build_prompt({"messages": messages}, lang.tokenizer, vision)
-    counts = [lang.tokens_per_image(g) for g in prompt.image_grids]
+    counts = [lang.tokens_per_image(g) for g in prompt.visual_grids]
     assert counts == [6, 8] and prompt.num_image_tokens == 14
     ids = prompt.prompt_token_ids
     assert ids.count(lang.image_token_id) == 14 and ids.count(lang.vision_start_token_id) == 2
     start = ids.index(lang.vision_start_token_id)
     assert ids[start + 1: start + 7] == [lang.image_token_id] * 6 and ids[start + 7] == lang.vision_end_token_id
     assert lang.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
-    np.testing.assert_array_equal(prompt.images[0].pixels, a)
+    np.testing.assert_array_equal(prompt.visuals[0].pixels, a)
 
 
 def test_raw_token_ids_accept_single_or_expanded_placeholders(sides):

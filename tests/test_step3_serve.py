@@ -42,7 +42,7 @@ def test_openai_client_gets_transformers_greedy_answer(server, step3_ckpt, step3
 
     tokenizer = ref.processor(step3_ckpt).tokenizer
     prompt = build_prompt(messages, tokenizer, vision_adapter(step3_ckpt))
-    decoded = [load_image(image).pixels for image in prompt.images]
+    decoded = [load_image(image).pixels for image in prompt.visuals]
     want = ref.generate(step3_hf_model, prompt.prompt_token_ids,
                         ref.image_features(step3_hf_model, step3_ckpt, decoded), MAX_TOKENS)
     eos = step3_hf_model.generation_config.eos_token_id

@@ -9,9 +9,9 @@
                                   multi-step rounds, built with the same `build_prompt` as `Pipeline`
     write_rows      (CPU tasks)   one atomic Parquet part file per batch (`output`)
 
-Between stages a row is one image (`ROW_SCHEMA`); a pack travels as a single row holding those rows
-in Arrow IPC form, so that Ray Data cannot regroup it. Pixels and embeddings travel as raw bytes
-(float32 / uint8) rather than tensor columns: rows that failed have none, and Ray Data's tensor
+Between stages a row is one visual item (`ROW_SCHEMA`; `kind` "image": the inputs are image files);
+a pack travels as a single row holding those rows in Arrow IPC form, so that Ray Data cannot regroup
+it. Pixels and embeddings travel as raw bytes (float32 / uint8) rather than tensor columns: rows that failed have none, and Ray Data's tensor
 columns do not mix with nulls. A bad input never raises: it becomes a row with `error` set.
 """
 
@@ -30,14 +30,15 @@ import torch
 from raypipe.batch import packing
 from raypipe.batch.output import write_part
 from raypipe.errors import InvalidInput
-from raypipe.inputs.images import DecodedImage, ImageLimits, load_image
+from raypipe.inputs.images import ImageLimits, load_image
+from raypipe.inputs.media import DecodedVisual
 from raypipe.storage import S3Options, is_s3, open_filesystem, read_bytes
 
 ROW_SCHEMA = pa.schema([
-    ("id", pa.string()), ("uri", pa.string()), ("prompt", pa.string()),
+    ("id", pa.string()), ("uri", pa.string()), ("kind", pa.string()), ("prompt", pa.string()),
     ("width", pa.int32()), ("height", pa.int32()),  # the input image's size, as the output reports it
     ("num_tokens", pa.int32()), ("cost", pa.float64()),
-    # (pixel_height, pixel_width, 3) uint8: the image resized to what the tower consumes; null once encoded
+    # (pixel_height, pixel_width, 3) uint8 (kind "image"): resized to what the tower consumes; null once encoded
     ("pixels", pa.large_binary()), ("pixel_height", pa.int32()), ("pixel_width", pa.int32()),
     ("embedding", pa.large_binary()),  # (num_tokens, hidden) float32 after encoding
     ("hidden", pa.int32()),
@@ -70,7 +71,7 @@ def max_image_cost(model: str, cost_model: str) -> float:
     """Cost of the largest image the model's processor produces (any bigger one is resized down)."""
     adapter = _vision_adapter(model)
     huge = np.broadcast_to(np.zeros((1, 1, 3), np.uint8), (16384, 16384, 3))  # shape only, no memory
-    return _image_cost(adapter, adapter.make_item(DecodedImage(huge, "")), cost_model)
+    return _image_cost(adapter, adapter.make_item(DecodedVisual(huge, "")), cost_model)
 
 
 def _image_cost(adapter, item, cost_model: str) -> float:
@@ -86,7 +87,7 @@ def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3:
     rows = []
     prompts = batch.column("prompt").to_pylist() if "prompt" in batch.column_names else [None] * batch.num_rows
     for id_, uri, prompt in zip(batch.column("id").to_pylist(), batch.column("uri").to_pylist(), prompts):
-        row = {"id": id_, "uri": uri, "prompt": prompt}
+        row = {"id": id_, "uri": uri, "kind": "image", "prompt": prompt}
         try:
             image = load_image(_read(uri, s3, image_limits.max_bytes), image_limits, item=id_)
             # As the endpoint does: only what the tower consumes travels to the encoder actors.
@@ -126,7 +127,7 @@ class EncodeStage:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
         todo = [r for r in rows if r["error"] is None]
         adapter = self.worker.adapter
-        units_of = [adapter.units(adapter.make_item(DecodedImage(_pixels(r), ""))) for r in todo]
+        units_of = [adapter.units(adapter.make_item(DecodedVisual(_pixels(r), ""))) for r in todo]
         flat = [unit for units in units_of for unit in units]
         outs = iter(self.worker.encode(flat)[:-1] if flat else ())  # the last return is a receipt
         # An image's embedding is its units' embeddings concatenated in unit order.
@@ -170,8 +171,8 @@ class GenerateStage:
         # Only the image's size matters to the prompt (placeholder count): a zero-stride array carries it.
         # The tower-size shape gives the same placeholders as the original and needs no resizing again.
         shape = (row["pixel_height"], row["pixel_width"], 3)
-        shape_only = DecodedImage(np.broadcast_to(np.zeros((1, 1, 3), np.uint8), shape), "")
-        messages = [{"role": "user", "content": [{"type": "image", "image": shape_only},
+        shape_only = DecodedVisual(np.broadcast_to(np.zeros((1, 1, 3), np.uint8), shape), "", row["kind"])
+        messages = [{"role": "user", "content": [{"type": row["kind"], row["kind"]: shape_only},
                                                  {"type": "text", "text": row["prompt"] or self.default_prompt}]}]
         embedding = torch.from_numpy(np.frombuffer(row["embedding"], np.float32).reshape(-1, row["hidden"]).copy())
         try:

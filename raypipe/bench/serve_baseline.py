@@ -38,8 +38,8 @@ class TransformersBaseline:
         prompt = build_prompt(body["messages"], self.tokenizer, self.vision)
         ids = torch.tensor([prompt.prompt_token_ids])
         kwargs = {}
-        if prompt.images:
-            processed = self.image_processor(images=[image.pixels for image in prompt.images], return_tensors="pt")
+        if prompt.visuals:
+            processed = self.image_processor(images=[image.pixels for image in prompt.visuals], return_tensors="pt")
             kwargs = dict(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
                           mm_token_type_ids=(ids == self.model.config.image_token_id).int())
         with torch.inference_mode():

@@ -30,13 +30,13 @@ class DecodeEngine:
     def check_request(self, prompt, params) -> None:
         self.engine.check_request(prompt, params)
 
-    async def generate(self, request_id: str, prompt, image_refs: list, params):
+    async def generate(self, request_id: str, prompt, visual_refs: list, params):
         """The whole `RequestOutput` of one request."""
-        return await self.engine.generate_output(request_id, prompt, image_refs, params)
+        return await self.engine.generate_output(request_id, prompt, visual_refs, params)
 
-    async def generate_stream(self, request_id: str, prompt, image_refs: list, params):
+    async def generate_stream(self, request_id: str, prompt, visual_refs: list, params):
         """Yields `RequestDelta`s; call with `.options(num_returns="streaming")`."""
-        async for delta in self.engine.generate(request_id, prompt, image_refs, params):
+        async for delta in self.engine.generate(request_id, prompt, visual_refs, params):
             yield delta
 
     def abort(self, request_id: str) -> None:

@@ -43,7 +43,7 @@ import torch
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
-from raypipe.decode.request import check_image_embeds, check_request
+from raypipe.decode.request import check_visual_embeds, check_request
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
@@ -91,13 +91,13 @@ class LLMEngine:
         """Raise `InvalidInput` if the engine would refuse this request (no work is started)."""
         check_request(prompt, params, language_adapter=self.adapter, max_model_len=self.config.max_model_len)
 
-    async def generate(self, request_id: str, prompt: PreparedPrompt | list[int], image_embeds: Seq = (),
+    async def generate(self, request_id: str, prompt: PreparedPrompt | list[int], visual_embeds: Seq = (),
                        params: SamplingParams | None = None) -> AsyncIterator[RequestDelta]:
         """Deltas for one request; leaving the iteration early (or cancelling) aborts it."""
         params = params if params is not None else SamplingParams()
         ids, grids = check_request(prompt, params, language_adapter=self.adapter,
                                    max_model_len=self.config.max_model_len)
-        embeds = check_image_embeds(await _resolve(image_embeds), grids, self.adapter)
+        embeds = check_visual_embeds(await _resolve(visual_embeds), grids, self.adapter)
         positions, rope_delta = self.adapter.positions(ids, grids)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -126,13 +126,13 @@ class LLMEngine:
             if not done:
                 self._abort(seq)
 
-    async def generate_output(self, request_id: str, prompt: PreparedPrompt | list[int], image_embeds: Seq = (),
+    async def generate_output(self, request_id: str, prompt: PreparedPrompt | list[int], visual_embeds: Seq = (),
                               params: SamplingParams | None = None) -> RequestOutput:
         """The whole result of one request."""
         ids = prompt.prompt_token_ids if isinstance(prompt, PreparedPrompt) else list(prompt)
         num_image_tokens = prompt.num_image_tokens if isinstance(prompt, PreparedPrompt) else 0
         out = RequestOutput(request_id, list(ids), [], "", None, num_image_tokens)
-        async for delta in self.generate(request_id, prompt, image_embeds, params):
+        async for delta in self.generate(request_id, prompt, visual_embeds, params):
             out.add(delta)
         return out
 

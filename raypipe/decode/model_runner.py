@@ -80,12 +80,12 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             ids[i, : seq.prompt_len] = torch.tensor(seq.prompt_ids)
             positions[:, i, : seq.prompt_len] = seq.positions
-        images = [s.image_embeds for s in seqs if s.image_embeds is not None]
-        image_embeds = torch.cat(images).to(self.device) if images else None
+        images = [s.visual_embeds for s in seqs if s.visual_embeds is not None]
+        visual_embeds = torch.cat(images).to(self.device) if images else None
         lengths_t = torch.tensor(lengths, device=self.device)
         ids, positions = ids.to(self.device), positions.to(self.device)
         self.prefill_cache.prepare_prefill(seqs[0].row, lengths_t, width)
-        hidden = self.model(self.model.embed(ids, image_embeds), positions, self.prefill_cache.masks(self.dtype),
+        hidden = self.model(self.model.embed(ids, visual_embeds), positions, self.prefill_cache.masks(self.dtype),
                             self.prefill_cache)
         last = hidden[torch.arange(len(seqs), device=self.device), lengths_t - 1]
         return self.model.logits(last)

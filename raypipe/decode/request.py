@@ -16,11 +16,11 @@ from raypipe.inputs.sampling import SamplingParams
 
 
 def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tuple[list[int], list[tuple]]:
-    """`(prompt_token_ids, image_grids)` of a `PreparedPrompt` or a plain list of token ids."""
+    """`(prompt_token_ids, visual_grids)` of a `PreparedPrompt` or a plain list of token ids."""
     if not isinstance(params, SamplingParams):
         raise InvalidInput(f"expected SamplingParams, got {type(params).__name__}", item="sampling_params")
     if isinstance(prompt, PreparedPrompt):
-        ids, grids = list(prompt.prompt_token_ids), [tuple(g) for g in prompt.image_grids]
+        ids, grids = list(prompt.prompt_token_ids), [tuple(g) for g in prompt.visual_grids]
     elif isinstance(prompt, (list, tuple)):
         ids, grids = list(prompt), []
     else:
@@ -40,21 +40,21 @@ def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tu
             if t >= vocab:
                 raise InvalidInput(f"token id {t} is outside the vocabulary (size {vocab})",
                                    item=f"sampling_params.{field}", code="invalid_sampling_params")
-    _check_image_runs(ids, grids, language_adapter)
+    _check_placeholder_runs(ids, grids, language_adapter)
     return ids, grids
 
 
-def _check_image_runs(ids: list[int], grids: list[tuple], adapter) -> None:
-    """The runs of image tokens must be the images' runs (one per image, or one per slice), in order."""
-    runs = [length for _, length in token_runs(ids, adapter.image_token_id)]
+def _check_placeholder_runs(ids: list[int], grids: list[tuple], adapter) -> None:
+    """The runs of placeholder tokens must be the visual items' runs (one per image, or one per slice), in order."""
+    runs = [length for _, length in token_runs(ids, adapter.placeholder_token_ids.values())]
     want = [n for g in grids for n in adapter.token_runs(g)]
     if runs != want:
         raise InvalidInput(f"image token runs {runs} do not match the images' token counts {want}",
                            item="images", code="image_count_mismatch")
 
 
-def check_image_embeds(embeds: Sequence[torch.Tensor], grids: list[tuple], adapter) -> torch.Tensor | None:
-    """One `(tokens, hidden)` tensor per image, concatenated in prompt order (None for text only)."""
+def check_visual_embeds(embeds: Sequence[torch.Tensor], grids: list[tuple], adapter) -> torch.Tensor | None:
+    """One `(tokens, hidden)` tensor per visual item, concatenated in prompt order (None for text only)."""
     if len(embeds) != len(grids):
         raise InvalidInput(f"{len(embeds)} image embeddings for {len(grids)} images", item="images",
                            code="image_count_mismatch")

@@ -71,7 +71,7 @@ class Sequence:
     prompt_ids: list[int]
     positions: torch.Tensor  # (3, prompt_len) mrope positions
     rope_delta: int  # decode position of cache index i is i + rope_delta (all three axes)
-    image_embeds: torch.Tensor | None  # (num_image_tokens, hidden), rows in prompt order
+    visual_embeds: torch.Tensor | None  # (num_image_tokens, hidden), rows in prompt order
     params: SamplingParams
     deliver: Callable[[object], None]  # hands a RequestDelta or an exception to the caller's loop
     generator: torch.Generator | None = None

@@ -31,14 +31,14 @@ from raypipe.encode.cache import EmbeddingCache
 from raypipe.encode.calibration import CalibratedCosts
 from raypipe.models.base import VisionAdapter, VisionItem, check_cost_model
 from raypipe.encode.partition import partition
-from raypipe.inputs.images import DecodedImage
+from raypipe.inputs.media import DecodedVisual
 
 log = logging.getLogger(__name__)
 WORKER_LOST = (RayActorError, ActorUnavailableError)
 
 
 @dataclasses.dataclass(slots=True)
-class EncodedImage:
+class EncodedVisual:
     ref: ray.ObjectRef  # resolves to a (num_tokens, hidden) CPU tensor
     num_tokens: int
     grid: tuple[int, ...]
@@ -93,11 +93,11 @@ class Coordinator:
         self.device_kind = "unknown"
         self._lock = threading.Lock()
 
-    def encode(self, images: Sequence[DecodedImage]) -> list:
+    def encode(self, images: Sequence[DecodedVisual]) -> list:
         """Per-image embedding tensors in input order (fetches them into this process)."""
         return ray.get([encoded.ref for encoded in self.submit(images)])
 
-    def submit(self, images: Sequence[DecodedImage]) -> list[EncodedImage]:
+    def submit(self, images: Sequence[DecodedVisual]) -> list[EncodedVisual]:
         items = [self.adapter.make_item(image) for image in images]
         self.pixel_bytes_received += sum(image.pixels.nbytes for image in images)
         refs: dict[str, ray.ObjectRef] = {}
@@ -164,7 +164,7 @@ class Coordinator:
             assignment=[list(dict.fromkeys(i for t, _ in shard for i in todo_inputs[t])) for shard in shards],
             loads=list(loads), cache_hits=sum(1 for item in items if item.content_hash in cached_keys),
             retried_shards=retried)
-        return [EncodedImage(refs[item.content_hash], item.num_tokens, item.grid, item.content_hash,
+        return [EncodedVisual(refs[item.content_hash], item.num_tokens, item.grid, item.content_hash,
                              item.content_hash in cached_keys) for item in items]
 
     def _run_shards(self, units: list[list[VisionItem]], shards: list[list[tuple[int, int]]], workers: list,

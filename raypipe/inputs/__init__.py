@@ -1,1 +1,1 @@
-"""What a request brings, decoded and validated: images (and their limits) and sampling parameters."""
+"""What a request brings, decoded and validated: visual items (`media`; images and their limits) and sampling parameters."""

@@ -1,4 +1,4 @@
-"""Turn what users send as images into validated RGB pixel arrays.
+"""Turn what users send as images into validated RGB pixel arrays: visual items of kind "image".
 
 Accepted: PIL images, numpy arrays (HxW, HxWx1/3/4, uint8), raw encoded bytes, and `data:` URLs
 (scheme in any case, base64 possibly line-wrapped as `base64.encodebytes` writes it).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import hashlib
 import io
 import urllib.parse
 import urllib.request
@@ -31,6 +30,9 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from raypipe.errors import InvalidInput
+from raypipe.inputs.media import DecodedVisual, pixel_hash
+
+DecodedImage = DecodedVisual  # the name before visual items had kinds; decoded images have kind "image"
 
 # Modes PIL can convert to RGB without guessing a value range.
 _CONVERTIBLE_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "La"}
@@ -52,36 +54,13 @@ class ImageLimits:
             raise ValueError(f"inconsistent image limits: {self}")
 
 
-@dataclasses.dataclass(slots=True)
-class DecodedImage:
-    """An RGB image that passed validation, with a hash of its pixels (the embedding-cache key)."""
-
-    pixels: np.ndarray  # (H, W, 3) uint8, C-contiguous
-    content_hash: str
-
-    @property
-    def height(self) -> int:
-        return self.pixels.shape[0]
-
-    @property
-    def width(self) -> int:
-        return self.pixels.shape[1]
-
-
-def pixel_hash(pixels: np.ndarray) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr(pixels.shape).encode())
-    digest.update(memoryview(np.ascontiguousarray(pixels)).cast("B"))
-    return digest.hexdigest()
-
-
-def load_images(images: Sequence, limits: ImageLimits = ImageLimits(), *, item_prefix: str = "images") -> list[DecodedImage]:
+def load_images(images: Sequence, limits: ImageLimits = ImageLimits(), *, item_prefix: str = "images") -> list[DecodedVisual]:
     """Validate and decode every image; the first bad one raises `InvalidInput` naming its index."""
     return [load_image(image, limits, item=f"{item_prefix}[{i}]") for i, image in enumerate(images)]
 
 
-def load_image(image, limits: ImageLimits = ImageLimits(), *, item: str = "image") -> DecodedImage:
-    if isinstance(image, DecodedImage):
+def load_image(image, limits: ImageLimits = ImageLimits(), *, item: str = "image") -> DecodedVisual:
+    if isinstance(image, DecodedVisual) and image.kind == "image":
         return image
     if isinstance(image, Image.Image):
         pixels = _pil_to_rgb(image, limits, item)
@@ -94,7 +73,7 @@ def load_image(image, limits: ImageLimits = ImageLimits(), *, item: str = "image
     else:
         raise InvalidInput(f"unsupported image type {type(image).__name__}; expected PIL image, numpy array, "
                            "bytes or a data: URL", item=item, code="unsupported_image_type")
-    return DecodedImage(pixels, pixel_hash(pixels))
+    return DecodedVisual(pixels, pixel_hash(pixels), "image")
 
 
 def _check_size(width: int, height: int, limits: ImageLimits, item: str) -> None:

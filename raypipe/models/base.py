@@ -5,7 +5,8 @@ compute each item's geometry, token count and cost without touching a GPU. Worke
 `load_tower` once and then `encode` shards of items.
 
 An item is whatever the family's vision tower consumes as one unit and produces one embedding
-tensor for: a whole variable-size image (Qwen2.5-VL), a fixed-size image or its crops stacked
+tensor for, made from one visual item (`raypipe.inputs.media.DecodedVisual`; kind "image" so far):
+a whole variable-size image (Qwen2.5-VL), a fixed-size image or its crops stacked
 (LLaVA/SigLIP, Step3), or an image's slices (MiniCPM-V). The coordinator only ever sees `cost`,
 `num_tokens` and `content_hash`, so new families plug in without touching it.
 
@@ -23,7 +24,7 @@ import pathlib
 import numpy as np
 import torch
 
-from raypipe.inputs.images import DecodedImage
+from raypipe.inputs.media import DecodedVisual, VisualKind
 
 ADAPTER_COST_MODELS = ("patches", "attention")  # what an adapter computes from geometry alone
 # `calibrated` is fitted by the coordinator from measured encode times (raypipe/encode/calibration.py).
@@ -63,11 +64,16 @@ class VisionAdapter(abc.ABC):
     image_token_id: int  # the token whose rows the image embeddings replace
     split_units: bool = False  # balance an item's units separately (slices of one image on several workers)
 
-    @abc.abstractmethod
-    def make_item(self, image: DecodedImage) -> VisionItem:
-        """Geometry and token count of a validated image, without running the encoder."""
+    @property
+    def placeholder_token_ids(self) -> dict[VisualKind, int]:
+        """Per kind of visual item, the token whose rows its embeddings replace (the kinds this family takes)."""
+        return {"image": self.image_token_id}
 
-    def resize_for_tower(self, image: DecodedImage) -> DecodedImage:
+    @abc.abstractmethod
+    def make_item(self, image: DecodedVisual) -> VisionItem:
+        """Geometry and token count of a validated visual item, without running the encoder."""
+
+    def resize_for_tower(self, image: DecodedVisual) -> DecodedVisual:
         """`image` at the size the tower consumes, resized exactly as the family's image processor would.
 
         Called where images are decoded (Serve ingress, `Pipeline`, batch preprocessing) so that
@@ -114,6 +120,11 @@ class LanguageAdapter(abc.ABC):
         found = self.tokenizer.eos_token_id if found is None else found
         self.eos_token_ids = tuple(int(i) for i in (found if isinstance(found, (list, tuple)) else [found])
                                    if i is not None)
+
+    @property
+    def placeholder_token_ids(self) -> dict[VisualKind, int]:
+        """Per kind of visual item, the token whose rows its embeddings replace (`TextDecoder.embed`)."""
+        return {"image": self.image_token_id}
 
     @abc.abstractmethod
     def token_runs(self, grid) -> list[int]:

@@ -1,8 +1,10 @@
-"""Requests -> token ids with expanded image placeholders, plus the images they refer to.
+"""Requests -> token ids with expanded placeholders, plus the visual items they refer to.
 
 A request is OpenAI-style chat `messages` (content parts `text`, `image_url` with a data: URL, or
 `image` with a PIL image / array / bytes), a dict holding `messages`, or a dict holding raw
-`prompt_token_ids` and `images`. The checkpoint's chat template renders one image token per image
+`prompt_token_ids` and `images`. Each visual content part has a kind (`VISUAL_PART_KINDS`: both
+image part types are kind "image"), and each kind its placeholder token (`placeholder_token_ids` of
+the vision adapter). The checkpoint's chat template renders one image token per image
 (Qwen: `<|vision_start|><|image_pad|><|vision_end|>`; Step3: `<im_patch>`); each is then replaced by
 the family's placeholder for that image (`VisionAdapter.placeholder_ids`: Qwen, its token count of
 `<|image_pad|>`; MiniCPM-V, image id, overview and slice rows; Step3, crop and global-view runs with
@@ -19,21 +21,24 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from raypipe.errors import InvalidInput
 from raypipe.models.base import VisionAdapter
-from raypipe.inputs.images import DecodedImage, ImageLimits, load_image
+from raypipe.inputs.images import ImageLimits, load_image
+from raypipe.inputs.media import DecodedVisual, VisualKind
 
-IMAGE_PART_TYPES = ("image", "image_url")
+# OpenAI / HF content-part type -> the kind of visual item it carries (a new kind adds its types here).
+VISUAL_PART_KINDS: dict[str, VisualKind] = {"image": "image", "image_url": "image"}
+_LOADERS = {"image": load_image}  # kind -> decoder of one raw item
 
 
 @dataclasses.dataclass(slots=True)
 class PreparedPrompt:
     prompt_token_ids: list[int]
-    images: list[DecodedImage]  # in prompt order; the engine needs only their embeddings
-    image_grids: list[tuple[int, ...]]  # per image, in prompt order
-    num_image_tokens: int
+    visuals: list[DecodedVisual]  # in prompt order; the engine needs only their embeddings
+    visual_grids: list[tuple[int, ...]]  # per visual item, in prompt order
+    num_image_tokens: int  # placeholder tokens of every visual item (the name RequestOutput reports it under)
 
     @property
     def num_prompt_tokens(self) -> int:  # image tokens included, as OpenAI usage counts them
@@ -41,7 +46,7 @@ class PreparedPrompt:
 
     def without_pixels(self) -> "PreparedPrompt":
         """What the decode engine needs: the same prompt without the pixel arrays."""
-        return dataclasses.replace(self, images=[])
+        return dataclasses.replace(self, visuals=[])
 
 
 def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
@@ -58,19 +63,25 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     if not isinstance(messages, list) or not messages:
         raise InvalidInput("a request is a non-empty messages list, a dict with 'messages', or a dict with "
                            "'prompt_token_ids'", item="messages", code="invalid_request")
-    template_messages, raw_images = _split_images(messages)
+    template_messages, raw_visuals = _split_visuals(messages)
     if max_text_chars is not None:
         check_text_chars(sum(len(text) for text in _texts(template_messages)), max_text_chars)
-    images = [_load_for_tower(raw, image_limits, vision_adapter if resize_images else None, f"images[{i}]")
-              for i, raw in enumerate(raw_images)]
+    visuals = _load_all(raw_visuals, {"image": image_limits}, vision_adapter if resize_images else None)
     ids = chat_template_ids(tokenizer, template_messages)
-    return _expand(ids, images, tokenizer, vision_adapter, allow_expanded=False)
+    return _expand(ids, visuals, tokenizer, vision_adapter, allow_expanded=False)
 
 
-def _load_for_tower(raw, image_limits: ImageLimits, vision_adapter: VisionAdapter | None, item: str) -> DecodedImage:
-    # Resized where it is decoded: only what the tower consumes travels to the encoders.
-    image = load_image(raw, image_limits, item=item)
-    return vision_adapter.resize_for_tower(image) if vision_adapter is not None else image
+def _load_all(raw_visuals: list[tuple[VisualKind, object]], limits: dict, vision_adapter: VisionAdapter | None
+              ) -> list[DecodedVisual]:
+    """Decode each `(kind, raw)` with its kind's loader and limits; items are named per kind (`images[1]`)."""
+    counts: dict[str, int] = {}
+    visuals = []
+    for kind, raw in raw_visuals:
+        index = counts[kind] = counts.get(kind, -1) + 1
+        visual = _LOADERS[kind](raw, limits[kind], item=f"{kind}s[{index}]")
+        # Resized where it is decoded: only what the tower consumes travels to the encoders.
+        visuals.append(vision_adapter.resize_for_tower(visual) if vision_adapter is not None else visual)
+    return visuals
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -157,9 +168,9 @@ def _texts(messages: list[dict]):
             yield from (part["text"] for part in content if part.get("type") == "text")
 
 
-def _split_images(messages: list) -> tuple[list[dict], list]:
-    """Messages the chat template can render (image parts reduced to their type) and the images."""
-    rendered, images = [], []
+def _split_visuals(messages: list) -> tuple[list[dict], list]:
+    """Messages the chat template can render (visual parts reduced to their kind) and `(kind, raw)` per visual item."""
+    rendered, visuals = [], []
     for m, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidInput("each message must be an object with a string 'role'", item=f"messages[{m}]",
@@ -179,17 +190,17 @@ def _split_images(messages: list) -> tuple[list[dict], list]:
                 if not isinstance(part.get("text"), str):
                     raise InvalidInput("text part needs a string 'text'", item=where, code="invalid_request")
                 parts.append({"type": "text", "text": part["text"]})
-            elif kind in IMAGE_PART_TYPES:
-                images.append(_image_of(part, where))
-                parts.append({"type": "image"})
+            elif kind in VISUAL_PART_KINDS:
+                visuals.append((VISUAL_PART_KINDS[kind], _visual_of(part, where)))
+                parts.append({"type": VISUAL_PART_KINDS[kind]})
             else:
                 raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url' or "
                                    "'image'", item=where, code="invalid_request")
         rendered.append({"role": message["role"], "content": parts})
-    return rendered, images
+    return rendered, visuals
 
 
-def _image_of(part: dict, where: str):
+def _visual_of(part: dict, where: str):
     if part["type"] == "image":
         if part.get("image") is None:
             raise InvalidInput("image part needs an 'image'", item=where, code="invalid_request")
@@ -206,25 +217,28 @@ def _from_token_ids(request: dict, tokenizer, vision_adapter, image_limits) -> P
     if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
                                                                    for t in ids):
         raise InvalidInput("must be a non-empty list of integers", item="prompt_token_ids", code="invalid_request")
-    raw_images = request.get("images") or []
-    images = [_load_for_tower(raw, image_limits, vision_adapter, f"images[{i}]") for i, raw in enumerate(raw_images)]
-    return _expand(list(ids), images, tokenizer, vision_adapter, allow_expanded=True)
+    raw_visuals = [("image", raw) for raw in request.get("images") or []]
+    visuals = _load_all(raw_visuals, {"image": image_limits}, vision_adapter)
+    return _expand(list(ids), visuals, tokenizer, vision_adapter, allow_expanded=True)
 
 
-def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_adapter,
+def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_adapter,
             *, allow_expanded: bool) -> PreparedPrompt:
-    """Replace each image's placeholder with its tokens (`vision_adapter.placeholder_ids`).
+    """Replace each visual item's placeholder with its tokens (`vision_adapter.placeholder_ids`).
+
+    Each item's placeholder is a run of its kind's token (`vision_adapter.placeholder_token_ids`).
 
     From a chat template, each image token is one image's placeholder (Step3's template puts those
     of consecutive images side by side). In raw token ids, a placeholder is a run of one image
     token or the image's full expansion already in place (with its layout tokens around it).
     """
-    pad = vision_adapter.image_token_id
+    pads = vision_adapter.placeholder_token_ids
     items = [vision_adapter.make_item(image) for image in images]
     expansions = [vision_adapter.placeholder_ids(item, i, tokenizer) for i, item in enumerate(items)]
     out: list[int] = []
     cursor = 0
-    for i, (item, expansion) in enumerate(zip(items, expansions)):
+    for i, (image, item, expansion) in enumerate(zip(images, items, expansions)):
+        pad = pads[image.kind]
         start = next((j for j in range(cursor, len(ids)) if ids[j] == pad), None)
         if start is None:
             raise _count_mismatch(ids, pad, len(images))
@@ -241,8 +255,9 @@ def _expand(ids: list[int], images: Sequence[DecodedImage], tokenizer, vision_ad
                                code="image_count_mismatch")
         out += ids[cursor:start] + expansion
         cursor = start + 1
-    if pad in ids[cursor:]:
-        raise _count_mismatch(ids, pad, len(images))
+    for kind, pad in pads.items():
+        if pad in ids[cursor:]:
+            raise _count_mismatch(ids, pad, sum(1 for image in images if image.kind == kind))
     out += ids[cursor:]
     return PreparedPrompt(out, list(images), [tuple(item.grid) for item in items],
                           sum(item.num_tokens for item in items))
@@ -253,13 +268,14 @@ def _count_mismatch(ids: list[int], pad: int, num_images: int) -> InvalidInput:
                         "given", item="images", code="image_count_mismatch")
 
 
-def token_runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
-    """`(start, length)` of each maximal run of `token`."""
+def token_runs(ids: Sequence[int], token: int | Collection[int]) -> list[tuple[int, int]]:
+    """`(start, length)` of each maximal run of `token` (or of any of several placeholder tokens)."""
+    tokens = {token} if isinstance(token, int) else set(token)
     runs, i = [], 0
     while i < len(ids):
-        if ids[i] == token:
+        if ids[i] in tokens:
             j = i
-            while j < len(ids) and ids[j] == token:
+            while j < len(ids) and ids[j] in tokens:
                 j += 1
             runs.append((i, j - i))
             i = j

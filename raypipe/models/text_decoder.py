@@ -3,8 +3,8 @@
 The decode engine never holds the vision tower. A family's language adapter names transformers'
 text-model class and where its tensors sit in the checkpoint; this module builds that class from
 `text_config`, loads only those tensors, and drives it with `inputs_embeds` (text embeddings with
-image embeddings scattered at the image tokens), explicit positions, the engine's cache and one
-mask per layer type.
+visual items' embeddings scattered at the placeholder tokens of every kind), explicit positions, the
+engine's cache and one mask per layer type.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class TextDecoder(torch.nn.Module):
         self.to(device).eval()
         self.device = torch.device(device)
         self.dtype = dtype
-        self.image_token_id = adapter.image_token_id
+        # Placeholder tokens of every kind of visual item: the rows visual embeddings replace.
+        self.placeholder_ids = torch.tensor(sorted(set(adapter.placeholder_token_ids.values())), device=self.device)
 
     @classmethod
     def from_checkpoint(cls, adapter, text_model_class, device: torch.device, dtype: torch.dtype, *,
@@ -46,12 +47,12 @@ class TextDecoder(torch.nn.Module):
             load_module_weights(lm_head, head, what=f"{adapter.checkpoint} lm_head")
         return cls(adapter, model, lm_head, device, dtype)
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Text embeddings with image rows written over the image tokens, row-major over the batch."""
+    def embed(self, input_ids: torch.Tensor, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Text embeddings with visual rows written over the placeholder tokens, row-major over the batch."""
         embeds = self.model.embed_tokens(input_ids)
-        if image_embeds is not None and image_embeds.numel():
-            mask = (input_ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
-            embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
+        if visual_embeds is not None and visual_embeds.numel():
+            mask = torch.isin(input_ids, self.placeholder_ids).unsqueeze(-1).expand_as(embeds)
+            embeds = embeds.masked_scatter(mask, visual_embeds.to(embeds.dtype))
         return embeds
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: dict, cache) -> torch.Tensor:

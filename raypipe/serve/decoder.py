@@ -23,10 +23,10 @@ class Decoder:
     def __init__(self, model: str = "tiny", engine: dict | None = None):
         self.engine = LLMEngine(resolve_model(model), EngineConfig(**(engine or {})))
 
-    async def generate(self, request_id: str, prompt: PreparedPrompt, image_embeds: list, params: SamplingParams):
+    async def generate(self, request_id: str, prompt: PreparedPrompt, visual_embeds: list, params: SamplingParams):
         # When the caller goes away Serve cancels this generator; the engine's generate() then
         # aborts the request, which frees its KV-cache row at the next round boundary.
-        async for delta in self.engine.generate(request_id, prompt, image_embeds, params):
+        async for delta in self.engine.generate(request_id, prompt, visual_embeds, params):
             yield delta
 
     def max_model_len(self) -> int:

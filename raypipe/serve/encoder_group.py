@@ -20,7 +20,7 @@ from ray import serve
 
 from raypipe.config import ModelConfig
 from raypipe.pipeline import Pipeline
-from raypipe.inputs.images import DecodedImage
+from raypipe.inputs.media import DecodedVisual
 
 
 # Calls wait here to be micro-batched: allow many more than Serve's default of 5 per replica.
@@ -37,7 +37,7 @@ class EncoderGroup:
     # Two batches may encode at once: the coordinator balances the second against the first's
     # work still in flight, so a lone image lands on an idle worker instead of queueing.
     @serve.batch(batch_size_fn=lambda calls: sum(len(images) for images in calls), max_concurrent_batches=2)
-    async def encode(self, calls: list[list[DecodedImage]]) -> list[list[ray.ObjectRef]]:
+    async def encode(self, calls: list[list[DecodedVisual]]) -> list[list[ray.ObjectRef]]:
         """Per call, one embedding `ObjectRef` per image (in order). Batch size counts images, not calls."""
         flat = [image for images in calls for image in images]
         # submit() blocks on ray.wait; a thread keeps this replica's event loop free to queue the next batch.

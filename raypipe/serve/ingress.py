@@ -76,11 +76,11 @@ class Ingress:
             chat = parse_request(await self._read_body(request), ChatCompletionRequest)
             self._check_model(chat.model)
             prompt, params = await self._prepare(chat)
-            image_refs = await self.encoder.encode.remote(prompt.images) if prompt.images else []
+            visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
             request_id = completion_id()
             # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
             deltas = self.decoder.options(stream=True).generate.remote(
-                request_id, prompt.without_pixels(), image_refs, params)
+                request_id, prompt.without_pixels(), visual_refs, params)
             stream = CompletionStream("chat", request_id, self.served_model_name, self.fingerprint, deltas,
                                       prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text)
             await stream.start()
@@ -191,7 +191,7 @@ class Ingress:
                                item="model", code="model_not_found")
 
     async def _prepare(self, chat: ChatCompletionRequest):
-        self.limits.check_image_count(len(chat.image_urls()))
+        self.limits.check_visual_count("image", len(chat.image_urls()))
         model_len = await self._model_len()
         # Image decoding and the chat template are CPU work: keep the event loop serving other requests.
         prompt = await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,

@@ -1,4 +1,8 @@
-"""What one request may ask of the server; each breach is a 4xx naming the limit."""
+"""What one request may ask of the server; each breach is a 4xx naming the limit.
+
+Visual items are limited per kind (`max_visuals`, `visual_limits`): the image kind by
+`max_images_per_request` and `ImageLimits`; a new kind adds its own fields and entries.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import dataclasses
 
 from raypipe.errors import InvalidInput
 from raypipe.inputs.images import ImageLimits
+from raypipe.inputs.media import VisualKind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -26,10 +31,19 @@ class ServeLimits:
         return ImageLimits(min_side=self.min_image_side, max_pixels=self.max_image_pixels,
                            max_bytes=self.max_body_bytes, allowed_url_prefixes=tuple(self.allowed_url_prefixes))
 
-    def check_image_count(self, count: int) -> None:
-        if count > self.max_images_per_request:
-            raise InvalidInput(f"{count} images in one request; the limit is {self.max_images_per_request}",
-                               item="messages", code="too_many_images")
+    def visual_limits(self, kind: VisualKind) -> ImageLimits:
+        """What one visual item of `kind` may be."""
+        return {"image": self.image_limits}[kind]
+
+    def max_visuals(self, kind: VisualKind) -> int:
+        """How many visual items of `kind` one request may carry."""
+        return {"image": self.max_images_per_request}[kind]
+
+    def check_visual_count(self, kind: VisualKind, count: int) -> None:
+        limit = self.max_visuals(kind)
+        if count > limit:
+            raise InvalidInput(f"{count} {kind}s in one request; the limit is {limit}", item="messages",
+                               code=f"too_many_{kind}s")
 
     def max_tokens_for(self, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
         """The request's max_tokens, checked against the context left after its prompt."""

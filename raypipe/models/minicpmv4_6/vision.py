@@ -22,7 +22,7 @@ import torch
 
 from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
-from raypipe.inputs.images import DecodedImage
+from raypipe.inputs.media import DecodedVisual
 
 TOWER_PREFIXES = ("model.vision_tower.",)
 MERGER_PREFIXES = ("model.merger.",)
@@ -85,7 +85,7 @@ class MiniCPMV4_6VisionAdapter(VisionAdapter):
         text += "\n".join("".join(slices[r * cols:(r + 1) * cols]) for r in range(rows))
         return t.encode(text, add_special_tokens=False)
 
-    def make_item(self, image: DecodedImage) -> VisionItem:
+    def make_item(self, image: DecodedVisual) -> VisionItem:
         grid = self.grid_for(image.height, image.width)
         return VisionItem(image.pixels, image.content_hash, grid, sum(self.token_runs(grid)))
 

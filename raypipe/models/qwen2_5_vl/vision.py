@@ -13,7 +13,7 @@ import torch
 
 from raypipe.models.base import ADAPTER_COST_MODELS, VisionAdapter, VisionItem, VisionTower, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
-from raypipe.inputs.images import DecodedImage, pixel_hash
+from raypipe.inputs.media import DecodedVisual, pixel_hash
 
 VISION_PREFIXES = ("visual.", "model.visual.")
 
@@ -31,7 +31,7 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         self.merge = self.vision_config.spatial_merge_size
         self._flops = _attention_flops_model(self.vision_config)
 
-    def make_item(self, image: DecodedImage) -> VisionItem:
+    def make_item(self, image: DecodedVisual) -> VisionItem:
         grid = self.grid_for(image.height, image.width)
         num_tokens = grid[0] * grid[1] * grid[2] // (self.merge**2)
         return VisionItem(image.pixels, image.content_hash, grid, num_tokens)
@@ -48,7 +48,7 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         return smart_resize(height, width, factor, min_pixels=self.processor.size["shortest_edge"],
                             max_pixels=self.processor.size["longest_edge"])
 
-    def resize_for_tower(self, image: DecodedImage) -> DecodedImage:
+    def resize_for_tower(self, image: DecodedVisual) -> DecodedVisual:
         from transformers.image_transforms import resize
         from transformers.image_utils import ChannelDimension
 
@@ -59,7 +59,7 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         pixels = np.ascontiguousarray(resize(image.pixels, size, resample=self.processor.resample,
                                              data_format=ChannelDimension.LAST,
                                              input_data_format=ChannelDimension.LAST))
-        return DecodedImage(pixels, pixel_hash(pixels))
+        return DecodedVisual(pixels, pixel_hash(pixels))
 
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
         check_cost_model(cost_model, ADAPTER_COST_MODELS)

@@ -23,7 +23,7 @@ from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, check_co
 from raypipe.models.step3.geometry import Step3Geometry
 from raypipe.models.step3.image_processor import load_image_processor
 from raypipe.models.step3.loading import load_step3_model
-from raypipe.inputs.images import DecodedImage
+from raypipe.inputs.media import DecodedVisual
 
 class Step3VisionAdapter(VisionAdapter):
     split_units = True  # views of one image are balanced (and may run) on different workers
@@ -39,7 +39,7 @@ class Step3VisionAdapter(VisionAdapter):
         self.processor = load_image_processor(self.checkpoint)
         self.geometry = Step3Geometry(self.processor)
 
-    def make_item(self, image: DecodedImage) -> VisionItem:
+    def make_item(self, image: DecodedVisual) -> VisionItem:
         """The whole image: `grid` is its crop grid `(nx, ny)`."""
         grid = self.geometry.crop_grid(image.height, image.width)
         return VisionItem(image.pixels, image.content_hash, grid, self.geometry.num_tokens(grid))
