@@ -8,7 +8,8 @@ import pytest
 
 from raypipe.serve.errors import ApiError
 from raypipe.serve.limits import ServeLimits
-from raypipe.serve.protocol import chunk_body, parse_request
+from raypipe.serve.openai.bodies import chunk_body
+from raypipe.serve.openai.parsing import parse_request
 from raypipe.errors import InvalidInput
 
 
