@@ -1,8 +1,8 @@
 """What a well-formed request may still not ask: OpenAI's limits the schema cannot express, and
 fields whose behaviour this server lacks.
 
-What a client sends is either honoured or refused, never silently ignored (as OpenAI's API and
-vLLM's server do): a known OpenAI field the engine cannot honour (`n`, tools, `response_format`
+What a client sends is either honoured or refused, never silently ignored (OpenAI's API and
+vLLM's server ignore some): a known OpenAI field the engine cannot honour (`n`, tools, `response_format`
 json modes, image `detail` low/high, completions' `logprobs`/`echo`/`best_of`/`suffix`) is a 400
 naming it (`unsupported_parameter`), unless it carries the value that means "not used".
 
