@@ -342,11 +342,6 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
         "detail-high": (_chat(messages=[{"role": "user", "content": [image_part]}]),
                         "messages[0].content[0].image_url.detail"),
     }
-    from raypipe.serve.protocol import ENGINE_SAMPLING_FIELDS
-    for field, value in (("logit_bias", {"5": 10}), ("min_p", 0.1), ("repetition_penalty", 1.2),
-                         ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("min_tokens", 2)):
-        if field not in ENGINE_SAMPLING_FIELDS:  # until the engine has it
-            cases[field] = (_chat(**{field: value}), field)
     failures = []
     for name, (body, param) in cases.items():
         response = http.post("/v1/chat/completions", json=body)

@@ -8,7 +8,10 @@ import pytest
 
 from raypipe.serve.errors import ApiError
 from raypipe.serve.limits import ServeLimits
-from raypipe.serve.protocol import chunk_body, parse_request
+from raypipe.serve.openai.bodies import chunk_body
+from raypipe.serve.openai.conversion import sampling_params
+from raypipe.serve.openai.parsing import parse_request
+from raypipe.serve.openai.schemas import CompletionRequest
 from raypipe.errors import InvalidInput
 
 
@@ -44,6 +47,27 @@ def test_bad_requests_name_the_field(raw, code, param):
         parse_request(raw)
     assert info.value.code == code and info.value.item == (param if param is not None else None)
 
+
+
+def test_sampling_params_carry_what_the_request_set():
+    params = sampling_params(parse_request(body(top_k=-1, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5,
+                                                frequency_penalty=0.5, min_tokens=2, ignore_eos=True,
+                                                stop_token_ids=[3], logit_bias={"5": 10}, logprobs=True,
+                                                top_logprobs=2, stop="x", seed=7)), max_tokens=9)
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (9, 1.0, 1.0, 0)  # OpenAI's defaults
+    assert (params.min_p, params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == \
+        (0.1, 1.2, 0.5, 0.5)
+    assert (params.min_tokens, params.ignore_eos, params.stop_token_ids, params.logit_bias) == (2, True, [3], {5: 10.0})
+    assert (params.logprobs, params.stop, params.seed) == (2, ["x"], 7)
+    assert sampling_params(parse_request(body(logprobs=True)), max_tokens=1).logprobs == 0  # the sampled token only
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
+def test_empty_prompts_are_refused(prompt):
+    raw = json.dumps({"model": "tiny", "prompt": prompt}).encode()
+    with pytest.raises(InvalidInput) as info:  # a batch of one empty prompt is refused when it is taken out
+        parse_request(raw, CompletionRequest).single_prompt()
+    assert info.value.code == "invalid_value" and info.value.item == "prompt"
 
 def test_max_tokens_against_context():
     limits = ServeLimits(default_max_tokens=100)

@@ -23,8 +23,10 @@ from ray.serve.handle import DeploymentHandle
 from raypipe.serve.errors import ApiError, install_handlers
 from raypipe.serve.limits import ServeLimits
 from raypipe.serve.metrics import ServeMetrics
-from raypipe.serve.protocol import (ChatCompletionRequest, CompletionRequest, completion_id, model_card, models_body,
-                                  parse_request)
+from raypipe.serve.openai.bodies import completion_id, model_card, models_body
+from raypipe.serve.openai.conversion import sampling_params
+from raypipe.serve.openai.parsing import parse_request
+from raypipe.serve.openai.schemas import ChatCompletionRequest, CompletionRequest
 from raypipe.serve.streaming import CompletionStream
 from raypipe.errors import InvalidInput
 from raypipe.models.registry import resolve_model
@@ -199,7 +201,7 @@ class Ingress:
                                          max_text_chars=model_len * self.chars_per_token,
                                          resize_images=self.resize_images)
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
-        return prompt, SamplingParams(max_tokens=max_tokens, **chat.sampling_kwargs())
+        return prompt, sampling_params(chat, max_tokens)
 
     async def _prepare_completion(self, completion: CompletionRequest) -> tuple[list[int], SamplingParams]:
         prompt = completion.single_prompt()
@@ -207,9 +209,8 @@ class Ingress:
         if isinstance(prompt, str):
             check_text_chars(len(prompt), model_len * self.chars_per_token)
             prompt = await asyncio.to_thread(plain_text_ids, self.tokenizer, prompt)
-        requested = 16 if completion.max_tokens is None else completion.max_tokens  # OpenAI's default here
-        max_tokens = self.limits.max_tokens_for(requested, len(prompt), model_len)
-        return list(prompt), SamplingParams(max_tokens=max_tokens, **completion.sampling_kwargs())
+        max_tokens = self.limits.max_tokens_for(completion.requested_max_tokens, len(prompt), model_len)
+        return list(prompt), sampling_params(completion, max_tokens)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from raypipe.serve.errors import ApiError
 from raypipe.serve.metrics import ServeMetrics
-from raypipe.serve.protocol import chunk_body, completion_body, usage
+from raypipe.serve.openai.bodies import chunk_body, completion_body, usage
 
 
 def openai_finish_reason(reason: str) -> str:
@@ -25,7 +25,7 @@ def openai_finish_reason(reason: str) -> str:
 
 
 class CompletionStream:
-    """`kind` is "chat" or "text" (see `protocol.completion_body`); `token_text(id)` renders logprob tokens."""
+    """`kind` is "chat" or "text" (see `openai.bodies.completion_body`); `token_text(id)` renders logprob tokens."""
 
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas, prompt_tokens: int,
                  arrival: float, include_usage: bool, token_text=None):

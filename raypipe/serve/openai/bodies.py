@@ -1,0 +1,57 @@
+"""The JSON this server sends back in OpenAI's shapes: completions, stream chunks, usage, ids, model cards.
+
+`kind` is "chat" (chat.completion) or "text" (text_completion); the two differ only in the object
+names and in how a choice carries its text.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+_OBJECT = {"chat": ("chat.completion", "chat.completion.chunk"), "text": ("text_completion", "text_completion")}
+
+
+def completion_id(prefix: str = "chatcmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def models_body(models: list[dict]) -> dict:
+    return {"object": "list", "data": models}
+
+
+def model_card(model: str, max_model_len: int, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "raypipe", "max_model_len": max_model_len}
+
+
+def completion_body(kind: str, request_id: str, model: str, fingerprint: str, created: int, text: str,
+                    finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                    logprobs: dict | None = None) -> dict:
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if kind == "chat"
+              else {"index": 0, "text": text})
+    return {"id": request_id, "object": _OBJECT[kind][0], "created": created, "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk_body(kind: str, request_id: str, model: str, fingerprint: str, created: int, delta: dict | None,
+               finish_reason: str | None = None, *, logprobs: dict | None = None, with_usage_field: bool = False,
+               usage_value: dict | None = None) -> dict:
+    """One stream chunk. `delta=None` makes the usage-only chunk (no choices); for "text", `delta` is `{"text": ...}`."""
+    body = {"id": request_id, "object": _OBJECT[kind][1], "created": created, "model": model,
+            "system_fingerprint": fingerprint}
+    if delta is None:
+        body["choices"] = []
+    elif kind == "chat":
+        body["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+    else:
+        body["choices"] = [{"index": 0, "text": delta.get("text", ""), "logprobs": logprobs,
+                            "finish_reason": finish_reason}]
+    if with_usage_field:  # with include_usage, every chunk carries `usage` (null until the last)
+        body["usage"] = usage_value
+    return body

@@ -1,0 +1,31 @@
+"""An accepted request's `SamplingParams`: OpenAI's (and vLLM's) sampling fields in the engine's terms.
+
+Nothing is refused here: `refusals` already turned away what the engine cannot honour, so every
+field left maps onto a `SamplingParams` field. Only what the request set is passed; the rest keeps
+the engine's default, except where OpenAI's default differs (temperature and top_p are 1).
+`SamplingParams` still validates the values (a negative `logit_bias` token id, `min_tokens` above
+`max_tokens`) and names the field when it fails.
+"""
+
+from __future__ import annotations
+
+from raypipe.inputs.sampling import SamplingParams
+from raypipe.serve.openai.schemas import ChatCompletionRequest, Common
+
+# Request fields that `SamplingParams` takes unchanged, under the same name.
+_SAME = ("ignore_eos", "stop_token_ids", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+         "min_tokens")
+
+
+def sampling_params(request: Common, max_tokens: int) -> SamplingParams:
+    kwargs = {name: getattr(request, name) for name in _SAME if getattr(request, name) is not None}
+    if request.top_k is not None:
+        kwargs["top_k"] = max(request.top_k, 0)  # vLLM: -1 (or 0) means off
+    if request.logit_bias:
+        kwargs["logit_bias"] = {int(token): bias for token, bias in request.logit_bias.items()}
+    # Completions' integer `logprobs` never gets here: `refusals` turns it away.
+    if isinstance(request, ChatCompletionRequest) and request.logprobs:
+        kwargs["logprobs"] = request.top_logprobs or 0  # 0: the sampled token's own log-probability only
+    return SamplingParams(max_tokens=max_tokens, seed=request.seed, stop=request.stop_list(),
+                          temperature=1.0 if request.temperature is None else request.temperature,
+                          top_p=1.0 if request.top_p is None else request.top_p, **kwargs)

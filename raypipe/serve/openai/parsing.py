@@ -1,0 +1,63 @@
+"""A request body's bytes to an accepted request, or to an `InvalidInput` that names the field.
+
+Pydantic's errors are turned into OpenAI's shapes: an unknown argument is `unrecognized_argument`
+(OpenAI's wording), a missing one `missing_field`, an out-of-range one `invalid_value`, anything
+else `invalid_type`; the field is written as a client writes it (`messages[0].content[1]`).
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from raypipe.errors import InvalidInput
+from raypipe.serve.openai.refusals import check_supported
+from raypipe.serve.openai.schemas import ChatCompletionRequest, Common
+
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
+                 "literal_error", "finite_number"}
+
+
+def parse_request(body: bytes, model: type[Common] = ChatCompletionRequest) -> Common:
+    """Parse a request body and apply `refusals`: what comes back is a request this server honours in full."""
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid_input(exc.errors(include_url=False)) from None
+    check_supported(request)
+    return request
+
+
+def _invalid_input(errors: list[dict]) -> InvalidInput:
+    if errors[0]["type"] == "json_invalid":
+        return InvalidInput(f"request body is not valid JSON ({errors[0]['msg']})", code="invalid_json")
+    extra = [error for error in errors if error["type"] == "extra_forbidden"]
+    if extra:
+        where = _field_path(extra[0]["loc"])
+        return InvalidInput(f"Unrecognized request argument supplied: {where}", item=where,
+                            code="unrecognized_argument")
+    first = max(errors, key=lambda error: len(error["loc"]))  # the deepest is the most specific
+    message = first["msg"]
+    if first["type"] == "finite_number":
+        message = f"must be a finite number, got {first.get('input')!r} (NaN and Infinity are not numbers here)"
+    code = ("missing_field" if first["type"] == "missing" else
+            "invalid_value" if first["type"] in _RANGE_ERRORS else "invalid_type")
+    return InvalidInput(message + (f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""),
+                        item=_field_path(first["loc"]) or "body", code=code)
+
+
+def _field_path(loc: tuple) -> str:
+    """`('messages', 0, 'content', 'list[...]', 1, 'image_url', 'url')` -> `messages[0].content[1].image_url.url`.
+
+    Pydantic puts union branches in locations: type names (`str`, `list[...]`, `ImageURL`) and,
+    right after a list index, the content-part tag (`text`, `image_url`). Those are not fields, so
+    they are dropped.
+    """
+    path, previous = "", None
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "ImageURL") and not (
+                isinstance(previous, int) and part in ("text", "image_url")):
+            path += f".{part}" if path else part
+        previous = part
+    return path

@@ -1,0 +1,161 @@
+"""OpenAI request bodies as pydantic models, in strict mode, with the few reads the ingress needs.
+
+Strict mode makes `"max_tokens": "5"` a 400 rather than a silent coercion, and `extra="forbid"`
+makes an unknown or misspelled field a 400 naming it. Explicit `null` means "not set", as in
+OpenAI's API. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`), which benchmark tools send, are accepted under vLLM's names.
+
+The models describe what a client may write; what this server refuses of it lives in `refusals`
+(except an empty prompt inside a one-element batch, refused where `single_prompt` takes it out),
+and what it asks of the engine in `conversion`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from raypipe.errors import InvalidInput
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL | str  # a bare string is the URL itself
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None  # null only for assistant turns
+    name: str | None = None
+    # What OpenAI's own client echoes back in an assistant turn.
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
+class Common(_Strict):
+    """Fields chat and text completions share: the model, sampling controls and streaming."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int | None = Field(default=None, ge=1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """None leaves the choice to the server's limits."""
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_list(self) -> list[str] | None:
+        if self.stop is None:
+            return None
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both are set
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def image_urls(self) -> list[str]:
+        return [part.url for message in self.messages if isinstance(message.content, list)
+                for part in message.content if isinstance(part, ImageURLPart)]
+
+    def messages_for_template(self) -> list[dict]:
+        """Plain dicts in the shape `raypipe.models.prompt.build_prompt` and chat templates expect.
+
+        `developer` is OpenAI's newer name for `system` (chat templates know only `system`); an
+        assistant turn with `content: null` is an empty one.
+        """
+        out = []
+        for message in self.messages:
+            content = message.content
+            if content is None:
+                content = ""
+            elif isinstance(content, list):
+                content = [{"type": "image_url", "image_url": {"url": part.url}} if isinstance(part, ImageURLPart)
+                           else {"type": "text", "text": part.text} for part in content]
+            out.append({"role": "system" if message.role == "developer" else message.role, "content": content})
+        return out
+
+
+class CompletionRequest(Common):
+    """`POST /v1/completions`: a text prompt (plain text, see `raypipe.models.prompt`) or token ids; no images."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool | None = None
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    @property
+    def requested_max_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt, out of its one-element batch if it came in one (`refusals` allows no more)."""
+        prompt = self.prompt
+        if prompt and isinstance(prompt, list) and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        if len(prompt) == 0:  # [""] or [[]]: `refusals` saw a batch of one
+            raise InvalidInput("prompt must not be empty", item="prompt", code="invalid_value")
+        return prompt
