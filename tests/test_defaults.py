@@ -24,13 +24,20 @@ import pytest
 
 from raypipe.batch import BatchOptions
 from raypipe.cli import build_parser
-from raypipe.config import EngineConfig, ModelConfig, defaults
+from raypipe.config import EngineConfig, ModelConfig
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.serve.kuberay import load_serve_config
 from raypipe.serve.limits import ServeLimits
 
 SERVE = pathlib.Path(__file__).resolve().parents[1] / "raypipe" / "serve"
 DELIBERATE: set[str] = set()  # config.yaml args keys ("limits.max_body_bytes", ...) that differ from code on purpose
+
+
+def defaults(config_class) -> dict:
+    """Field -> default, read here rather than through raypipe.config.defaults, the helper under test."""
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(config_class)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
 def subparsers() -> dict[str, argparse.ArgumentParser]:
