@@ -5,24 +5,35 @@ from __future__ import annotations
 import argparse
 import sys
 
+from raypipe.config import EngineConfig, ModelConfig, defaults
+from raypipe.inputs.sampling import SamplingParams
+from raypipe.jobs.batch import BatchOptions
+from raypipe.models.base import COST_MODELS
 from raypipe.models.registry import PRESETS
 
+# Flag defaults come from the config dataclasses (tests/test_defaults.py checks); none is typed here.
+SAMPLING = defaults(SamplingParams)
+ENGINE = defaults(EngineConfig)
+BATCH = defaults(BatchOptions)
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny",
+
+def _add_model(p: argparse.ArgumentParser, config: ModelConfig | None, *, autoscale: bool = False) -> None:
+    """--model and the encoder flags, defaulting to `config`'s values (None: no defaults, for overrides)."""
+    def default(name):
+        return getattr(config, name) if config else None
+
+    p.add_argument("--model", default=default("model"),
                    help=f"preset name ({', '.join(PRESETS)}), local HF checkpoint folder, or s3://bucket/prefix/ "
                         "(copied once per node)")
-
-
-def _add_encoders(p: argparse.ArgumentParser, *, autoscale: bool = False, default: int = 2) -> None:
     if autoscale:
-        p.add_argument("--num-encoders", type=replica_range, default=(default, default), metavar="N|MIN:MAX",
+        p.add_argument("--num-encoders", type=replica_range, default=config.encoder_range, metavar="N|MIN:MAX",
                        help="vision-encoder actors: a fixed number or an autoscaling range")
     else:
-        p.add_argument("--num-encoders", type=int, default=default, help="vision-encoder replicas (Ray actors)")
-    p.add_argument("--encoder-gpus", type=float, default=None,
+        p.add_argument("--num-encoders", type=int, default=default("num_encoders"),
+                       help="vision-encoder replicas (Ray actors)")
+    p.add_argument("--encoder-gpus", type=float, default=default("encoder_gpus"),
                    help="GPU share per encoder actor (default: 1 if the cluster has GPUs or its autoscaler publishes GPU node types, else 0)")
-    p.add_argument("--cost-model", choices=["patches", "attention", "calibrated"], default="patches",
+    p.add_argument("--cost-model", choices=COST_MODELS, default=default("cost_model"),
                    help="how the load balancer weighs images (calibrated: fitted from measured encode times)")
 
 
@@ -40,32 +51,31 @@ def replica_range(text: str) -> tuple[int, int]:
 
 def _add_batch(sub) -> None:
     batch = sub.add_parser("batch", help="offline batch over object storage or folders on Ray Data (resumable)")
-    _add_model(batch)
-    _add_encoders(batch, autoscale=True, default=1)
+    _add_model(batch, BATCH["model"], autoscale=True)
     batch.add_argument("--input", required=True,
                        help="s3://bucket/prefix/ or folder (every image file, recursively) or a .parquet/.jsonl manifest")
     batch.add_argument("--output", required=True, help="s3://bucket/prefix/ or folder for the Parquet part files")
-    batch.add_argument("--task", choices=["embed", "generate"], default="embed")
-    batch.add_argument("--prompt", default="Describe this image.", help="prompt for rows without their own")
-    batch.add_argument("--prompt-column", default=None, help="manifest column with a per-row prompt")
-    batch.add_argument("--path-column", default="path", help="manifest column with image paths or URIs")
-    batch.add_argument("--id-column", default="id", help="manifest column with ids (default: the path)")
-    batch.add_argument("--max-tokens", type=int, default=32)
-    batch.add_argument("--pooling", choices=["mean", "none"], default="mean",
+    batch.add_argument("--task", choices=["embed", "generate"], default=BATCH["task"])
+    batch.add_argument("--prompt", default=BATCH["prompt"], help="prompt for rows without their own")
+    batch.add_argument("--prompt-column", default=BATCH["prompt_column"], help="manifest column with a per-row prompt")
+    batch.add_argument("--path-column", default=BATCH["path_column"], help="manifest column with image paths or URIs")
+    batch.add_argument("--id-column", default=BATCH["id_column"], help="manifest column with ids (default: the path)")
+    batch.add_argument("--max-tokens", type=int, default=BATCH["max_tokens"])
+    batch.add_argument("--pooling", choices=["mean", "none"], default=BATCH["pooling"],
                        help="embedding per image: the mean over its tokens, or the whole token matrix")
-    batch.add_argument("--num-decoders", type=replica_range, default=(1, 1), metavar="N|MIN:MAX",
+    batch.add_argument("--num-decoders", type=replica_range, default=BATCH["num_decoders"], metavar="N|MIN:MAX",
                        help="decode-engine actors (generate)")
-    batch.add_argument("--decode-gpus", type=float, default=None, help="GPU share per decode actor")
-    batch.add_argument("--num-scheduler-steps", type=int, default=8, help="decode steps per scheduling round")
-    batch.add_argument("--batching", choices=["cost", "count"], default="cost",
+    batch.add_argument("--decode-gpus", type=float, default=BATCH["model"].decode_gpus, help="GPU share per decode actor")
+    batch.add_argument("--num-scheduler-steps", type=int, default=BATCH["engine"].num_scheduler_steps, help="decode steps per scheduling round")
+    batch.add_argument("--batching", choices=["cost", "count"], default=BATCH["batching"],
                        help="encoder batches by cost budget (default) or by a fixed image count")
-    batch.add_argument("--batch-cost", type=float, default=4.0,
+    batch.add_argument("--batch-cost", type=float, default=BATCH["batch_cost"],
                        help="encoder batch budget, in multiples of the model's largest image")
-    batch.add_argument("--batch-images", type=int, default=8,
+    batch.add_argument("--batch-images", type=int, default=BATCH["batch_images"],
                        help="images per encoder batch with --batching count; the most on average with cost")
-    batch.add_argument("--read-batch", type=int, default=32, help="inputs per CPU decode task")
-    batch.add_argument("--rows-per-file", type=int, default=256, help="rows per output part file (unit of resume)")
-    batch.add_argument("--limit", type=int, default=None, help="process at most N of the missing inputs")
+    batch.add_argument("--read-batch", type=int, default=BATCH["read_batch"], help="inputs per CPU decode task")
+    batch.add_argument("--rows-per-file", type=int, default=BATCH["rows_per_file"], help="rows per output part file (unit of resume)")
+    batch.add_argument("--limit", type=int, default=BATCH["limit"], help="process at most N of the missing inputs")
     batch.add_argument("--dry-run", action="store_true", help="say what would be processed; load no model")
     batch.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (default: AWS_ENDPOINT_URL_S3)")
     batch.add_argument("--s3-region", default=None, help="region (default: AWS_REGION, else us-east-1)")
@@ -77,34 +87,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="encode a dozen generated images on 2 workers, check, generate text")
-    _add_model(demo)
-    _add_encoders(demo)
+    _add_model(demo, ModelConfig())
 
     encode = sub.add_parser("encode", help="encode image files and write their embeddings")
-    _add_model(encode)
-    _add_encoders(encode)
+    _add_model(encode, ModelConfig())
     encode.add_argument("images", nargs="+", help="image files")
     encode.add_argument("--out", required=True, help="output file (.safetensors or .npz)")
 
     generate = sub.add_parser("generate", help="generate text for a prompt with images")
-    _add_model(generate)
-    _add_encoders(generate)
+    _add_model(generate, ModelConfig())
     generate.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-tokens", type=int, default=32)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--min-p", type=float, default=0.0)
-    generate.add_argument("--repetition-penalty", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--num-scheduler-steps", type=int, default=8)
+    generate.add_argument("--max-tokens", type=int, default=SAMPLING["max_tokens"])
+    generate.add_argument("--temperature", type=float, default=SAMPLING["temperature"])
+    generate.add_argument("--top-k", type=int, default=SAMPLING["top_k"])
+    generate.add_argument("--top-p", type=float, default=SAMPLING["top_p"])
+    generate.add_argument("--min-p", type=float, default=SAMPLING["min_p"])
+    generate.add_argument("--repetition-penalty", type=float, default=SAMPLING["repetition_penalty"])
+    generate.add_argument("--seed", type=int, default=SAMPLING["seed"])
+    generate.add_argument("--num-scheduler-steps", type=int, default=ENGINE["num_scheduler_steps"])
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible Ray Serve endpoint")
-    _add_model(serve)
-    _add_encoders(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    # The flags override the Serve config file's values; left out, the file's apply (no defaults here).
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible Ray Serve endpoint: the application of "
+                                         "deployments/config.yaml (autoscaling included), flags overriding it")
+    serve.add_argument("--config", default=None,
+                       help="Serve config file (default: the packaged deployments/config.yaml)")
+    _add_model(serve, None)
+    serve.add_argument("--host", default=None, help="HTTP host (default: the config file's http_options)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (default: the config file's http_options)")
     serve.add_argument("--api-key", default=None, help="require this bearer token (or set RAYPIPE_API_KEY)")
 
     _add_batch(sub)

@@ -6,8 +6,9 @@
 - `ImageLimits` (`raypipe.inputs.images`): what an input image may be.
 
 Each front end builds these objects once and hands them down, instead of re-listing the same knobs
-as keyword arguments at every layer. CLI flags use the field names as their `dest`, so
-`model_config_from_args` needs no second list of names.
+as keyword arguments at every layer. A default is written only in its dataclass: CLI flags and
+Serve's `AppArgs` take theirs through `defaults()` (tests/test_defaults.py checks), and CLI flags use
+the field names as their `dest`, so `model_config_from_args` needs no second list of names.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from raypipe.decode.config import EngineConfig
 from raypipe.models.base import check_cost_model
 from raypipe.inputs.images import ImageLimits
 
-__all__ = ["EngineConfig", "ImageLimits", "ModelConfig", "model_config_from_args"]
+__all__ = ["EngineConfig", "ImageLimits", "ModelConfig", "defaults", "model_config_from_args"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,6 +49,13 @@ class ModelConfig:
     def encoder_range(self) -> tuple[int, int]:
         """(min, max) replicas: equal for a fixed pool."""
         return self.num_encoders, self.max_encoders or self.num_encoders
+
+
+def defaults(config_class) -> dict:
+    """Field name -> default of a config dataclass: how front ends take a default instead of re-typing it."""
+    missing = dataclasses.MISSING
+    return {f.name: f.default if f.default is not missing else f.default_factory()
+            for f in dataclasses.fields(config_class) if f.default is not missing or f.default_factory is not missing}
 
 
 def model_config_from_args(args, **overrides) -> ModelConfig:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 import ray
 from ray.exceptions import RayTaskError
 
-from raypipe.config import ModelConfig
+from raypipe.config import ModelConfig, defaults
 from raypipe.encode.coordinator import Coordinator
 from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.decode.config import EngineConfig
@@ -50,21 +50,24 @@ class Pipeline:
         self._closed = False
 
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike = "tiny", *, num_encoders: int = 2,
-                        encoder_gpus: float | None = None, cost_model: str = "patches",
-                        cache_bytes: int = 256 * 1024 * 1024, dtype: str = "auto",
-                        encoder_threads: int | None = None, image_limits: ImageLimits | None = None,
-                        ray_address: str | None = None, num_scheduler_steps: int = 8,
-                        engine_config: EngineConfig | None = None, decode_gpus: float | None = None) -> "Pipeline":
-        """Start `num_encoders` vision-tower replicas for `model` (a preset name or a local folder).
+    def from_pretrained(cls, model: str | os.PathLike = defaults(ModelConfig)["model"], *,
+                        engine_config: EngineConfig | None = None, image_limits: ImageLimits | None = None,
+                        ray_address: str | None = None, **overrides) -> "Pipeline":
+        """Start the vision-tower replicas for `model` (a preset name, local folder or s3:// URI).
 
-        The keyword arguments are `ModelConfig`'s fields (see `from_config`); `num_scheduler_steps`
-        overrides the one in `engine_config`.
+        `overrides` are `ModelConfig` fields (num_encoders, cache_bytes, ...) and `EngineConfig` fields
+        (num_scheduler_steps, max_num_seqs, ...; they replace `engine_config`'s). `dtype`, a field of
+        both, is the encoders' one: give the engine's in `engine_config`. Each default is its
+        dataclass's; see `from_config`.
         """
-        config = ModelConfig(model=model, num_encoders=num_encoders, encoder_gpus=encoder_gpus,
-                             cost_model=cost_model, cache_bytes=cache_bytes, dtype=dtype,
-                             encoder_threads=encoder_threads, decode_gpus=decode_gpus)
-        engine_config = dataclasses.replace(engine_config or EngineConfig(), num_scheduler_steps=num_scheduler_steps)
+        model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - model_fields
+        unknown = sorted(overrides.keys() - model_fields - engine_fields)
+        if unknown:
+            raise TypeError(f"from_pretrained() got unexpected keyword arguments: {', '.join(unknown)}")
+        config = ModelConfig(model=model, **{k: v for k, v in overrides.items() if k in model_fields})
+        engine_config = dataclasses.replace(engine_config or EngineConfig(),
+                                            **{k: v for k, v in overrides.items() if k in engine_fields})
         return cls.from_config(config, engine_config=engine_config, image_limits=image_limits,
                                ray_address=ray_address)
 

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.test_serve_api import free_port, image_url, user
 
@@ -59,3 +60,28 @@ def test_taken_port_fails_at_start():
                                 env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 1 and f"port {port}" in second.stderr and "in use" in second.stderr, second.stderr
     assert "Ray" not in second.stderr  # refused before starting (or joining) any Ray
+
+
+def test_serve_runs_the_config_file_with_flags_overriding(tmp_path):
+    """Issue item 3: `raypipe serve` runs config.yaml's application; flags change only what they name."""
+    import yaml
+
+    from raypipe.cli import build_parser
+    from raypipe.serve.app import compose, deployment_options
+    from raypipe.serve.kuberay import load_serve_config
+    from raypipe.serve.run import serve_config
+
+    packaged = load_serve_config()
+    assert serve_config(build_parser().parse_args(["serve"])) == packaged
+    config = serve_config(build_parser().parse_args(["serve", "--model", "small", "--port", "8100",
+                                                     "--num-encoders", "3"]))
+    [app] = config["applications"]
+    assert app["args"] == {**packaged["applications"][0]["args"], "model": "small", "num_encoders": 3}
+    assert config["http_options"] == {**packaged["http_options"], "port": 8100}
+    ingress = compose(app["args"], deployment_options(config))._bound_deployment
+    assert ingress._deployment_config.autoscaling_config.max_replicas == 4  # config.yaml's Ingress options
+
+    own = tmp_path / "serve.yaml"
+    own.write_text(yaml.safe_dump({**packaged, "logging_config": {"encoding": "JSON"}}))
+    with pytest.raises(ValueError, match="logging_config"):
+        serve_config(build_parser().parse_args(["serve", "--config", str(own)]))

@@ -68,7 +68,8 @@ def imbalance(loads: Sequence[float]) -> float:
 
 class Coordinator:
     def __init__(self, adapter: VisionAdapter, workers: Sequence, *, cost_model: str = "patches",
-                 cache_bytes: int = 256 * 1024 * 1024, worker_factory: Callable[[], object] | None = None,
+                 cache_bytes: int = 0,  # none unless given: the size's default is ModelConfig.cache_bytes
+                 worker_factory: Callable[[], object] | None = None,
                  max_shard_attempts: int = 3, split_units: bool | None = None):
         if not workers:
             raise ValueError("Coordinator needs at least one encoder worker")

@@ -3,33 +3,37 @@
 `build_app` is a Serve application builder, so the same graph starts from the CLI
 (`raypipe serve`), from `serve run deployments/config.yaml` (its `args:` are `AppArgs`), or from
 `serve run raypipe.serve.app:build_app model=tiny`. Replica counts, autoscaling and resources are
-deployment options: set them in config.yaml's `deployments:` section, not here.
+deployment options: they live in config.yaml's `deployments:` section only, not in code.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 from ray.serve import Application
 
+from raypipe.config import ModelConfig, defaults
 from raypipe.serve.decoder import Decoder
 from raypipe.serve.encoder_group import EncoderGroup
 from raypipe.serve.ingress import Ingress
-from raypipe.config import ModelConfig
+from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
+
+IMPORT_PATH = "raypipe.serve.app:build_app"
+MODEL = defaults(ModelConfig)  # the model and encoder fields' defaults: written in ModelConfig only
+MODEL_FIELDS = ("model", "num_encoders", "encoder_gpus", "cost_model", "cache_bytes")  # those AppArgs takes
 
 
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in config.yaml's args fails the deploy
 
-    model: str = "tiny"  # preset name, local HF checkpoint folder (on every node), or s3:// URI (copied per node)
+    model: str = MODEL["model"]  # preset name, local HF checkpoint folder (on every node), or s3:// URI (copied per node)
     served_model_name: str | None = None  # the `model` clients send; default: the model argument
     api_key: str | None = None  # also read from RAYPIPE_API_KEY in the ingress replicas
-    num_encoders: int = 2  # encoder-worker actors per EncoderGroup replica
-    encoder_gpus: float | None = None  # GPU share per encoder worker; None: 1 if the cluster has or can start GPUs, else 0
-    cost_model: Literal["patches", "attention", "calibrated"] = "patches"
-    cache_bytes: int = 256 * 1024 * 1024  # embedding cache per EncoderGroup replica
+    num_encoders: int = MODEL["num_encoders"]  # encoder-worker actors per EncoderGroup replica
+    encoder_gpus: float | None = MODEL["encoder_gpus"]  # per encoder worker; None: 1 if the cluster has or can start GPUs, else 0
+    cost_model: Literal["patches", "attention", "calibrated"] = MODEL["cost_model"]
+    cache_bytes: int = MODEL["cache_bytes"]  # embedding cache per EncoderGroup replica
     batch_window_s: float = 0.005  # how long the encoder group waits to gather concurrent requests' images
     max_batch_images: int = 64
     engine: dict = {}  # raypipe.decode.config.EngineConfig fields (max_num_seqs, max_model_len, ...)
@@ -38,14 +42,34 @@ class AppArgs(BaseModel):
 
     def as_model_config(self) -> ModelConfig:
         """The model and encoder fields as the `ModelConfig` that `Pipeline` and batch take too."""
-        return ModelConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)
-                              if f.name in type(self).model_fields})
+        return ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS})
+
+
+def deployment_options(config: dict) -> dict[str, dict]:
+    """Deployment name -> its options (autoscaling, resources, ...) in a Serve config's one application."""
+    [app] = config["applications"]
+    return {d["name"]: {k: v for k, v in d.items() if k != "name"} for d in app.get("deployments", [])}
 
 
 def build_app(args: AppArgs | dict | None = None) -> Application:
+    """Serve's application builder (it must take one parameter): `compose` with config.yaml's options.
+
+    Deployment options live in the packaged config.yaml only (the decorators set none), so
+    `serve run raypipe.serve.app:build_app` and tests get the same replicas as
+    `serve run deployments/config.yaml`, which applies its own options over these.
+    """
+    return compose(args, deployment_options(load_serve_config(SERVE_CONFIG)))
+
+
+def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Application:
+    """The three deployments bound into one application; `options` per deployment name (autoscaling, ...)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
-    encoder = EncoderGroup.bind(args.as_model_config(), batch_window_s=args.batch_window_s,
-                                max_batch_images=args.max_batch_images)
-    decoder = Decoder.bind(model=args.model, engine=args.engine)
-    return Ingress.bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
-                        api_key=args.api_key, limits=args.limits, resize_images=args.resize_images)
+
+    def deployment(d):
+        return d.options(**options.get(d.name, {}))
+
+    encoder = deployment(EncoderGroup).bind(args.as_model_config(), batch_window_s=args.batch_window_s,
+                                            max_batch_images=args.max_batch_images)
+    decoder = deployment(Decoder).bind(model=args.model, engine=args.engine)
+    return deployment(Ingress).bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
+                                    api_key=args.api_key, limits=args.limits, resize_images=args.resize_images)

@@ -18,7 +18,7 @@ from raypipe.models.prompt import PreparedPrompt
 from raypipe.inputs.sampling import SamplingParams
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+@serve.deployment  # options (replicas, resources, max_ongoing_requests) live in deployments/config.yaml
 class Decoder:
     def __init__(self, model: str = "tiny", engine: dict | None = None):
         self.engine = LLMEngine(resolve_model(model), EngineConfig(**(engine or {})))

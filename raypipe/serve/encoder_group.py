@@ -23,8 +23,7 @@ from raypipe.pipeline import Pipeline
 from raypipe.inputs.media import DecodedVisual
 
 
-# Calls wait here to be micro-batched: allow many more than Serve's default of 5 per replica.
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128, health_check_period_s=1.0)
+@serve.deployment  # options (replicas, resources, health checks) live in deployments/config.yaml
 class EncoderGroup:
     def __init__(self, config: ModelConfig | None = None, batch_window_s: float = 0.005, max_batch_images: int = 64):
         # A Pipeline that is only ever asked to encode: its workers and coordinator, no decode engine.

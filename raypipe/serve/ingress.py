@@ -41,8 +41,7 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
-# Serve's default of 5 ongoing requests per replica would cap the decode batch at 5.
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128)
+@serve.deployment  # options (replicas, resources, max_ongoing_requests) live in deployments/config.yaml
 @serve.ingress(app)
 class Ingress:
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, model: str = "tiny",

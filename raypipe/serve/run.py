@@ -1,4 +1,8 @@
-"""`raypipe serve`: start the Serve application on a local (or the running) Ray and block until Ctrl-C.
+"""`raypipe serve`: run deployments/config.yaml's application on a local (or the running) Ray until Ctrl-C.
+
+It runs what `serve run deployments/config.yaml` runs (the packaged copy, or `--config PATH`): the
+app's args, each deployment's options (autoscaling, resources), proxy_location, http_options and
+controller_options. Its flags override the file's values; a key it cannot apply is refused.
 
 It refuses a port something already listens on (Serve's proxy would share it), and keeps its log
 to what a user should read: no "Connecting to existing Serve app" note for the Serve it has just
@@ -12,43 +16,79 @@ import contextlib
 import errno
 import logging
 import os
+import pathlib
 import signal
 import socket
 import sys
 import time
 
-APP_NAME = "raypipe"
+from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
+
+FLAG_ARGS = ("model", "num_encoders", "encoder_gpus", "cost_model", "api_key")  # flags that override the app's args
+FLAG_HTTP = ("host", "port")  # flags that override http_options
+START_KEYS = ("proxy_location", "http_options", "grpc_options", "controller_options")  # as `serve run` passes them
+APP_KEYS = {"name", "route_prefix", "import_path", "args", "deployments"}
+
+
+def serve_config(args) -> dict:
+    """The Serve config file (`--config`, else the packaged one) with the command line's flags applied."""
+    path = pathlib.Path(args.config) if args.config else SERVE_CONFIG
+    config = load_serve_config(path)
+    apps = config.get("applications") or []
+    if len(apps) != 1:
+        raise ValueError(f"{path} has {len(apps)} applications; `raypipe serve` runs exactly one")
+    unapplied = sorted(config.keys() - {*START_KEYS, "applications"}) + sorted(apps[0].keys() - APP_KEYS)
+    if unapplied:
+        raise ValueError(f"{path} sets {', '.join(unapplied)}, which `raypipe serve` does not apply; "
+                         f"use `serve run {path}`")
+    apps[0]["args"] = {**(apps[0].get("args") or {}), **_given(args, FLAG_ARGS)}
+    config["http_options"] = {**(config.get("http_options") or {}), **_given(args, FLAG_HTTP)}
+    return config
+
+
+def _given(args, names) -> dict:
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def run_serve(args) -> int:
-    import ray
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        config = serve_config(args)
+        schema = ServeDeploySchema.model_validate(config)  # Serve's own checks and defaults, as `serve run`'s
+        http = schema.http_options
+        check_port_free(http.host, http.port)
+    except (OSError, ValueError) as exc:  # a pydantic ValidationError is a ValueError
+        print(f"raypipe: could not start serving: {exc}", file=sys.stderr, flush=True)
+        return 1
+    import ray  # heavy imports only once the port is known to be free
     from ray import serve
 
     from raypipe.models.registry import resolve_model
     from raypipe.runtime.ray_cluster import connect_ray
+    from raypipe.serve.app import IMPORT_PATH, AppArgs, compose, deployment_options
 
-    try:
-        check_port_free(args.host, args.port)
-    except OSError as exc:
-        print(f"raypipe: could not start serving: {exc}", file=sys.stderr, flush=True)
+    [app] = schema.applications
+    if app.import_path != IMPORT_PATH:
+        print(f"raypipe: could not start serving: `raypipe serve` runs {IMPORT_PATH}, not {app.import_path}; "
+              "use `serve run`", file=sys.stderr, flush=True)
         return 1
-    from raypipe.serve.app import AppArgs, build_app  # heavy imports only once the port is known to be free
-    from raypipe.serve.proxy_errors import CONTROLLER_OPTIONS
-
-    resolve_model(args.model)  # write a preset once here, before several replicas race to
+    app_args = AppArgs.model_validate(config["applications"][0]["args"])
+    if app_args.api_key is None:
+        app_args.api_key = os.environ.get("RAYPIPE_API_KEY")
+    resolve_model(app_args.model)  # write a preset once here, before several replicas race to
     owns_ray = not ray.is_initialized()
     connect_ray()
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops it as cleanly as Ctrl-C
     try:
-        # The proxies answer a dead replica's requests with OpenAI error bodies (raypipe/serve/proxy_errors.py).
-        serve.start(http_options={"host": args.host, "port": args.port}, controller_options=CONTROLLER_OPTIONS)
-        api_key = args.api_key or os.environ.get("RAYPIPE_API_KEY")
-        shared = {name: getattr(args, name) for name in AppArgs.model_fields if hasattr(args, name)}
-        app = build_app(AppArgs(**{**shared, "api_key": api_key}))
-        with _quiet_reconnect_note():
-            serve.run(app, name=APP_NAME, route_prefix="/")  # returns once every replica is healthy
-        print(f"raypipe: serving {args.model!r} at http://{args.host}:{args.port}/v1 "
-              f"(API key {'on' if api_key else 'off'}); Ctrl-C stops", flush=True)
+        # controller_options: the proxies answer a dead replica's requests with OpenAI error bodies
+        # (raypipe/serve/proxy_errors.py).
+        serve.start(proxy_location=schema.proxy_location, http_options=http.model_dump(),
+                    grpc_options=schema.grpc_options.model_dump(), controller_options=schema.controller_options)
+        with _quiet_reconnect_note():  # returns once every replica is healthy
+            serve.run(compose(app_args, deployment_options(config)), name=app.name, route_prefix=app.route_prefix)
+        print(f"raypipe: serving {app_args.model!r} at http://{http.host}:{http.port}{app.route_prefix.rstrip('/')}/v1 "
+              f"(API key {'on' if app_args.api_key else 'off'}); Ctrl-C stops", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
