@@ -20,8 +20,8 @@ from raypipe.inputs.sampling import SamplingParams
 
 @serve.deployment  # options (replicas, resources, max_ongoing_requests) live in deployments/config.yaml
 class Decoder:
-    def __init__(self, model: str = "tiny", engine: dict | None = None):
-        self.engine = LLMEngine(resolve_model(model), EngineConfig(**(engine or {})))
+    def __init__(self, model: str, engine: dict):  # from `AppArgs` (raypipe.serve.app.compose)
+        self.engine = LLMEngine(resolve_model(model), EngineConfig(**engine))
 
     async def generate(self, request_id: str, prompt: PreparedPrompt, visual_embeds: list, params: SamplingParams):
         # When the caller goes away Serve cancels this generator; the engine's generate() then

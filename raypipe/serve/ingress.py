@@ -44,9 +44,10 @@ COMPLETIONS = "/v1/completions"
 @serve.deployment  # options (replicas, resources, max_ongoing_requests) live in deployments/config.yaml
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, model: str = "tiny",
-                 served_model_name: str | None = None, api_key: str | None = None, limits: dict | None = None,
-                 health_timeout_s: float = 5.0, resize_images: bool = True):
+    # No defaults for what `AppArgs` carries: `raypipe.serve.app.compose` always passes them.
+    def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, *, model: str,
+                 served_model_name: str | None, api_key: str | None, limits: dict, resize_images: bool,
+                 health_timeout_s: float = 5.0):
         from transformers import AutoTokenizer
 
         checkpoint = resolve_model(model)
@@ -54,7 +55,7 @@ class Ingress:
         self.model_names = {served_model_name or str(model), str(model)}
         self.served_model_name = served_model_name or str(model)
         self.api_key = api_key or os.environ.get("RAYPIPE_API_KEY") or None
-        self.limits = ServeLimits(**(limits or {}))
+        self.limits = ServeLimits(**limits)
         self.image_limits = self.limits.image_limits
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.chars_per_token = max_chars_per_token(self.tokenizer)
