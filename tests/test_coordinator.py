@@ -9,7 +9,7 @@ import ray
 import torch
 
 from raypipe import InvalidInput, Pipeline
-from raypipe.inputs.images import load_images
+from raypipe.inputs.images import load_image, load_images
 from tests.conftest import random_images, reference_embeddings
 
 
@@ -131,7 +131,7 @@ def test_unknown_cost_model_fails_at_start(ray_local, tiny_ckpt):
 
 def test_ping_answers_while_worker_is_busy(pipe):
     item = pipe.coordinator.adapter.make_item(
-        pipe.coordinator.adapter.resize_for_tower(__import__("raypipe").preprocess.load_image(
+        pipe.coordinator.adapter.resize_for_tower(load_image(
             random_images([(448, 448)], seed=40)[0])))
     busy = [w.encode_timed.remote([item], repeats=400) for w in pipe.coordinator.workers]  # seconds of work each
     time.sleep(0.5)
