@@ -23,7 +23,7 @@ from raypipe.encode.coordinator import Coordinator
 from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
-from raypipe.encode.worker import RemoteEncoderWorker
+from raypipe.encode.pool import EncoderPool, WorkerOptions
 from raypipe.errors import InvalidInput, RaypipeError
 from raypipe.models.registry import model_for_actors, resolve_model
 from raypipe.models.registry import language_adapter, vision_adapter
@@ -82,25 +82,17 @@ class Pipeline:
         threads, decode steps per round).
         """
         checkpoint = resolve_model(config.model)  # writes a preset once, before any actor races to
-        adapter = vision_adapter(checkpoint)
+        adapter = vision_adapter(checkpoint)  # an unsupported family fails here, before any actor starts
         owns_ray = not ray.is_initialized()
         connect_ray(ray_address)
-        gpus = default_encoder_gpus() if config.encoder_gpus is None else config.encoder_gpus
-        threads = config.encoder_threads or max(1, (os.cpu_count() or 1) // config.num_encoders)
-
-        def start_worker():
-            # num_cpus=0: a worker must not pin a whole CPU slot on small machines (see PLATFORM-NOTES).
-            return RemoteEncoderWorker.options(num_cpus=0, num_gpus=gpus).remote(
-                model_for_actors(config.model, checkpoint), dtype=config.dtype, num_threads=threads)
-
-        workers = [start_worker() for _ in range(config.num_encoders)]
-        ray.get([w.info.remote() for w in workers])  # surface load errors here, not on first call
-        coordinator = Coordinator(adapter, workers, cost_model=config.cost_model, cache_bytes=config.cache_bytes,
-                                  worker_factory=start_worker)
+        options = WorkerOptions.for_cluster(model_for_actors(config.model, checkpoint), config.num_encoders,
+                                            gpus=config.encoder_gpus, dtype=config.dtype, threads=config.encoder_threads)
+        coordinator = Coordinator(adapter, EncoderPool.start(options, config.num_encoders),
+                                  cost_model=config.cost_model, cache_bytes=config.cache_bytes)
         engine_config = engine_config or EngineConfig()
         if engine_config.num_threads is None:  # explicit, not Ray's implicit OMP_NUM_THREADS=1
             engine_config = dataclasses.replace(engine_config, num_threads=decode_threads(
-                os.cpu_count() or 1, encoders_on_cpu=not gpus))
+                os.cpu_count() or 1, encoders_on_cpu=not options.num_gpus))
         pipeline = cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config,
                        default_encoder_gpus() if config.decode_gpus is None else config.decode_gpus)
         pipeline.actor_model = model_for_actors(config.model, checkpoint)
@@ -202,7 +194,7 @@ class Pipeline:
         return ray.get(self._engine.stats.remote()) if self._engine is not None else {}
 
     def worker_info(self) -> list[dict]:
-        return ray.get([w.info.remote() for w in self.coordinator.workers])
+        return self.coordinator.pool.info()
 
     def stats(self) -> dict:
         return {"encoder": self.coordinator.stats(), "decode": self.engine_stats()}
@@ -211,8 +203,7 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        for worker in self.coordinator.workers:
-            ray.kill(worker)
+        self.coordinator.pool.shutdown()
         if self._engine is not None:
             ray.kill(self._engine)
         if self._owns_ray:

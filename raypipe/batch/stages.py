@@ -117,10 +117,11 @@ class EncodeStage:
     """An encoder actor: one `EncoderWorker` in-process, encoding one pack per call."""
 
     def __init__(self, model: str, dtype: str = "auto", num_threads: int | None = None):
-        from raypipe.encode.worker import EncoderWorker
-        from raypipe.models.registry import resolve_model
+        from raypipe.encode.pool import WorkerOptions
 
-        self.worker = EncoderWorker(str(resolve_model(model)), dtype=dtype, num_threads=num_threads)
+        # Built as the online pool builds its actors; Ray Data's actor pool owns the lifecycle here
+        # (its GPU share is the map stage's `num_gpus`).
+        self.worker = WorkerOptions(model, dtype, num_threads).build()
 
     def __call__(self, packs: pa.Table) -> pa.Table:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()

@@ -122,7 +122,7 @@ def balancer_quality(adapter, units, unit_seconds: list[float], worker_counts, c
 
 
 def main(args) -> int:
-    from raypipe.encode.worker import RemoteEncoderWorker
+    from raypipe.encode.pool import WorkerOptions
     from raypipe.runtime.device import pick_device
     from raypipe.models.registry import resolve_model
     from raypipe.models.registry import vision_adapter
@@ -143,7 +143,7 @@ def main(args) -> int:
     connect_ray()
 
     # (a) per-unit cost measured on one encoder worker (the threads each of 2 DP workers gets here)
-    probe = RemoteEncoderWorker.options(num_cpus=0).remote(str(checkpoint), num_threads=max(1, cores // 2))
+    probe = WorkerOptions(str(checkpoint), num_threads=max(1, cores // 2)).start()
     flat = [u for item_units in units for u in item_units]
     repeats = 1 if args.quick else 3
     first_pass = ray.get(probe.encode_timed.remote(flat, repeats=repeats))

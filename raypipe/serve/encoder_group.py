@@ -19,17 +19,23 @@ import ray
 from ray import serve
 
 from raypipe.config import ModelConfig
-from raypipe.pipeline import Pipeline
+from raypipe.encode.coordinator import Coordinator
+from raypipe.encode.pool import EncoderPool, WorkerOptions
 from raypipe.inputs.images import DecodedImage
+from raypipe.models.registry import model_for_actors, resolve_model, vision_adapter
 
 
 # Calls wait here to be micro-batched: allow many more than Serve's default of 5 per replica.
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=128, health_check_period_s=1.0)
 class EncoderGroup:
     def __init__(self, config: ModelConfig | None = None, batch_window_s: float = 0.005, max_batch_images: int = 64):
-        # A Pipeline that is only ever asked to encode: its workers and coordinator, no decode engine.
-        self.pipeline = Pipeline.from_config(config or ModelConfig())
-        self.coordinator = self.pipeline.coordinator
+        config = config or ModelConfig()
+        checkpoint = resolve_model(config.model)
+        adapter = vision_adapter(checkpoint)
+        options = WorkerOptions.for_cluster(model_for_actors(config.model, checkpoint), config.num_encoders,
+                                            gpus=config.encoder_gpus, dtype=config.dtype, threads=config.encoder_threads)
+        self.pool = EncoderPool.start(options, config.num_encoders)
+        self.coordinator = Coordinator(adapter, self.pool, cost_model=config.cost_model, cache_bytes=config.cache_bytes)
         self.encode.set_max_batch_size(max_batch_images)
         self.encode.set_batch_wait_timeout_s(batch_window_s)
         self.batching = {"batches": 0, "requests": 0, "images": 0, "max_requests_per_batch": 0}
@@ -59,19 +65,19 @@ class EncoderGroup:
 
     async def ping(self, timeout_s: float = 2.0) -> dict:
         """How many workers are alive (answer a ping within `timeout_s`) and how many are loading (for /health)."""
-        return await asyncio.to_thread(self.coordinator.check_workers, timeout_s)
+        return await asyncio.to_thread(self.pool.check, timeout_s)
 
     async def check_health(self) -> None:
         # Never raises: a dead worker is replaced here, not a reason for Serve to restart this replica.
-        await asyncio.to_thread(self.coordinator.check_workers, 5.0)
+        await asyncio.to_thread(self.pool.check, 5.0)
 
     def worker_info(self) -> list[dict]:
         """Each worker's `info()` (pid, device, items encoded): which processes serve this group."""
-        return ray.get([worker.info.remote() for worker in self.coordinator.workers])
+        return self.pool.info()
 
     def stats(self) -> dict:
         return {**self.coordinator.stats(), "batching": dict(self.batching)}
 
     def __del__(self):
-        if hasattr(self, "pipeline"):
-            self.pipeline.shutdown()  # kills the worker actors (Ray itself belongs to Serve)
+        if hasattr(self, "pool"):
+            self.pool.shutdown()  # kills the worker actors (Ray itself belongs to Serve)
