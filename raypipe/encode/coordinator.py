@@ -1,6 +1,6 @@
 """Shard a batch of images over encoder workers, gather per-image embeddings in input order.
 
-`submit` is three steps: `plan` (cache lookup by content hash, duplicates inside the batch encoded
+`submit` is four steps: `plan` (cache lookup by content hash, duplicates inside the batch encoded
 once, units of work and their costs; `plan.py`) -> `place` over the ready workers (greedy plus an
 improvement pass, `partition.py`) -> `dispatch` (one task per shard, a shard whose worker died
 re-run on a live one; `dispatch.py`) -> `assemble` (an image's units concatenated, the cache

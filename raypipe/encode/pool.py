@@ -91,11 +91,6 @@ class EncoderPool:
         with self._lock:
             return len(self._loading)
 
-    def ready(self) -> list[int]:
-        """Indices of workers that have loaded their weights (does not wait)."""
-        with self._lock:
-            return self._ready_locked()
-
     def wait_ready(self) -> list[int]:
         """Ready worker indices, waiting for a replacement to load if none is ready."""
         while True:
@@ -152,6 +147,7 @@ class EncoderPool:
             self.replaced += 1
 
     def _ready_locked(self) -> list[int]:
+        """Indices of workers that have loaded their weights (does not wait)."""
         if self._loading:
             done, _ = ray.wait(list(self._loading.values()), num_returns=len(self._loading), timeout=0)
             for index in [i for i, ref in self._loading.items() if ref in done]:
