@@ -17,8 +17,8 @@ import dataclasses
 import os
 
 from raypipe.decode.config import EngineConfig
-from raypipe.models.base import check_cost_model
 from raypipe.inputs.images import ImageLimits
+from raypipe.models.base import check_cost_model
 
 __all__ = ["EngineConfig", "ImageLimits", "ModelConfig", "defaults", "model_config_from_args"]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-
 import os
 import pathlib
 import threading
@@ -19,18 +18,27 @@ import ray
 from ray.exceptions import RayTaskError
 
 from raypipe.config import ModelConfig, defaults
-from raypipe.encode.coordinator import Coordinator
 from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
-from raypipe.encode.worker import RemoteEncoderWorker
+from raypipe.encode.coordinator import Coordinator
+from raypipe.encode.pool import EncoderPool, WorkerOptions
 from raypipe.errors import InvalidInput, RaypipeError
-from raypipe.models.registry import model_for_actors, resolve_model
-from raypipe.models.registry import language_adapter, vision_adapter
 from raypipe.inputs.images import ImageLimits, load_images
-from raypipe.models.prompt import PreparedPrompt, build_prompt
 from raypipe.inputs.sampling import SamplingParams
+from raypipe.models.base import VisionAdapter
+from raypipe.models.prompt import PreparedPrompt, build_prompt
+from raypipe.models.registry import language_adapter, model_for_actors, resolve_model, vision_adapter
 from raypipe.runtime.ray_cluster import connect_ray, decode_threads, default_encoder_gpus
+
+
+def start_encoders(config: ModelConfig, checkpoint: pathlib.Path, adapter: VisionAdapter) -> Coordinator:
+    """`config.num_encoders` encoder workers, loaded, and the coordinator over them (Pipeline and
+    Serve's EncoderGroup)."""
+    options = WorkerOptions.for_cluster(model_for_actors(config.model, checkpoint), config.num_encoders,
+                                        gpus=config.encoder_gpus, dtype=config.dtype, threads=config.encoder_threads)
+    return Coordinator(adapter, EncoderPool.start(options, config.num_encoders), cost_model=config.cost_model,
+                       cache_bytes=config.cache_bytes)
 
 
 class Pipeline:
@@ -85,25 +93,14 @@ class Pipeline:
         threads, decode steps per round).
         """
         checkpoint = resolve_model(config.model)  # writes a preset once, before any actor races to
-        adapter = vision_adapter(checkpoint)
+        adapter = vision_adapter(checkpoint)  # an unsupported family fails here, before any actor starts
         owns_ray = not ray.is_initialized()
         connect_ray(ray_address)
-        gpus = default_encoder_gpus() if config.encoder_gpus is None else config.encoder_gpus
-        threads = config.encoder_threads or max(1, (os.cpu_count() or 1) // config.num_encoders)
-
-        def start_worker():
-            # num_cpus=0: a worker must not pin a whole CPU slot on small machines (see PLATFORM-NOTES).
-            return RemoteEncoderWorker.options(num_cpus=0, num_gpus=gpus).remote(
-                model_for_actors(config.model, checkpoint), dtype=config.dtype, num_threads=threads)
-
-        workers = [start_worker() for _ in range(config.num_encoders)]
-        ray.get([w.info.remote() for w in workers])  # surface load errors here, not on first call
-        coordinator = Coordinator(adapter, workers, cost_model=config.cost_model, cache_bytes=config.cache_bytes,
-                                  worker_factory=start_worker)
+        coordinator = start_encoders(config, checkpoint, adapter)
         engine_config = engine_config or EngineConfig()
         if engine_config.num_threads is None:  # explicit, not Ray's implicit OMP_NUM_THREADS=1
             engine_config = dataclasses.replace(engine_config, num_threads=decode_threads(
-                os.cpu_count() or 1, encoders_on_cpu=not gpus))
+                os.cpu_count() or 1, encoders_on_cpu=not coordinator.pool.options.num_gpus))
         pipeline = cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config,
                        default_encoder_gpus() if config.decode_gpus is None else config.decode_gpus)
         pipeline.actor_model = model_for_actors(config.model, checkpoint)
@@ -195,7 +192,7 @@ class Pipeline:
         which surfaces load errors)."""
         with self._engine_lock:
             if self._engine is None:
-                # num_cpus=0 like the encoders (see PLATFORM-NOTES); it picks its device itself.
+                # num_cpus=0 like the encoders (see encode/pool.py); it picks its device itself.
                 self._engine = RemoteDecodeEngine.options(num_cpus=0, num_gpus=self.decode_gpus).remote(
                     self.actor_model, self.engine_config)
                 self._engine_ready = self._engine.info.remote()
@@ -205,7 +202,7 @@ class Pipeline:
         return ray.get(self._engine.stats.remote()) if self._engine is not None else {}
 
     def worker_info(self) -> list[dict]:
-        return ray.get([w.info.remote() for w in self.coordinator.workers])
+        return self.coordinator.pool.info()
 
     def stats(self) -> dict:
         return {"encoder": self.coordinator.stats(), "decode": self.engine_stats()}
@@ -214,8 +211,7 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        for worker in self.coordinator.workers:
-            ray.kill(worker)
+        self.coordinator.pool.shutdown()
         if self._engine is not None:
             ray.kill(self._engine)
         if self._owns_ray:

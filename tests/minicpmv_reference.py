@@ -15,7 +15,7 @@ def processor(ckpt):
     """transformers' `MiniCPMV4_6Processor` for the checkpoint.
 
     Its constructor type-checks the video processor against a base class that transformers only
-    exports with torchvision installed (torchvision cannot be installed here: see PLATFORM-NOTES).
+    exports with torchvision installed (the registry's torchvision wheels are CUDA builds that do not load with the CPU torch).
     The video processor itself builds without it, so only that one check is skipped; everything
     the processor does with images and text is transformers' own code.
     """

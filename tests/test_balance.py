@@ -63,8 +63,8 @@ def test_even_split_baseline():
 
 
 def test_cost_models_order_images(tiny_ckpt):
-    from raypipe.models.registry import vision_adapter
     from raypipe.inputs.images import load_image
+    from raypipe.models.registry import vision_adapter
     from tests.conftest import random_images
 
     adapter = vision_adapter(tiny_ckpt)

@@ -18,8 +18,8 @@ from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.decode.output import OutputProcessor
 from raypipe.decode.sequence import Sequence
-from tests import decode_reference as ref
 from raypipe.errors import CapacityError, EngineClosed, InvalidInput
+from tests import decode_reference as ref
 
 
 @pytest.fixture(scope="module")

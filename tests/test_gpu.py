@@ -21,8 +21,8 @@ def hf_cuda(tiny_ckpt):
 
 
 def test_vision_tower_on_cuda_matches_cpu_reference(tiny_ckpt, hf_model):
-    from raypipe.models.registry import vision_adapter
     from raypipe.inputs.images import load_image
+    from raypipe.models.registry import vision_adapter
 
     adapter = vision_adapter(tiny_ckpt)
     tower = adapter.load_tower(torch.device("cuda"), torch.float32)

@@ -10,8 +10,8 @@ import pytest
 from raypipe import SamplingParams
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
-from raypipe.models.registry import vision_adapter
 from raypipe.models.prompt import build_prompt
+from raypipe.models.registry import vision_adapter
 from tests import minicpmv_reference as ref
 from tests.conftest import random_images
 from tests.decode_reference import messages

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from raypipe import Pipeline
-from raypipe.models.registry import language_adapter, vision_adapter
 from raypipe.models.prompt import build_prompt
+from raypipe.models.registry import language_adapter, vision_adapter
 from tests import minicpmv_reference as ref
 from tests.conftest import random_images
 

@@ -6,8 +6,8 @@ import pytest
 from PIL import Image
 
 from raypipe import InvalidInput
-from raypipe.models.registry import language_adapter, vision_adapter
 from raypipe.models.prompt import build_prompt
+from raypipe.models.registry import language_adapter, vision_adapter
 from tests.conftest import random_images
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from raypipe.models.registry import language_adapter, vision_adapter
 from raypipe.models.prompt import build_prompt
+from raypipe.models.registry import language_adapter, vision_adapter
 from tests import minicpmv_reference as ref
 from tests.conftest import random_images
 from tests.test_serve_api import free_port, image_url, user

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
+from raypipe.errors import InvalidInput
 from raypipe.serve.errors import ApiError
 from raypipe.serve.limits import ServeLimits
 from raypipe.serve.openai.bodies import chunk_body
 from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai.parsing import parse_request
 from raypipe.serve.openai.schemas import CompletionRequest
-from raypipe.errors import InvalidInput
 
 
 def body(**fields) -> bytes:

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from raypipe.models.registry import language_adapter, vision_adapter
 from raypipe.inputs.images import load_image
 from raypipe.models.prompt import build_prompt
+from raypipe.models.registry import language_adapter, vision_adapter
 from tests import step3_reference as ref
 from tests.conftest import random_images
 

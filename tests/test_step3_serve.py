@@ -6,9 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from raypipe.models.registry import vision_adapter
 from raypipe.inputs.images import load_image
 from raypipe.models.prompt import build_prompt
+from raypipe.models.registry import vision_adapter
 from tests import step3_reference as ref
 from tests.conftest import random_images
 from tests.test_serve_api import data_url, free_port, png_bytes

@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import json
 import logging
-import os
 import time
 from typing import Literal
 
@@ -170,8 +169,9 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     import ray
 
     from raypipe.batch import stages
+    from raypipe.encode.pool import WorkerOptions
     from raypipe.models.registry import model_for_actors, resolve_model
-    from raypipe.runtime.ray_cluster import connect_ray, default_encoder_gpus
+    from raypipe.runtime.ray_cluster import connect_ray
 
     config = options.model
     # Copy or write it on this node once, before the actors race to; actors get a name every node can resolve.
@@ -181,9 +181,9 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     budget = (options.batch_cost * stages.max_image_cost(model, config.cost_model)
               if options.batching == "cost" else None)
     lo, hi = config.encoder_range
-    encoder_gpus = default_encoder_gpus() if config.encoder_gpus is None else config.encoder_gpus
-    threads = config.encoder_threads or max(1, (os.cpu_count() or 1) // hi)
-    # Actors ask for no CPU (they would pin a whole slot each on small machines; see PLATFORM-NOTES);
+    worker = WorkerOptions.for_cluster(model, hi, gpus=config.encoder_gpus, dtype=config.dtype,
+                                       threads=config.encoder_threads)
+    # Actors ask for no CPU (an actor holds its CPU slot for life: on 2 cores a third would never start);
     # Ray restarts a dead actor and re-runs its calls: a row is written only by write_rows.
     actor_options = dict(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 
@@ -195,10 +195,10 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                         num_cpus=0.5, max_retries=3)  # half a CPU: fits Ray Data's per-stage budget on 2 cores
     ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1,
                         compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
-                        fn_constructor_kwargs=dict(model=model, dtype=config.dtype, num_threads=threads),
-                        num_gpus=encoder_gpus, **actor_options)
+                        fn_constructor_kwargs=dict(model=model, dtype=worker.dtype, num_threads=worker.num_threads),
+                        num_gpus=worker.num_gpus, **actor_options)
     if options.task == "generate":
-        decode_gpus = config.decode_gpus if config.decode_gpus is not None else encoder_gpus
+        decode_gpus = config.decode_gpus if config.decode_gpus is not None else worker.num_gpus
         ds = ds.map_batches(stages.GenerateStage, batch_format="pyarrow", batch_size=options.engine.max_num_seqs,
                             compute=ray.data.ActorPoolStrategy(min_size=options.num_decoders[0],
                                                                max_size=options.num_decoders[1]),

@@ -117,11 +117,12 @@ def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3:
 class EncodeStage:
     """An encoder actor: one `EncoderWorker` in-process, encoding one pack per call."""
 
-    def __init__(self, model: str, dtype: str = "auto", num_threads: int | None = None):
-        from raypipe.encode.worker import EncoderWorker
-        from raypipe.models.registry import resolve_model
+    def __init__(self, model: str, dtype: str, num_threads: int | None):
+        from raypipe.encode.pool import WorkerOptions
 
-        self.worker = EncoderWorker(str(resolve_model(model)), dtype=dtype, num_threads=num_threads)
+        # Built as the online pool builds its actors; Ray Data's actor pool owns the lifecycle here
+        # (its GPU share is the map stage's `num_gpus`).
+        self.worker = WorkerOptions(model, dtype, num_threads).build()
 
     def __call__(self, packs: pa.Table) -> pa.Table:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
@@ -145,8 +146,8 @@ class GenerateStage:
 
     def __init__(self, model: str, engine_config, image_limits: ImageLimits, max_tokens: int, default_prompt: str):
         from raypipe.decode.engine import LLMEngine
-        from raypipe.models.registry import resolve_model
         from raypipe.inputs.sampling import SamplingParams
+        from raypipe.models.registry import resolve_model
 
         checkpoint = resolve_model(model)
         self.engine = LLMEngine(checkpoint, engine_config)

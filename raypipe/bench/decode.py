@@ -148,8 +148,7 @@ def main(args) -> int:
 
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
-    from raypipe.models.registry import resolve_model
-    from raypipe.models.registry import language_adapter
+    from raypipe.models.registry import language_adapter, resolve_model
     from raypipe.pipeline import Pipeline
 
     checkpoint = resolve_model(getattr(args, "model", None) or "small")

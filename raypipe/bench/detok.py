@@ -67,8 +67,7 @@ def main(args) -> int:
     from raypipe.bench.decode import make_prompts
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
-    from raypipe.models.registry import resolve_model
-    from raypipe.models.registry import language_adapter
+    from raypipe.models.registry import language_adapter, resolve_model
 
     checkpoint = resolve_model(getattr(args, "model", None) or "tiny")
     requests, max_tokens = (8, 128) if args.quick else (32, 512)

@@ -28,11 +28,11 @@ import numpy as np
 import ray
 import torch
 
-from raypipe.encode.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
 from raypipe.bench.common import median_seconds, print_table, write_json
+from raypipe.encode.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
 from raypipe.encode.calibration import CostCalibration
-from raypipe.testing.sample_images import sample_image
 from raypipe.encode.partition import partition
+from raypipe.testing.sample_images import sample_image
 
 STRATEGIES = ("even split (count)", "greedy: patches", "greedy: attention", "greedy: calibrated",
               "calibrated + improved", "oracle: greedy, in sample", "oracle: greedy, other pass")
@@ -122,13 +122,13 @@ def balancer_quality(adapter, units, unit_seconds: list[float], worker_counts, c
 
 
 def main(args) -> int:
-    from raypipe.encode.worker import RemoteEncoderWorker
-    from raypipe.runtime.device import pick_device
-    from raypipe.models.registry import resolve_model
-    from raypipe.models.registry import vision_adapter
-    from raypipe.pipeline import Pipeline
-    from raypipe.runtime.ray_cluster import connect_ray
+    from raypipe.config import ModelConfig
+    from raypipe.encode.pool import WorkerOptions
     from raypipe.inputs.images import ImageLimits, load_images
+    from raypipe.models.registry import resolve_model, vision_adapter
+    from raypipe.pipeline import Pipeline
+    from raypipe.runtime.device import pick_device
+    from raypipe.runtime.ray_cluster import connect_ray
 
     model = getattr(args, "model", None) or "small"
     checkpoint = resolve_model(model)
@@ -143,7 +143,7 @@ def main(args) -> int:
     connect_ray()
 
     # (a) per-unit cost measured on one encoder worker (the threads each of 2 DP workers gets here)
-    probe = RemoteEncoderWorker.options(num_cpus=0).remote(str(checkpoint), num_threads=max(1, cores // 2))
+    probe = WorkerOptions(str(checkpoint), ModelConfig().dtype, num_threads=max(1, cores // 2)).start()
     flat = [u for item_units in units for u in item_units]
     repeats = 1 if args.quick else 3
     first_pass = ray.get(probe.encode_timed.remote(flat, repeats=repeats))

@@ -171,8 +171,8 @@ def _compare(base: str, model: str, bodies: list[dict], duration: float) -> dict
     """Baseline, then raypipe, under the same load; each app is deleted before the next starts."""
     from ray import serve
 
-    from raypipe.serve.app import build_app
     from raypipe.bench.serve_baseline import TransformersBaseline
+    from raypipe.serve.app import build_app
 
     check, bodies = bodies[-4:], bodies[:-4]  # warm-up requests whose outputs are compared
     cores = os.cpu_count() or 1

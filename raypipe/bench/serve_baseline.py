@@ -20,8 +20,7 @@ class TransformersBaseline:
     def __init__(self, model: str, num_threads: int = 1):
         from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        from raypipe.models.registry import resolve_model
-        from raypipe.models.registry import vision_adapter
+        from raypipe.models.registry import resolve_model, vision_adapter
 
         torch.set_num_threads(num_threads)
         checkpoint = resolve_model(model)

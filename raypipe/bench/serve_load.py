@@ -133,9 +133,9 @@ def main(args) -> int:
     import ray
     from ray import serve
 
-    from raypipe.serve.app import build_app
     from raypipe.models.registry import resolve_model
     from raypipe.runtime.ray_cluster import connect_ray
+    from raypipe.serve.app import build_app
 
     model = getattr(args, "model", None) or "tiny"
     count = getattr(args, "requests", None) or (20 if args.quick else 100)

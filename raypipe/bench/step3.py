@@ -21,18 +21,17 @@ import os
 
 import torch
 
-from raypipe.encode.balance import get_load_balance_assignment, split_by_counts
 from raypipe.bench.common import median_seconds, print_table, write_json
 from raypipe.bench.encode import STRATEGIES, balancer_quality, heavy_tailed_sizes
+from raypipe.encode.balance import get_load_balance_assignment, split_by_counts
 from raypipe.testing.sample_images import sample_image
 
 WHOLE_IMAGES = "greedy: whole images"
 
 
 def main(args) -> int:
-    from raypipe.models.registry import resolve_model
-    from raypipe.models.registry import vision_adapter
     from raypipe.inputs.images import ImageLimits, load_images
+    from raypipe.models.registry import resolve_model, vision_adapter
 
     model = getattr(args, "model", None) or "tiny-step3"
     checkpoint = resolve_model(model)
@@ -63,8 +62,8 @@ def main(args) -> int:
         loads = [sum(image_seconds[i] for i in shard) for shard in split_by_counts(order, counts)]
         row[WHOLE_IMAGES] = max(loads) / lower[n]  # same lower bound as the view strategies
         row["greedy attention vs vLLM"] = row[STRATEGIES[0]] / row[STRATEGIES[2]]
-    global_s = [s for u, s in zip(units, seconds) if u.grid[0] == u.grid[1] * u.grid[2]]
-    crop_s = [s for u, s in zip(units, seconds) if u.grid[0] < u.grid[1] * u.grid[2]]
+    global_s = [s for u, s in zip(units, seconds) if adapter.is_global_view(u)]
+    crop_s = [s for u, s in zip(units, seconds) if not adapter.is_global_view(u)]
     result = {"model": str(model), "images": count, "sizes": sizes, "units": len(units),
               "crops_per_image": [len(s) - 1 for s in units_of], "unit_seconds": seconds,
               "median_global_view_s": sorted(global_s)[len(global_s) // 2],

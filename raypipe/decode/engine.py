@@ -34,7 +34,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -43,15 +44,15 @@ import torch
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
-from raypipe.decode.request import check_visual_embeds, check_request
+from raypipe.decode.request import check_request, check_visual_embeds
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
-from raypipe.runtime.device import pick_device, resolve_dtype
 from raypipe.errors import EngineClosed, InvalidInput, QueueFull
-from raypipe.models.registry import language_adapter
-from raypipe.models.prompt import PreparedPrompt
 from raypipe.inputs.sampling import SamplingParams
+from raypipe.models.prompt import PreparedPrompt
+from raypipe.models.registry import language_adapter
+from raypipe.runtime.device import pick_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 

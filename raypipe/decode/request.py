@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from raypipe.errors import InvalidInput
-from raypipe.models.prompt import PreparedPrompt, token_runs
 from raypipe.inputs.sampling import SamplingParams
+from raypipe.models.prompt import PreparedPrompt, token_runs
 
 
 def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tuple[list[int], list[tuple]]:

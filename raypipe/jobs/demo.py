@@ -17,8 +17,8 @@ from raypipe.testing.sample_images import DEMO_SIZES, sample_images
 def run_demo(args) -> int:
     from raypipe import Pipeline
     from raypipe.config import model_config_from_args
-    from raypipe.runtime.device import pick_device, resolve_dtype
     from raypipe.inputs.images import load_images
+    from raypipe.runtime.device import pick_device, resolve_dtype
 
     images = sample_images()
     t0 = time.perf_counter()

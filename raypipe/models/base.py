@@ -44,6 +44,7 @@ class VisionItem:
     content_hash: str
     grid: tuple[int, ...]  # family-specific geometry (Qwen: (t, h, w) in patches)
     num_tokens: int  # embedding rows this item yields (= placeholder tokens in the prompt)
+    unit_index: int = 0  # which of its item's units this is (`VisionAdapter.units` order); 0 for a whole item
 
 
 class VisionTower(abc.ABC):

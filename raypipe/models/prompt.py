@@ -24,9 +24,9 @@ import uuid
 from collections.abc import Collection, Sequence
 
 from raypipe.errors import InvalidInput
-from raypipe.models.base import VisionAdapter
 from raypipe.inputs.images import ImageLimits, load_image
 from raypipe.inputs.media import DecodedVisual, VisualKind
+from raypipe.models.base import VisionAdapter
 
 # OpenAI / HF content-part type -> the kind of visual item it carries (a new kind adds its types here).
 VISUAL_PART_KINDS: dict[str, VisualKind] = {"image": "image", "image_url": "image"}

@@ -13,9 +13,9 @@ from ray import serve
 
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
-from raypipe.models.registry import resolve_model
-from raypipe.models.prompt import PreparedPrompt
 from raypipe.inputs.sampling import SamplingParams
+from raypipe.models.prompt import PreparedPrompt
+from raypipe.models.registry import resolve_model
 
 
 @serve.deployment  # options (replicas, resources, max_ongoing_requests) live in deployments/config.yaml

@@ -19,16 +19,18 @@ import ray
 from ray import serve
 
 from raypipe.config import ModelConfig
-from raypipe.pipeline import Pipeline
 from raypipe.inputs.media import DecodedVisual
+from raypipe.models.registry import resolve_model, vision_adapter
+from raypipe.pipeline import start_encoders
 
 
 @serve.deployment  # options (replicas, resources, health checks) live in deployments/config.yaml
 class EncoderGroup:
-    def __init__(self, config: ModelConfig | None = None, batch_window_s: float = 0.005, max_batch_images: int = 64):
-        # A Pipeline that is only ever asked to encode: its workers and coordinator, no decode engine.
-        self.pipeline = Pipeline.from_config(config or ModelConfig())
-        self.coordinator = self.pipeline.coordinator
+    # No defaults for what `AppArgs` carries: `raypipe.serve.app.compose` always passes them.
+    def __init__(self, config: ModelConfig, *, batch_window_s: float, max_batch_images: int):
+        checkpoint = resolve_model(config.model)
+        self.coordinator = start_encoders(config, checkpoint, vision_adapter(checkpoint))
+        self.pool = self.coordinator.pool
         self.encode.set_max_batch_size(max_batch_images)
         self.encode.set_batch_wait_timeout_s(batch_window_s)
         self.batching = {"batches": 0, "requests": 0, "images": 0, "max_requests_per_batch": 0}
@@ -58,19 +60,19 @@ class EncoderGroup:
 
     async def ping(self, timeout_s: float = 2.0) -> dict:
         """How many workers are alive (answer a ping within `timeout_s`) and how many are loading (for /health)."""
-        return await asyncio.to_thread(self.coordinator.check_workers, timeout_s)
+        return await asyncio.to_thread(self.pool.check, timeout_s)
 
     async def check_health(self) -> None:
         # Never raises: a dead worker is replaced here, not a reason for Serve to restart this replica.
-        await asyncio.to_thread(self.coordinator.check_workers, 5.0)
+        await asyncio.to_thread(self.pool.check, 5.0)
 
     def worker_info(self) -> list[dict]:
         """Each worker's `info()` (pid, device, items encoded): which processes serve this group."""
-        return ray.get([worker.info.remote() for worker in self.coordinator.workers])
+        return self.pool.info()
 
     def stats(self) -> dict:
         return {**self.coordinator.stats(), "batching": dict(self.batching)}
 
     def __del__(self):
-        if hasattr(self, "pipeline"):
-            self.pipeline.shutdown()  # kills the worker actors (Ray itself belongs to Serve)
+        if hasattr(self, "pool"):
+            self.pool.shutdown()  # kills the worker actors (Ray itself belongs to Serve)

@@ -15,8 +15,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 
-from raypipe.serve.error_body import REPLICA_UNAVAILABLE, REPLICA_UNAVAILABLE_MESSAGE, error_body
 from raypipe.errors import CapacityError, InvalidInput
+from raypipe.serve.error_body import REPLICA_UNAVAILABLE, REPLICA_UNAVAILABLE_MESSAGE, error_body
 
 # InvalidInput codes that are not a plain 400.
 _STATUS_BY_CODE = {"invalid_api_key": 401, "model_not_found": 404, "request_too_large": 413}

@@ -20,6 +20,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from raypipe.errors import InvalidInput
+from raypipe.inputs.sampling import SamplingParams
+from raypipe.models.prompt import build_prompt, check_text_chars, max_chars_per_token, plain_text_ids
+from raypipe.models.registry import resolve_model, vision_adapter
 from raypipe.serve.errors import ApiError, install_handlers
 from raypipe.serve.limits import ServeLimits
 from raypipe.serve.metrics import ServeMetrics
@@ -28,11 +32,6 @@ from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai.parsing import parse_request
 from raypipe.serve.openai.schemas import ChatCompletionRequest, CompletionRequest
 from raypipe.serve.streaming import CompletionStream
-from raypipe.errors import InvalidInput
-from raypipe.models.registry import resolve_model
-from raypipe.models.registry import vision_adapter
-from raypipe.models.prompt import build_prompt, check_text_chars, max_chars_per_token, plain_text_ids
-from raypipe.inputs.sampling import SamplingParams
 
 app = FastAPI(title="raypipe", docs_url=None, redoc_url=None)
 install_handlers(app)

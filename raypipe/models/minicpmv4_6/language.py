@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Sequence
+
 import torch
 
-from raypipe.models.minicpmv4_6.vision import MiniCPMV4_6VisionAdapter
 from raypipe.models.base import LanguageAdapter
+from raypipe.models.minicpmv4_6.vision import MiniCPMV4_6VisionAdapter
 from raypipe.models.text_decoder import TextDecoder
 
 LANGUAGE_PREFIXES = ("model.language_model.",)

@@ -20,9 +20,9 @@ import pathlib
 import numpy as np
 import torch
 
+from raypipe.inputs.media import DecodedVisual
 from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
-from raypipe.inputs.media import DecodedVisual
 
 TOWER_PREFIXES = ("model.vision_tower.",)
 MERGER_PREFIXES = ("model.merger.",)

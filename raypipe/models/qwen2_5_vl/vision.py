@@ -11,9 +11,9 @@ import pathlib
 import numpy as np
 import torch
 
+from raypipe.inputs.media import DecodedVisual, pixel_hash
 from raypipe.models.base import ADAPTER_COST_MODELS, VisionAdapter, VisionItem, VisionTower, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
-from raypipe.inputs.media import DecodedVisual, pixel_hash
 
 VISION_PREFIXES = ("visual.", "model.visual.")
 

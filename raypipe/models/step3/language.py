@@ -12,6 +12,7 @@ Step3 has no multimodal rope: a prompt token's position is its index, image toke
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 
 import torch
 

@@ -19,11 +19,12 @@ import pathlib
 
 import torch
 
+from raypipe.inputs.media import DecodedVisual
 from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, check_cost_model
 from raypipe.models.step3.geometry import Step3Geometry
 from raypipe.models.step3.image_processor import load_image_processor
 from raypipe.models.step3.loading import load_step3_model
-from raypipe.inputs.media import DecodedVisual
+
 
 class Step3VisionAdapter(VisionAdapter):
     split_units = True  # views of one image are balanced (and may run) on different workers
@@ -45,19 +46,25 @@ class Step3VisionAdapter(VisionAdapter):
         return VisionItem(image.pixels, image.content_hash, grid, self.geometry.num_tokens(grid))
 
     def units(self, item: VisionItem) -> list[VisionItem]:
-        """One unit per view, `grid = (view, nx, ny)`: views `0..nx*ny-1` are crops, `nx*ny` the global view."""
+        """One unit per view, `unit_index` the view: `0..nx*ny-1` are crops, `nx*ny` the global view.
+
+        A unit keeps its image's pixels, content hash and crop grid: a worker processes each image once,
+        whatever number of its views it holds."""
         nx, ny = item.grid
         crops = nx * ny
-        return [VisionItem(item.pixels, _unit_hash(item.content_hash, view), (view, nx, ny),
-                           self.geometry.crop_tokens if view < crops else self.geometry.global_tokens)
+        return [VisionItem(item.pixels, item.content_hash, item.grid,
+                           self.geometry.crop_tokens if view < crops else self.geometry.global_tokens, view)
                 for view in range(crops + 1)]
+
+    def is_global_view(self, unit: VisionItem) -> bool:
+        nx, ny = unit.grid
+        return unit.unit_index == nx * ny
 
     def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
         return self.geometry.placeholder_ids(item.grid, tokenizer.convert_tokens_to_ids)
 
     def view_side(self, unit: VisionItem) -> int:
-        view, nx, ny = unit.grid
-        return self.geometry.crop_size if view < nx * ny else self.geometry.global_size
+        return self.geometry.global_size if self.is_global_view(unit) else self.geometry.crop_size
 
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
         check_cost_model(cost_model)
@@ -68,14 +75,6 @@ class Step3VisionAdapter(VisionAdapter):
 
     def load_tower(self, device: torch.device, dtype: torch.dtype) -> "Step3VisionTower":
         return Step3VisionTower(self, device, dtype)
-
-
-def _unit_hash(image_hash: str, view: int) -> str:
-    return f"{image_hash}/view{view}"
-
-
-def _image_hash(unit: VisionItem) -> str:
-    return unit.content_hash.rsplit("/view", 1)[0]
 
 
 def _vit_flops(vc, n: int) -> float:
@@ -106,7 +105,7 @@ class Step3VisionTower(VisionTower):
 
     def _process(self, unit: VisionItem) -> _Views:
         processed = self.adapter.processor(images=[unit.pixels], return_tensors="pt")
-        _, nx, ny = unit.grid
+        nx, ny = unit.grid
         crops = processed.get("pixel_values_local")
         if int(processed["num_local_patches"][0]) != nx * ny:
             raise RuntimeError(f"image processor made {int(processed['num_local_patches'][0])} crops, planned {nx * ny}")
@@ -118,16 +117,15 @@ class Step3VisionTower(VisionTower):
             return []
         views: dict[str, _Views] = {}
         for unit in items:  # the processor runs once per image, whatever number of its views we hold
-            key = _image_hash(unit)
-            if key not in views:
-                views[key] = self._process(unit)
+            if unit.content_hash not in views:
+                views[unit.content_hash] = self._process(unit)
         out: list[torch.Tensor | None] = [None] * len(items)
         for is_global in (True, False):
-            picked = [i for i, unit in enumerate(items) if (unit.grid[0] == unit.grid[1] * unit.grid[2]) == is_global]
+            picked = [i for i, unit in enumerate(items) if self.adapter.is_global_view(unit) == is_global]
             if not picked:
                 continue
-            pixels = torch.stack([views[_image_hash(items[i])].global_view if is_global
-                                  else views[_image_hash(items[i])].crops[items[i].grid[0]] for i in picked])
+            pixels = torch.stack([views[items[i].content_hash].global_view if is_global
+                                  else views[items[i].content_hash].crops[items[i].unit_index] for i in picked])
             hidden = self.vision(pixels.to(self.device, self.dtype)).last_hidden_state
             embeds = self.projector(hidden)
             for row, i in enumerate(picked):
