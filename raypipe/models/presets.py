@@ -65,6 +65,28 @@ def build_byte_tokenizer(special_tokens: list[str], chat_template: str, *, eos: 
     return tokenizer
 
 
+def chat_template(image_part: str, default_system: str | None = None) -> str:
+    """A Qwen-style chat template that renders text parts and `image_part` for each image part.
+
+    `default_system`: a system turn put first when the conversation has none (Qwen2.5-VL's)."""
+    system = ("{% if loop.first and message['role'] != 'system' %}"
+              f"<|im_start|>system\n{default_system}<|im_end|>\n"
+              "{% endif %}") if default_system else ""
+    return (
+        "{% for message in messages %}"
+        + system
+        + "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] in ('image', 'image_url') %}" + image_part
+        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
 def padded_vocab_size(tokenizer) -> int:
     """The tokenizer's size rounded up to a multiple of 64, like real checkpoints."""
     return 64 * -(-len(tokenizer) // 64)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pathlib
 
-from raypipe.models.presets import build_byte_tokenizer, padded_vocab_size, save_preset
+from raypipe.models.presets import build_byte_tokenizer, chat_template, padded_vocab_size, save_preset
 
 # Named tokens the processor reads from the tokenizer (attribute -> token).
 MINICPMV_TOKENS = {
@@ -28,18 +28,7 @@ MINICPMV_TOKENS = {
 
 # Qwen-style chat; each image part renders one `<|image_pad|>`, which the processor (and raypipe's
 # prompt builder) expands to `<image_id>N</image_id><image>...</image><slice>...</slice>...`.
-MINICPMV_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}<|image_pad|>\n"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+MINICPMV_CHAT_TEMPLATE = chat_template("<|image_pad|>\n")
 
 SHAPES = {
     # CPU test oracle: vision depth 2 with the window merger after layer 0; text layers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from raypipe.models.presets import build_byte_tokenizer, padded_vocab_size, save_preset
+from raypipe.models.presets import build_byte_tokenizer, chat_template, padded_vocab_size, save_preset
 
 # Qwen's special tokens, in the order the real vocabulary has them.
 QWEN_SPECIAL_TOKENS = [
@@ -18,21 +18,8 @@ QWEN_SPECIAL_TOKENS = [
 ]
 
 # Qwen2.5-VL's chat template, reduced to what raypipe serves (text and image parts).
-QWEN_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+QWEN_CHAT_TEMPLATE = chat_template("<|vision_start|><|image_pad|><|vision_end|>",
+                                   default_system="You are a helpful assistant.")
 
 # name -> (vision kwargs, text kwargs, image-processor pixel bounds)
 SHAPES = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pathlib
 
-from raypipe.models.presets import build_byte_tokenizer, padded_vocab_size, save_preset
+from raypipe.models.presets import build_byte_tokenizer, chat_template, padded_vocab_size, save_preset
 from raypipe.models.step3.geometry import IMAGE_TOKEN
 
 # Step3's placeholder tokens (`Step3p7Processor`) plus the chat tokens of the preset's template.
@@ -36,18 +36,7 @@ STEP3_SPECIAL_TOKENS = [
 
 # The chat template renders one `<im_patch>` per image; `Step3p7Processor` (and raypipe's prompt
 # builder) replace it with the image's crop and global-view placeholders.
-STEP3_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url') %}<im_patch>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+STEP3_CHAT_TEMPLATE = chat_template("<im_patch>")
 
 SHAPES = {
     "tiny-step3": dict(
