@@ -176,7 +176,11 @@ def test_waiting_queue_is_bounded_with_a_retryable_error(engines):
 
     async def scenario():
         accepted = [asyncio.ensure_future(engine.generate_output(f"q-{i}", [i + 1], [], params)) for i in range(3)]
-        await asyncio.sleep(0.05)  # all three submitted
+        # All three submitted (each request enters the engine before its first real wait), none finished:
+        # yield to the event loop, no wall time. A 0.05 s sleep let an idle machine finish the first
+        # 40-token request before the refused call, and the queue had room again.
+        for _ in range(10):
+            await asyncio.sleep(0)
         with pytest.raises(CapacityError, match="retry later"):
             await engine.generate_output("q-refused", [9], [], params)
         outs = await asyncio.gather(*accepted)
