@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from raypipe.batch import BatchOptions
 from raypipe.config import EngineConfig, ModelConfig, defaults
 from raypipe.inputs.sampling import SamplingParams
-from raypipe.jobs.batch import BatchOptions
 from raypipe.models.base import COST_MODELS
 from raypipe.models.registry import PRESETS
 

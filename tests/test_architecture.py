@@ -14,7 +14,7 @@ PACKAGE = ROOT / "raypipe"
 
 # room -> the rooms it may import (besides itself). Entry points at the top, leaves at the bottom.
 ALLOWED = {
-    "cli": {"jobs", "serve", "bench", "config", "models", "inputs", "errors"},  # bench: importlib by name
+    "cli": {"jobs", "serve", "bench", "batch", "config", "models", "inputs", "errors"},  # bench: importlib by name
     "bench": {"testing", "serve", "batch", "pipeline", "config", "encode", "decode", "models", "inputs",
               "runtime", "storage", "errors", "face"},
     "jobs": {"testing", "batch", "pipeline", "config", "inputs", "runtime", "storage", "errors", "face"},

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import sys
 
-from raypipe.batch.job import BatchOptions  # the CLI takes its flags' defaults from here too
+from raypipe.batch.job import BatchOptions
 from raypipe.config import EngineConfig, model_config_from_args
 from raypipe.errors import InvalidInput
 from raypipe.storage import S3Options
 
 
 def options_from_args(args) -> BatchOptions:
-
     lo, hi = args.num_encoders
     s3 = S3Options(endpoint_url=args.s3_endpoint, region=args.s3_region) if args.s3_endpoint or args.s3_region else None
     return BatchOptions(
