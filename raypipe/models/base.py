@@ -57,18 +57,24 @@ class VisionTower(abc.ABC):
         """One `(item.num_tokens, hidden)` CPU tensor per item, in the order given."""
 
 
-class VisionAdapter(abc.ABC):
+class PlaceholderTokens:
+    """The placeholder token of each kind of visual item: one answer for both sides of a family."""
+
+    image_token_id: int  # the token whose rows the image embeddings replace
+
+    @property
+    def placeholder_token_ids(self) -> dict[VisualKind, int]:
+        """Per kind of visual item, the token whose rows its embeddings replace (the kinds this family
+        takes; `TextDecoder.embed` scatters over all of them)."""
+        return {"image": self.image_token_id}
+
+
+class VisionAdapter(PlaceholderTokens, abc.ABC):
     """Config-level knowledge of a model family's vision side."""
 
     checkpoint: pathlib.Path
     hidden_size: int  # width of each embedding row (= the language model's hidden size)
-    image_token_id: int  # the token whose rows the image embeddings replace
     split_units: bool = False  # balance an item's units separately (slices of one image on several workers)
-
-    @property
-    def placeholder_token_ids(self) -> dict[VisualKind, int]:
-        """Per kind of visual item, the token whose rows its embeddings replace (the kinds this family takes)."""
-        return {"image": self.image_token_id}
 
     @abc.abstractmethod
     def make_item(self, image: DecodedVisual) -> VisionItem:
@@ -103,7 +109,7 @@ class VisionAdapter(abc.ABC):
         return item.num_tokens * self.hidden_size * torch.tensor([], dtype=dtype).element_size()
 
 
-class LanguageAdapter(abc.ABC):
+class LanguageAdapter(PlaceholderTokens, abc.ABC):
     """Config-level knowledge of a family's language side (no weights): tokens, limits, positions."""
 
     def __init__(self, checkpoint: str | pathlib.Path):
@@ -121,11 +127,6 @@ class LanguageAdapter(abc.ABC):
         found = self.tokenizer.eos_token_id if found is None else found
         self.eos_token_ids = tuple(int(i) for i in (found if isinstance(found, (list, tuple)) else [found])
                                    if i is not None)
-
-    @property
-    def placeholder_token_ids(self) -> dict[VisualKind, int]:
-        """Per kind of visual item, the token whose rows its embeddings replace (`TextDecoder.embed`)."""
-        return {"image": self.image_token_id}
 
     @abc.abstractmethod
     def token_runs(self, grid) -> list[int]:
