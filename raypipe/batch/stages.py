@@ -11,8 +11,9 @@
 
 Between stages a row is one visual item (`ROW_SCHEMA`; `kind` "image": the inputs are image files);
 a pack travels as a single row holding those rows in Arrow IPC form, so that Ray Data cannot regroup
-it. Pixels and embeddings travel as raw bytes (float32 / uint8) rather than tensor columns: rows that failed have none, and Ray Data's tensor
-columns do not mix with nulls. A bad input never raises: it becomes a row with `error` set.
+it. Pixels and embeddings travel as raw bytes (float32 / uint8) rather than tensor columns: rows
+that failed have none, and Ray Data's tensor columns do not mix with nulls. A bad input never
+raises: it becomes a row with `error` set.
 """
 
 from __future__ import annotations

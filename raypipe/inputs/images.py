@@ -32,8 +32,6 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual, pixel_hash
 
-DecodedImage = DecodedVisual  # the name before visual items had kinds; decoded images have kind "image"
-
 # Modes PIL can convert to RGB without guessing a value range.
 _CONVERTIBLE_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "La"}
 # Single-channel modes with more than 8 bits, converted to "L" by `_to_8_bit`.
@@ -54,7 +52,8 @@ class ImageLimits:
             raise ValueError(f"inconsistent image limits: {self}")
 
 
-def load_images(images: Sequence, limits: ImageLimits = ImageLimits(), *, item_prefix: str = "images") -> list[DecodedVisual]:
+def load_images(images: Sequence, limits: ImageLimits = ImageLimits(), *, item_prefix: str = "images"
+                ) -> list[DecodedVisual]:
     """Validate and decode every image; the first bad one raises `InvalidInput` naming its index."""
     return [load_image(image, limits, item=f"{item_prefix}[{i}]") for i, image in enumerate(images)]
 
