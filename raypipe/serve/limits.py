@@ -1,7 +1,7 @@
 """What one request may ask of the server; each breach is a 4xx naming the limit.
 
-Visual items are limited per kind (`max_visuals`, `visual_limits`): the image kind by
-`max_images_per_request` and `ImageLimits`; a new kind adds its own fields and entries.
+Visual items are counted per kind (`check_visual_count`): images by `max_images_per_request`, each
+one bounded by `image_limits`; a new kind adds its own fields.
 """
 
 from __future__ import annotations
@@ -31,16 +31,9 @@ class ServeLimits:
         return ImageLimits(min_side=self.min_image_side, max_pixels=self.max_image_pixels,
                            max_bytes=self.max_body_bytes, allowed_url_prefixes=tuple(self.allowed_url_prefixes))
 
-    def visual_limits(self, kind: VisualKind) -> ImageLimits:
-        """What one visual item of `kind` may be."""
-        return {"image": self.image_limits}[kind]
-
-    def max_visuals(self, kind: VisualKind) -> int:
-        """How many visual items of `kind` one request may carry."""
-        return {"image": self.max_images_per_request}[kind]
-
     def check_visual_count(self, kind: VisualKind, count: int) -> None:
-        limit = self.max_visuals(kind)
+        """At most the limit of visual items of `kind` in one request."""
+        limit = {"image": self.max_images_per_request}[kind]
         if count > limit:
             raise InvalidInput(f"{count} {kind}s in one request; the limit is {limit}", item="messages",
                                code=f"too_many_{kind}s")
