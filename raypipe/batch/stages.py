@@ -1,6 +1,6 @@
 """The Ray Data stages of a batch job; each wraps a piece the online path uses too.
 
-    read_and_pack   (CPU tasks)   bytes from storage -> `preprocess.load_image` (same limits and
+    read_and_pack   (CPU tasks)   bytes from storage -> `inputs.images.load_image` (same limits and
                                   error codes as the endpoint) -> resized to the tower's size
                                   (`resize_for_tower`, as the endpoint does) -> geometry and cost
                                   from the vision adapter -> packs of about equal cost (`packing`)

@@ -1,6 +1,6 @@
 """Step3 (transformers `step3p7`) vision side: each view of an image is its own unit of work.
 
-An image is a global view plus sliding-window crops (`step3_geometry.py`). Every view costs a
+An image is a global view plus sliding-window crops (`geometry.py`). Every view costs a
 full ViT forward of a fixed size, so one large image is many units: the coordinator balances
 views, not images, and an image's crops may be encoded on several workers at once. `units`
 lists the units in the order the language model reads them (crops row-major, then the global
