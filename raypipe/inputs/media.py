@@ -1,10 +1,10 @@
 """Visual items: what the generic layers (prompt, encoders, decoder, limits, batch rows) carry, whatever their kind.
 
 A visual item is validated pixels plus a hash of them (the embedding-cache key), tagged with its
-`kind`. Only `image` exists now: `(H, W, 3)` uint8, decoded by `raypipe.inputs.images`. Another kind
-(video: `(T, H, W, 3)` frames) adds itself to `VisualKind`/`VISUAL_KINDS`, a decoder beside
-images.py, its content-part types (`raypipe.models.prompt.VISUAL_PART_KINDS`), its placeholder token
-(`placeholder_token_ids` of the family adapters) and its limits -- not a parallel path.
+`kind`: an `image` is `(H, W, 3)` uint8, decoded by `raypipe.inputs.images`; a `video` is its sampled
+frames, `(T, H, W, 3)` uint8, decoded by `raypipe.inputs.video`, with the rate of those frames. Each
+kind has its decoder, its content-part types (`raypipe.models.prompt.VISUAL_PART_KINDS`), its
+placeholder token (`placeholder_token_ids` of the family adapters) and its limits -- not a parallel path.
 """
 
 from __future__ import annotations
@@ -15,17 +15,22 @@ from typing import Literal
 
 import numpy as np
 
-VisualKind = Literal["image"]
-VISUAL_KINDS: tuple[VisualKind, ...] = ("image",)
+VisualKind = Literal["image", "video"]
+VISUAL_KINDS: tuple[VisualKind, ...] = ("image", "video")
 
 
 @dataclasses.dataclass(slots=True)
 class DecodedVisual:
     """A visual item that passed validation, with a hash of its pixels (the embedding-cache key)."""
 
-    pixels: np.ndarray  # image: (H, W, 3) uint8, C-contiguous
+    pixels: np.ndarray  # image: (H, W, 3) uint8; video: (T, H, W, 3) uint8 sampled frames; C-contiguous
     content_hash: str
     kind: VisualKind = "image"
+    fps: float | None = None  # video: frames per second of the sampled frames (time between them)
+
+    @property
+    def num_frames(self) -> int:
+        return self.pixels.shape[0] if self.kind == "video" else 1
 
     @property
     def height(self) -> int:

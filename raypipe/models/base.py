@@ -5,14 +5,18 @@ compute each item's geometry, token count and cost without touching a GPU. Worke
 `load_tower` once and then `encode` shards of items.
 
 An item is whatever the family's vision tower consumes as one unit and produces one embedding
-tensor for, made from one visual item (`raypipe.inputs.media.DecodedVisual`; kind "image" so far):
-a whole variable-size image (Qwen2.5-VL), a fixed-size image or its crops stacked
+tensor for, made from one visual item (`raypipe.inputs.media.DecodedVisual`, an image or a video):
+a whole variable-size image or video (Qwen2.5-VL), a fixed-size image or its crops stacked
 (LLaVA/SigLIP, Step3), or an image's slices (MiniCPM-V). The coordinator only ever sees `cost`,
 `num_tokens` and `content_hash`, so new families plug in without touching it.
 
 An item may be cut into finer units of work (`units`: MiniCPM-V's overview and slices, Step3's
 crops and global view) that workers encode separately; with `split_units` the coordinator balances
-units rather than whole items and concatenates each item's unit embeddings in unit order.
+units rather than whole items and concatenates each item's unit embeddings in unit order. A
+Qwen2.5-VL video's units are chunks of its temporal groups, so one long video spreads over every worker.
+
+The language side sees each visual item of a prompt as a `VisualLayout`: its kind, grid, and for a
+video the time between temporal groups and the EVS pruning rate.
 """
 
 from __future__ import annotations
@@ -40,11 +44,22 @@ def check_cost_model(name: str, allowed: tuple[str, ...] = COST_MODELS) -> None:
 class VisionItem:
     """One unit of vision-tower work, as it travels to an encoder worker."""
 
-    pixels: np.ndarray  # (H, W, 3) uint8: the model's image processor runs on the worker
+    pixels: np.ndarray  # image (H, W, 3) / video (T, H, W, 3) uint8: the model's processor runs on the worker
     content_hash: str
     grid: tuple[int, ...]  # family-specific geometry (Qwen: (t, h, w) in patches)
-    num_tokens: int  # embedding rows this item yields (= placeholder tokens in the prompt)
+    num_tokens: int  # embedding rows this item yields (before any EVS pruning)
     unit_index: int = 0  # which of its item's units this is (`VisionAdapter.units` order); 0 for a whole item
+    kind: VisualKind = "image"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VisualLayout:
+    """What the language side needs of one visual item in a prompt (`PreparedPrompt.visual_layouts`)."""
+
+    kind: VisualKind
+    grid: tuple[int, ...]  # as `VisionItem.grid`
+    seconds_per_grid: float | None = None  # video: seconds between temporal groups (Qwen's `second_per_grid_ts`)
+    pruning_rate: float = 0.0  # video: EVS, the fraction of its tokens dropped after encoding (0: none)
 
 
 class VisionTower(abc.ABC):
@@ -61,12 +76,16 @@ class PlaceholderTokens:
     """The placeholder token of each kind of visual item: one answer for both sides of a family."""
 
     image_token_id: int  # the token whose rows the image embeddings replace
+    video_token_id: int | None = None  # the same for videos, in families that take them
 
     @property
     def placeholder_token_ids(self) -> dict[VisualKind, int]:
         """Per kind of visual item, the token whose rows its embeddings replace (the kinds this family
         takes; `TextDecoder.embed` scatters over all of them)."""
-        return {"image": self.image_token_id}
+        ids: dict[VisualKind, int] = {"image": self.image_token_id}
+        if self.video_token_id is not None:
+            ids["video"] = self.video_token_id
+        return ids
 
 
 class VisionAdapter(PlaceholderTokens, abc.ABC):
