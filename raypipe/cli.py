@@ -94,9 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("images", nargs="+", help="image files")
     encode.add_argument("--out", required=True, help="output file (.safetensors or .npz)")
 
-    generate = sub.add_parser("generate", help="generate text for a prompt with images")
+    generate = sub.add_parser("generate", help="generate text for a prompt with images and videos")
     _add_model(generate, ModelConfig())
     generate.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    generate.add_argument("--video", action="append", default=[], help="video file (repeatable)")
+    generate.add_argument("--video-pruning-rate", type=float, default=ModelConfig().video_pruning_rate,
+                          help="EVS: fraction of each video's tokens dropped (0 = off)")
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--max-tokens", type=int, default=SAMPLING["max_tokens"])
     generate.add_argument("--temperature", type=float, default=SAMPLING["temperature"])

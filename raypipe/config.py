@@ -18,6 +18,7 @@ import os
 
 from raypipe.decode.config import EngineConfig
 from raypipe.inputs.images import ImageLimits
+from raypipe.models import evs
 from raypipe.models.base import check_cost_model
 
 __all__ = ["EngineConfig", "ImageLimits", "ModelConfig", "defaults", "model_config_from_args"]
@@ -34,6 +35,7 @@ class ModelConfig:
     dtype: str = "auto"  # encoder dtype: fp32 on CPU, bf16 on CUDA
     encoder_threads: int | None = None  # torch threads per CPU encoder; None: cores split evenly
     decode_gpus: float | None = None  # GPU share of the decode engine; None: like encoder_gpus
+    video_pruning_rate: float = 0.0  # EVS: fraction of each video's tokens dropped (raypipe.models.evs); 0: off
 
     def __post_init__(self):
         object.__setattr__(self, "model", os.fspath(self.model))
@@ -42,6 +44,7 @@ class ModelConfig:
         if self.max_encoders is not None and self.max_encoders < self.num_encoders:
             raise ValueError(f"max_encoders ({self.max_encoders}) must be >= num_encoders ({self.num_encoders})")
         check_cost_model(self.cost_model)
+        evs.check_rate(self.video_pruning_rate)
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
 

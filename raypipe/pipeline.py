@@ -27,7 +27,7 @@ from raypipe.errors import InvalidInput, RaypipeError
 from raypipe.inputs.images import ImageLimits, load_images
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.base import VisionAdapter
-from raypipe.models.prompt import PreparedPrompt, build_prompt
+from raypipe.models.prompt import PreparedPrompt, VideoOptions, build_prompt
 from raypipe.models.registry import language_adapter, model_for_actors, resolve_model, vision_adapter
 from raypipe.runtime.ray_cluster import connect_ray, decode_threads, default_encoder_gpus
 
@@ -43,10 +43,11 @@ def start_encoders(config: ModelConfig, checkpoint: pathlib.Path, adapter: Visio
 
 class Pipeline:
     def __init__(self, checkpoint: pathlib.Path, coordinator: Coordinator, image_limits: ImageLimits, owns_ray: bool, engine_config: EngineConfig | None = None,
-                 decode_gpus: float = 0.0):
+                 decode_gpus: float = 0.0, video: VideoOptions = VideoOptions()):
         self.checkpoint = checkpoint
         self.coordinator = coordinator
         self.image_limits = image_limits
+        self.video = video  # video limits, sampling and EVS rate of every request
         self.engine_config = engine_config or EngineConfig()
         self.decode_gpus = decode_gpus
         self.actor_model = str(checkpoint)  # what actors load: an s3:// URI resolves on their own node
@@ -102,7 +103,8 @@ class Pipeline:
             engine_config = dataclasses.replace(engine_config, num_threads=decode_threads(
                 os.cpu_count() or 1, encoders_on_cpu=not coordinator.pool.options.num_gpus))
         pipeline = cls(checkpoint, coordinator, image_limits or ImageLimits(), owns_ray, engine_config,
-                       default_encoder_gpus() if config.decode_gpus is None else config.decode_gpus)
+                       default_encoder_gpus() if config.decode_gpus is None else config.decode_gpus,
+                       VideoOptions(pruning_rate=config.video_pruning_rate))
         pipeline.actor_model = model_for_actors(config.model, checkpoint)
         return pipeline
 
@@ -117,12 +119,16 @@ class Pipeline:
 
     def generate(self, requests: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for every request (messages list, `{"messages": ...}` or `{"prompt_token_ids", "images"}`).
+        """Generate for every request (messages list, `{"messages": ...}` or `{"prompt_token_ids", "images", "videos"}`).
+
+        Messages may hold image and video parts (`{"type": "video", "video": path / bytes / frames}`);
+        a video's frames are sampled and resized as it is decoded, and its temporal chunks are
+        balanced over the encoders with the window's images.
 
         `sampling_params` is one for all or one per request. Every request is validated first: a bad
         one raises `InvalidInput` naming `requests[i]` and nothing runs. Requests go to the engine in
         windows of at most its capacity (`max_num_seqs + max_num_waiting`, so a long list is never
-        refused as a full queue); the images of a window are encoded as one balanced batch and the
+        refused as a full queue); the images and videos of a window are encoded as one balanced batch and the
         decode engine batches its requests together.
         """
         if _is_messages(requests):
@@ -183,7 +189,7 @@ class Pipeline:
         if self._tokenizer is None:
             self._tokenizer = language_adapter(self.checkpoint).tokenizer
         try:
-            return build_prompt(request, self._tokenizer, self.coordinator.adapter, self.image_limits)
+            return build_prompt(request, self._tokenizer, self.coordinator.adapter, self.image_limits, video=self.video)
         except InvalidInput as exc:
             raise _named(exc, where) from None
 

@@ -44,7 +44,7 @@ import torch
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
-from raypipe.decode.request import check_request, check_visual_embeds
+from raypipe.decode.request import check_request, visual_rows
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
@@ -96,10 +96,10 @@ class LLMEngine:
                        params: SamplingParams | None = None) -> AsyncIterator[RequestDelta]:
         """Deltas for one request; leaving the iteration early (or cancelling) aborts it."""
         params = params if params is not None else SamplingParams()
-        ids, grids = check_request(prompt, params, language_adapter=self.adapter,
-                                   max_model_len=self.config.max_model_len)
-        embeds = check_visual_embeds(await _resolve(visual_embeds), grids, self.adapter)
-        positions, rope_delta = self.adapter.positions(ids, grids)
+        ids, layouts = check_request(prompt, params, language_adapter=self.adapter,
+                                     max_model_len=self.config.max_model_len)
+        embeds, kept = visual_rows(await _resolve(visual_embeds), layouts, self.adapter)
+        positions, rope_delta = self.adapter.positions(ids, layouts, kept)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 

@@ -12,17 +12,19 @@ import torch
 
 from raypipe.errors import InvalidInput
 from raypipe.inputs.sampling import SamplingParams
+from raypipe.models import evs
+from raypipe.models.base import VisualLayout
 from raypipe.models.prompt import PreparedPrompt, token_runs
 
 
-def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tuple[list[int], list[tuple]]:
-    """`(prompt_token_ids, visual_grids)` of a `PreparedPrompt` or a plain list of token ids."""
+def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tuple[list[int], list[VisualLayout]]:
+    """`(prompt_token_ids, visual_layouts)` of a `PreparedPrompt` or a plain list of token ids."""
     if not isinstance(params, SamplingParams):
         raise InvalidInput(f"expected SamplingParams, got {type(params).__name__}", item="sampling_params")
     if isinstance(prompt, PreparedPrompt):
-        ids, grids = list(prompt.prompt_token_ids), [tuple(g) for g in prompt.visual_grids]
+        ids, layouts = list(prompt.prompt_token_ids), list(prompt.visual_layouts)
     elif isinstance(prompt, (list, tuple)):
-        ids, grids = list(prompt), []
+        ids, layouts = list(prompt), []
     else:
         raise InvalidInput(f"expected a PreparedPrompt or a list of token ids, got {type(prompt).__name__}",
                            item="prompt")
@@ -40,28 +42,36 @@ def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tu
             if t >= vocab:
                 raise InvalidInput(f"token id {t} is outside the vocabulary (size {vocab})",
                                    item=f"sampling_params.{field}", code="invalid_sampling_params")
-    _check_placeholder_runs(ids, grids, language_adapter)
-    return ids, grids
+    _check_placeholder_runs(ids, layouts, language_adapter)
+    return ids, layouts
 
 
-def _check_placeholder_runs(ids: list[int], grids: list[tuple], adapter) -> None:
+def _check_placeholder_runs(ids: list[int], layouts: list[VisualLayout], adapter) -> None:
     """The runs of placeholder tokens must be the visual items' runs (one per image, or one per slice), in order."""
     runs = [length for _, length in token_runs(ids, adapter.placeholder_token_ids.values())]
-    want = [n for g in grids for n in adapter.token_runs(g)]
+    want = [n for layout in layouts for n in adapter.prompt_runs(layout)]
     if runs != want:
         raise InvalidInput(f"image token runs {runs} do not match the images' token counts {want}",
                            item="images", code="image_count_mismatch")
 
 
-def check_visual_embeds(embeds: Sequence[torch.Tensor], grids: list[tuple], adapter) -> torch.Tensor | None:
-    """One `(tokens, hidden)` tensor per visual item, concatenated in prompt order (None for text only)."""
-    if len(embeds) != len(grids):
-        raise InvalidInput(f"{len(embeds)} image embeddings for {len(grids)} images", item="images",
+def visual_rows(embeds: Sequence[torch.Tensor], layouts: list[VisualLayout], adapter
+                ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """`(rows, kept)`: the visual items' embedding rows that fill the prompt's placeholders, in prompt
+    order (None for text only), and per item its EVS retention mask over its encoded rows (None: all kept).
+
+    Each embedding must be one `(tokens, hidden)` tensor per visual item, as the encoder made it."""
+    if len(embeds) != len(layouts):
+        raise InvalidInput(f"{len(embeds)} image embeddings for {len(layouts)} images", item="images",
                            code="image_count_mismatch")
-    for i, (embed, grid) in enumerate(zip(embeds, grids)):
-        want = (adapter.tokens_per_image(grid), adapter.hidden_size)
+    rows, kept = [], []
+    for i, (embed, layout) in enumerate(zip(embeds, layouts)):
+        want = (adapter.tokens_per_image(layout.grid), adapter.hidden_size)
         if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != want:
             got = tuple(embed.shape) if isinstance(embed, torch.Tensor) else type(embed).__name__
             raise InvalidInput(f"embedding is {got}, expected {want}", item=f"images[{i}]",
                                code="image_count_mismatch")
-    return torch.cat(list(embeds)) if embeds else None
+        mask = evs.retention_mask(embed, layout.grid[0], layout.pruning_rate) if layout.pruning_rate > 0 else None
+        rows.append(embed if mask is None else embed[mask])
+        kept.append(mask)
+    return (torch.cat(rows) if rows else None), kept

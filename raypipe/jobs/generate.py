@@ -1,4 +1,4 @@
-"""`raypipe generate`: one prompt with image files, text out (encoders + decode engine on Ray)."""
+"""`raypipe generate`: one prompt with image and video files, text out (encoders + decode engine on Ray)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ def run_generate(args) -> int:
                                 top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                                 seed=args.seed)
         images = [pathlib.Path(path).read_bytes() for path in args.image]
+        videos = [pathlib.Path(path).read_bytes() for path in args.video]
     except (InvalidInput, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    content = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": args.prompt}]
+    content = ([{"type": "image", "image": data} for data in images] + [{"type": "video", "video": data}
+                                                                        for data in videos]
+               + [{"type": "text", "text": args.prompt}])
     with Pipeline.from_config(model_config_from_args(args),
                               engine_config=EngineConfig(num_scheduler_steps=args.num_scheduler_steps)) as pipe:
         try:
@@ -27,6 +30,7 @@ def run_generate(args) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     print(out.text)
-    print(f"[{out.num_prompt_tokens} prompt tokens ({out.num_image_tokens} from {len(images)} images), "
+    print(f"[{out.num_prompt_tokens} prompt tokens ({out.num_image_tokens} from {len(images)} images and "
+          f"{len(videos)} videos), "
           f"{out.num_output_tokens} generated, finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0

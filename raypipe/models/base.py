@@ -24,11 +24,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 import pathlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual, VisualKind
+from raypipe.inputs.video import PlanFrames, VideoSampling
+from raypipe.models import evs
 
 ADAPTER_COST_MODELS = ("patches", "attention")  # what an adapter computes from geometry alone
 # `calibrated` is fitted by the coordinator from measured encode times (raypipe/encode/calibration.py).
@@ -99,6 +103,14 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
     def make_item(self, image: DecodedVisual) -> VisionItem:
         """Geometry and token count of a validated visual item, without running the encoder."""
 
+    def plan_frames(self, sampling: VideoSampling) -> PlanFrames:
+        """Which frames of a video to keep and their size, under `sampling` (families that take videos)."""
+        raise InvalidInput("this model does not take videos", item="video", code="video_not_supported")
+
+    def layout(self, visual: DecodedVisual, item: VisionItem, pruning_rate: float = 0.0) -> VisualLayout:
+        """What the language side needs of `visual` (made into `item`) in a prompt."""
+        return VisualLayout(item.kind, tuple(item.grid))
+
     def resize_for_tower(self, image: DecodedVisual) -> DecodedVisual:
         """`image` at the size the tower consumes, resized exactly as the family's image processor would.
 
@@ -149,16 +161,29 @@ class LanguageAdapter(PlaceholderTokens, abc.ABC):
 
     @abc.abstractmethod
     def token_runs(self, grid) -> list[int]:
-        """Lengths of the image-token runs one image with this geometry puts in the prompt."""
+        """Lengths of the placeholder runs one visual item with this geometry puts in the prompt (unpruned)."""
 
     def tokens_per_image(self, grid) -> int:
+        """Embedding rows the encoder yields for a visual item with this geometry."""
         return sum(self.token_runs(grid))
 
-    def positions(self, token_ids, grids) -> tuple[torch.Tensor, int]:
+    def prompt_runs(self, layout: VisualLayout) -> list[int]:
+        """The placeholder runs `layout` puts in the prompt: its token runs, or a pruned video's shorter run."""
+        runs = self.token_runs(layout.grid)
+        if layout.pruning_rate <= 0:
+            return runs
+        if len(runs) != 1:
+            raise ValueError(f"EVS needs a video to be one placeholder run, this family makes {len(runs)}")
+        groups = layout.grid[0]
+        return [evs.retained_count(groups, runs[0] // groups, layout.pruning_rate)]
+
+    def positions(self, token_ids, layouts: Sequence[VisualLayout], kept: Sequence[torch.Tensor | None] = ()
+                  ) -> tuple[torch.Tensor, int]:
         """`(position_ids (3, L), rope_delta)` of one prompt; decode position = cache index + rope_delta.
 
+        `kept` holds, per visual item, the EVS retention mask over its unpruned rows (None: unpruned).
         By default a token's position is its index, on each of the engine's 3 rows, whatever the
-        images (MiniCPM-V, Step3); families with multimodal rope (Qwen2.5-VL) override this."""
+        visual items (MiniCPM-V, Step3); families with multimodal rope (Qwen2.5-VL) override this."""
         return torch.arange(len(token_ids)).expand(3, -1).clone(), 0
 
     @abc.abstractmethod

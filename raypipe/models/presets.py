@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
-PRESET_VERSION = "v2"  # part of the cache folder name: bump when any family's preset changes
+PRESET_VERSION = "v3"  # part of the cache folder name: bump when any family's preset changes
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -65,10 +65,12 @@ def build_byte_tokenizer(special_tokens: list[str], chat_template: str, *, eos: 
     return tokenizer
 
 
-def chat_template(image_part: str, default_system: str | None = None) -> str:
-    """A Qwen-style chat template that renders text parts and `image_part` for each image part.
+def chat_template(image_part: str, default_system: str | None = None, video_part: str | None = None) -> str:
+    """A Qwen-style chat template that renders text parts, `image_part` for each image part and
+    `video_part` for each video part (families that take videos).
 
     `default_system`: a system turn put first when the conversation has none (Qwen2.5-VL's)."""
+    video = ("{% elif part['type'] in ('video', 'video_url') %}" + video_part) if video_part else ""
     system = ("{% if loop.first and message['role'] != 'system' %}"
               f"<|im_start|>system\n{default_system}<|im_end|>\n"
               "{% endif %}") if default_system else ""
@@ -79,6 +81,7 @@ def chat_template(image_part: str, default_system: str | None = None) -> str:
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for part in message['content'] %}"
         "{% if part['type'] in ('image', 'image_url') %}" + image_part
+        + video
         + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
         "{% endfor %}{% endif %}"
         "<|im_end|>\n"

@@ -1,14 +1,15 @@
 """Requests -> token ids with expanded placeholders, plus the visual items they refer to.
 
-A request is OpenAI-style chat `messages` (content parts `text`, `image_url` with a data: URL, or
-`image` with a PIL image / array / bytes), a dict holding `messages`, or a dict holding raw
-`prompt_token_ids` and `images`. Each visual content part has a kind (`VISUAL_PART_KINDS`: both
-image part types are kind "image"), and each kind its placeholder token (`placeholder_token_ids` of
-the vision adapter). The checkpoint's chat template renders one image token per image
+A request is OpenAI-style chat `messages` (content parts `text`, `image_url` / `video_url` with a
+data: URL, or `image` / `video` with a PIL image / array / bytes / list of frames), a dict holding
+`messages`, or a dict holding raw `prompt_token_ids` with `images` and `videos`. Each visual content
+part has a kind (`VISUAL_PART_KINDS`), and each kind its placeholder token (`placeholder_token_ids`
+of the vision adapter). The checkpoint's chat template renders one image token per image
 (Qwen: `<|vision_start|><|image_pad|><|vision_end|>`; Step3: `<im_patch>`); each is then replaced by
 the family's placeholder for that image (`VisionAdapter.placeholder_ids`: Qwen, its token count of
 `<|image_pad|>`; MiniCPM-V, image id, overview and slice rows; Step3, crop and global-view runs with
-their layout tokens), computed from the image size alone.
+their layout tokens), computed from the image size alone. A video's placeholder is its run of
+`<|video_pad|>` tokens, shortened to the planned count when EVS prunes it (`raypipe.models.evs`).
 
 Text that users (or assistants) supply is plain text: `"<|im_end|>"` typed into a message is the
 characters `<`, `|`, ... , never the control token, or a user could forge a system turn. Only the
@@ -26,19 +27,37 @@ from collections.abc import Collection, Sequence
 from raypipe.errors import InvalidInput
 from raypipe.inputs.images import ImageLimits, load_image
 from raypipe.inputs.media import DecodedVisual, VisualKind
-from raypipe.models.base import VisionAdapter
+from raypipe.inputs.video import VideoLimits, VideoSampling, load_video
+from raypipe.models import evs
+from raypipe.models.base import VisionAdapter, VisualLayout
 
 # OpenAI / HF content-part type -> the kind of visual item it carries (a new kind adds its types here).
-VISUAL_PART_KINDS: dict[str, VisualKind] = {"image": "image", "image_url": "image"}
-_LOADERS = {"image": load_image}  # kind -> decoder of one raw item
+VISUAL_PART_KINDS: dict[str, VisualKind] = {"image": "image", "image_url": "image", "video": "video",
+                                            "video_url": "video"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VideoOptions:
+    """How a request's videos are read: limits, sampling knobs (vLLM's names) and the EVS pruning rate."""
+
+    limits: VideoLimits = VideoLimits()
+    sampling: VideoSampling = VideoSampling()
+    pruning_rate: float = 0.0  # EVS (`raypipe.models.evs`): 0 keeps every video token
+
+    def __post_init__(self):
+        evs.check_rate(self.pruning_rate)
 
 
 @dataclasses.dataclass(slots=True)
 class PreparedPrompt:
     prompt_token_ids: list[int]
     visuals: list[DecodedVisual]  # in prompt order; the engine needs only their embeddings
-    visual_grids: list[tuple[int, ...]]  # per visual item, in prompt order
+    visual_layouts: list[VisualLayout]  # per visual item, in prompt order
     num_image_tokens: int  # placeholder tokens of every visual item (the name RequestOutput reports it under)
+
+    @property
+    def visual_grids(self) -> list[tuple[int, ...]]:
+        return [layout.grid for layout in self.visual_layouts]
 
     @property
     def num_prompt_tokens(self) -> int:  # image tokens included, as OpenAI usage counts them
@@ -50,15 +69,16 @@ class PreparedPrompt:
 
 
 def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
-                 image_limits: ImageLimits = ImageLimits(), *, max_text_chars: int | None = None,
-                 resize_images: bool = True) -> PreparedPrompt:
+                 image_limits: ImageLimits = ImageLimits(), *, video: VideoOptions = VideoOptions(),
+                 max_text_chars: int | None = None, resize_images: bool = True) -> PreparedPrompt:
     """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it.
 
     `resize_images=False` keeps images at full resolution (the encoder worker's processor resizes
     them): only for measuring what resizing here saves (`raypipe bench serve-load`).
     """
+    loaders = _loaders(vision_adapter, image_limits, video, resize_images)
     if isinstance(request, dict) and "prompt_token_ids" in request:
-        return _from_token_ids(request, tokenizer, vision_adapter, image_limits)
+        return _from_token_ids(request, tokenizer, vision_adapter, loaders, video.pruning_rate)
     messages = request.get("messages") if isinstance(request, dict) else request
     if not isinstance(messages, list) or not messages:
         raise InvalidInput("a request is a non-empty messages list, a dict with 'messages', or a dict with "
@@ -66,21 +86,31 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     template_messages, raw_visuals = _split_visuals(messages)
     if max_text_chars is not None:
         check_text_chars(sum(len(text) for text in _texts(template_messages)), max_text_chars)
-    visuals = _load_all(raw_visuals, {"image": image_limits}, vision_adapter if resize_images else None)
+    visuals = _load_all(raw_visuals, loaders)
     ids = chat_template_ids(tokenizer, template_messages)
-    return _expand(ids, visuals, tokenizer, vision_adapter, allow_expanded=False)
+    return _expand(ids, visuals, tokenizer, vision_adapter, video.pruning_rate, allow_expanded=False)
 
 
-def _load_all(raw_visuals: list[tuple[VisualKind, object]], limits: dict, vision_adapter: VisionAdapter | None
-              ) -> list[DecodedVisual]:
-    """Decode each `(kind, raw)` with its kind's loader and limits; items are named per kind (`images[1]`)."""
+def _loaders(vision_adapter: VisionAdapter, image_limits: ImageLimits, video: VideoOptions, resize_images: bool):
+    """kind -> `(raw, item) -> DecodedVisual`, each decoded at the size the tower consumes, where it is
+    decoded: only those pixels travel to the encoders (a video's frames are resized as they are decoded)."""
+    def image(raw, item):
+        decoded = load_image(raw, image_limits, item=item)
+        return vision_adapter.resize_for_tower(decoded) if resize_images else decoded
+
+    def video_(raw, item):
+        return load_video(raw, video.limits, vision_adapter.plan_frames(video.sampling), item=item)
+
+    return {"image": image, "video": video_}
+
+
+def _load_all(raw_visuals: list[tuple[VisualKind, object]], loaders: dict) -> list[DecodedVisual]:
+    """Decode each `(kind, raw)` with its kind's loader; items are named per kind (`images[1]`, `videos[0]`)."""
     counts: dict[str, int] = {}
     visuals = []
     for kind, raw in raw_visuals:
         index = counts[kind] = counts.get(kind, -1) + 1
-        visual = _LOADERS[kind](raw, limits[kind], item=f"{kind}s[{index}]")
-        # Resized where it is decoded: only what the tower consumes travels to the encoders.
-        visuals.append(vision_adapter.resize_for_tower(visual) if vision_adapter is not None else visual)
+        visuals.append(loaders[kind](raw, f"{kind}s[{index}]"))
     return visuals
 
 
@@ -194,35 +224,46 @@ def _split_visuals(messages: list) -> tuple[list[dict], list]:
                 visuals.append((VISUAL_PART_KINDS[kind], _visual_of(part, where)))
                 parts.append({"type": VISUAL_PART_KINDS[kind]})
             else:
-                raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url' or "
-                                   "'image'", item=where, code="invalid_request")
+                raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url', "
+                                   "'image', 'video_url' or 'video'", item=where, code="invalid_request")
         rendered.append({"role": message["role"], "content": parts})
     return rendered, visuals
 
 
 def _visual_of(part: dict, where: str):
-    if part["type"] == "image":
-        if part.get("image") is None:
-            raise InvalidInput("image part needs an 'image'", item=where, code="invalid_request")
-        return part["image"]
-    url = part.get("image_url")
+    kind = part["type"]
+    if not kind.endswith("_url"):  # `image` / `video`: the object itself
+        if part.get(kind) is None:
+            raise InvalidInput(f"{kind} part needs an {kind!r}", item=where, code="invalid_request")
+        return part[kind]
+    url = part.get(kind)
     url = url.get("url") if isinstance(url, dict) else url
     if not isinstance(url, str):
-        raise InvalidInput("image_url part needs {'url': 'data:...'}", item=where, code="invalid_request")
+        raise InvalidInput(f"{kind} part needs {{'url': 'data:...'}}", item=where, code="invalid_request")
     return url
 
 
-def _from_token_ids(request: dict, tokenizer, vision_adapter, image_limits) -> PreparedPrompt:
+def _from_token_ids(request: dict, tokenizer, vision_adapter, loaders: dict, pruning_rate: float) -> PreparedPrompt:
     ids = request["prompt_token_ids"]
     if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
                                                                    for t in ids):
         raise InvalidInput("must be a non-empty list of integers", item="prompt_token_ids", code="invalid_request")
-    raw_visuals = [("image", raw) for raw in request.get("images") or []]
-    visuals = _load_all(raw_visuals, {"image": image_limits}, vision_adapter)
-    return _expand(list(ids), visuals, tokenizer, vision_adapter, allow_expanded=True)
+    ids = list(ids)
+    per_kind = {"image": request.get("images") or [], "video": request.get("videos") or []}
+    visuals = {kind: _load_all([(kind, raw) for raw in raws], loaders) for kind, raws in per_kind.items()}
+    # Images and videos come in separate lists: put them in the order their placeholders appear.
+    pads = vision_adapter.placeholder_token_ids
+    if visuals["video"] and "video" not in pads:
+        raise InvalidInput("this model does not take videos", item="videos", code="video_not_supported")
+    starts = []
+    for kind, decoded in visuals.items():
+        runs = token_runs(ids, pads[kind]) if kind in pads else []
+        starts += [(runs[i][0] if i < len(runs) else len(ids), kind, i, visual) for i, visual in enumerate(decoded)]
+    ordered = [visual for *_, visual in sorted(starts, key=lambda s: s[:3])]
+    return _expand(ids, ordered, tokenizer, vision_adapter, pruning_rate, allow_expanded=True)
 
 
-def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_adapter,
+def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_adapter, pruning_rate: float = 0.0,
             *, allow_expanded: bool) -> PreparedPrompt:
     """Replace each visual item's placeholder with its tokens (`vision_adapter.placeholder_ids`).
 
@@ -231,10 +272,14 @@ def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_a
     From a chat template, each image token is one image's placeholder (Step3's template puts those
     of consecutive images side by side). In raw token ids, a placeholder is a run of one image
     token or the image's full expansion already in place (with its layout tokens around it).
+    A video pruned by EVS (`pruning_rate` > 0) gets the planned number of tokens instead of all.
     """
     pads = vision_adapter.placeholder_token_ids
     items = [vision_adapter.make_item(image) for image in images]
-    expansions = [vision_adapter.placeholder_ids(item, i, tokenizer) for i, item in enumerate(items)]
+    layouts = [vision_adapter.layout(image, item, pruning_rate if image.kind == "video" else 0.0)
+               for image, item in zip(images, items)]
+    expansions = [_pruned(vision_adapter.placeholder_ids(item, i, tokenizer), layout, pads.get(item.kind))
+                  for i, (item, layout) in enumerate(zip(items, layouts))]
     out: list[int] = []
     cursor = 0
     for i, (image, item, expansion) in enumerate(zip(images, items, expansions)):
@@ -259,8 +304,19 @@ def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_a
         if pad in ids[cursor:]:
             raise _count_mismatch(ids, pad, sum(1 for image in images if image.kind == kind))
     out += ids[cursor:]
-    return PreparedPrompt(out, list(images), [tuple(item.grid) for item in items],
-                          sum(item.num_tokens for item in items))
+    return PreparedPrompt(out, list(images), layouts, sum(expansion.count(pads[item.kind])
+                                                          for item, expansion in zip(items, expansions)))
+
+
+def _pruned(expansion: list[int], layout: VisualLayout, pad: int | None) -> list[int]:
+    """A video's placeholder with the token count EVS plans for it (all its tokens when not pruned)."""
+    if layout.pruning_rate <= 0:
+        return expansion
+    if expansion != [pad] * len(expansion):
+        raise InvalidInput("EVS (video_pruning_rate) is not supported for this model's video layout",
+                           item="video_pruning_rate", code="invalid_video_pruning_rate")
+    groups = layout.grid[0]
+    return [pad] * evs.retained_count(groups, len(expansion) // groups, layout.pruning_rate)
 
 
 def _count_mismatch(ids: list[int], pad: int, num_images: int) -> InvalidInput:

@@ -21,7 +21,8 @@ from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
 
 IMPORT_PATH = "raypipe.serve.app:build_app"
 MODEL = defaults(ModelConfig)  # the model and encoder fields' defaults: written in ModelConfig only
-MODEL_FIELDS = ("model", "num_encoders", "encoder_gpus", "cost_model", "cache_bytes")  # those AppArgs takes
+MODEL_FIELDS = ("model", "num_encoders", "encoder_gpus", "cost_model", "cache_bytes",
+                "video_pruning_rate")  # those AppArgs takes
 
 
 class AppArgs(BaseModel):
@@ -34,6 +35,7 @@ class AppArgs(BaseModel):
     encoder_gpus: float | None = MODEL["encoder_gpus"]  # per encoder worker; None: 1 if the cluster has or can start GPUs, else 0
     cost_model: Literal["patches", "attention", "calibrated"] = MODEL["cost_model"]
     cache_bytes: int = MODEL["cache_bytes"]  # embedding cache per EncoderGroup replica
+    video_pruning_rate: float = MODEL["video_pruning_rate"]  # EVS default; requests override it in mm_processor_kwargs
     batch_window_s: float = 0.005  # how long the encoder group waits to gather concurrent requests' images
     max_batch_images: int = 64
     engine: dict = {}  # raypipe.decode.config.EngineConfig fields (max_num_seqs, max_model_len, ...)
@@ -72,4 +74,5 @@ def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Applicatio
                                             max_batch_images=args.max_batch_images)
     decoder = deployment(Decoder).bind(model=args.model, engine=args.engine)
     return deployment(Ingress).bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
-                                    api_key=args.api_key, limits=args.limits, resize_images=args.resize_images)
+                                    api_key=args.api_key, limits=args.limits, resize_images=args.resize_images,
+                                    video_pruning_rate=args.video_pruning_rate)

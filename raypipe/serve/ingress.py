@@ -1,7 +1,7 @@
 """`Ingress` deployment: the OpenAI-compatible HTTP front door.
 
-Per chat request: authorize -> bounded body -> schema -> model name -> (thread) decode images,
-resized to what the vision tower consumes, and apply the chat template (text too long for the
+Per chat request: authorize -> bounded body -> schema -> model name -> (thread) decode images and
+videos (only the frames sampling keeps), resized to what the vision tower consumes, and apply the chat template (text too long for the
 context is refused before tokenizing) -> limits -> encoder group (image embeddings as
 `ObjectRef`s, never fetched here) -> decoder stream -> JSON body or SSE chunks. The first generated
 delta is awaited before a streaming response starts, so failures up to and including prefill still
@@ -22,7 +22,8 @@ from ray.serve.handle import DeploymentHandle
 
 from raypipe.errors import InvalidInput
 from raypipe.inputs.sampling import SamplingParams
-from raypipe.models.prompt import build_prompt, check_text_chars, max_chars_per_token, plain_text_ids
+from raypipe.inputs.video import VideoSampling
+from raypipe.models.prompt import VideoOptions, build_prompt, check_text_chars, max_chars_per_token, plain_text_ids
 from raypipe.models.registry import resolve_model, vision_adapter
 from raypipe.serve.errors import ApiError, install_handlers
 from raypipe.serve.limits import ServeLimits
@@ -46,7 +47,7 @@ class Ingress:
     # No defaults for what `AppArgs` carries: `raypipe.serve.app.compose` always passes them.
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, *, model: str,
                  served_model_name: str | None, api_key: str | None, limits: dict, resize_images: bool,
-                 health_timeout_s: float = 5.0):
+                 video_pruning_rate: float, health_timeout_s: float = 5.0):
         from transformers import AutoTokenizer
 
         checkpoint = resolve_model(model)
@@ -56,6 +57,7 @@ class Ingress:
         self.api_key = api_key or os.environ.get("RAYPIPE_API_KEY") or None
         self.limits = ServeLimits(**limits)
         self.image_limits = self.limits.image_limits
+        self.video_options = VideoOptions(self.limits.video_limits, pruning_rate=video_pruning_rate)
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.chars_per_token = max_chars_per_token(self.tokenizer)
         self.vision_adapter = vision_adapter(checkpoint)
@@ -193,10 +195,11 @@ class Ingress:
 
     async def _prepare(self, chat: ChatCompletionRequest):
         self.limits.check_visual_count("image", len(chat.image_urls()))
+        self.limits.check_visual_count("video", len(chat.video_urls()))
         model_len = await self._model_len()
-        # Image decoding and the chat template are CPU work: keep the event loop serving other requests.
+        # Image/video decoding and the chat template are CPU work: keep the event loop serving other requests.
         prompt = await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
-                                         self.vision_adapter, self.image_limits,
+                                         self.vision_adapter, self.image_limits, video=self._video_options(chat),
                                          max_text_chars=model_len * self.chars_per_token,
                                          resize_images=self.resize_images)
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
@@ -210,6 +213,14 @@ class Ingress:
             prompt = await asyncio.to_thread(plain_text_ids, self.tokenizer, prompt)
         max_tokens = self.limits.max_tokens_for(completion.requested_max_tokens, len(prompt), model_len)
         return list(prompt), sampling_params(completion, max_tokens)
+
+    def _video_options(self, chat: ChatCompletionRequest) -> VideoOptions:
+        """The deployment's video options with the request's `mm_processor_kwargs` over them."""
+        if chat.mm_processor_kwargs is None:
+            return self.video_options
+        kwargs = chat.mm_processor_kwargs.model_dump(exclude_none=True)
+        rate = kwargs.pop("video_pruning_rate", self.video_options.pruning_rate)
+        return VideoOptions(self.video_options.limits, VideoSampling(**kwargs), rate)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -1,7 +1,9 @@
 """What one request may ask of the server; each breach is a 4xx naming the limit.
 
 Visual items are counted per kind (`check_visual_count`): images by `max_images_per_request`, each
-one bounded by `image_limits`; a new kind adds its own fields.
+one bounded by `image_limits`; videos by `max_videos_per_request`, each bounded by `video_limits`
+(duration, source resolution and kept frames are checked from the container's header, before any
+frame is decoded; the body limit bounds an uploaded video's bytes).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 from raypipe.errors import InvalidInput
 from raypipe.inputs.images import ImageLimits
 from raypipe.inputs.media import VisualKind
+from raypipe.inputs.video import VideoLimits
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -19,11 +22,16 @@ class ServeLimits:
     max_images_per_request: int = 8
     max_image_pixels: int = 4096 * 4096
     min_image_side: int = 14  # smaller than one ViT patch carries nothing
-    allowed_url_prefixes: tuple[str, ...] = ()  # http(s)/file image URLs are refused unless listed here
+    max_videos_per_request: int = 2
+    max_video_duration_s: float = 1800.0  # from the header: a 2-hour upload is refused before decoding
+    max_video_source_pixels: int = 3840 * 2160  # per frame of the source (4K)
+    max_video_frames: int = 768  # frames kept after sampling, per video (transformers' Qwen2-VL max_frames)
+    allowed_url_prefixes: tuple[str, ...] = ()  # http(s)/file image and video URLs are refused unless listed here
     default_max_tokens: int = 512  # when the request sets none (capped by the context left)
 
     def __post_init__(self):
-        if min(self.max_body_bytes, self.max_images_per_request, self.max_image_pixels, self.default_max_tokens) < 1:
+        if min(self.max_body_bytes, self.max_images_per_request, self.max_image_pixels, self.default_max_tokens,
+               self.max_video_duration_s, self.max_video_source_pixels, self.max_video_frames) <= 0:
             raise ValueError(f"limits must be positive: {self}")
 
     @property
@@ -31,9 +39,15 @@ class ServeLimits:
         return ImageLimits(min_side=self.min_image_side, max_pixels=self.max_image_pixels,
                            max_bytes=self.max_body_bytes, allowed_url_prefixes=tuple(self.allowed_url_prefixes))
 
+    @property
+    def video_limits(self) -> VideoLimits:
+        return VideoLimits(max_bytes=self.max_body_bytes, max_duration_s=self.max_video_duration_s,
+                           max_source_pixels=self.max_video_source_pixels, max_frames=self.max_video_frames,
+                           allowed_url_prefixes=tuple(self.allowed_url_prefixes))
+
     def check_visual_count(self, kind: VisualKind, count: int) -> None:
         """At most the limit of visual items of `kind` in one request."""
-        limit = {"image": self.max_images_per_request}[kind]
+        limit = {"image": self.max_images_per_request, "video": self.max_videos_per_request}[kind]
         if count > limit:
             raise InvalidInput(f"{count} {kind}s in one request; the limit is {limit}", item="messages",
                                code=f"too_many_{kind}s")

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from raypipe.models.base import LanguageAdapter
+from raypipe.models.base import LanguageAdapter, VisualLayout
+from raypipe.models.prompt import token_runs
 from raypipe.models.text_decoder import TextDecoder
 
 # Both layouts occur: the original release (`model.layers...`) and newer transformers saves.
@@ -33,8 +34,8 @@ class _RopeIndex:
         self._get_rope_index = Qwen2_5_VLModel.get_rope_index
         self.get_vision_position_ids = Qwen2_5_VLModel.get_vision_position_ids.__get__(self)
 
-    def __call__(self, input_ids, mm_token_type_ids, image_grid_thw):
-        return self._get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw)
+    def __call__(self, input_ids, mm_token_type_ids, **grids):
+        return self._get_rope_index(self, input_ids, mm_token_type_ids, **grids)
 
 
 class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
@@ -42,6 +43,7 @@ class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
         super().__init__(checkpoint)
         self.vision_start_token_id = self.config.vision_start_token_id
         self.vision_end_token_id = self.config.vision_end_token_id
+        self.video_token_id = self.config.video_token_id
         self.merge = self.config.vision_config.spatial_merge_size
         self._rope_index = _RopeIndex(self.config)
 
@@ -49,15 +51,37 @@ class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
         t, h, w = grid
         return [t * h * w // self.merge**2]  # one run per image
 
-    def positions(self, token_ids: Sequence[int], grids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
-        """`(position_ids (3, L), rope_delta)` of one prompt; decode position = index + rope_delta."""
-        if not grids:  # text only: plain 1-D positions on all three axes
-            return super().positions(token_ids, grids)
-        ids = torch.tensor([list(token_ids)], dtype=torch.long)
-        mm_token_type_ids = (ids == self.image_token_id).int()
-        grid_thw = torch.tensor([list(g) for g in grids], dtype=torch.long)
-        position_ids, rope_deltas = self._rope_index(ids, mm_token_type_ids, grid_thw)
-        return position_ids[:, 0], int(rope_deltas[0, 0])
+    def positions(self, token_ids: Sequence[int], layouts: Sequence[VisualLayout],
+                  kept: Sequence[torch.Tensor | None] = ()) -> tuple[torch.Tensor, int]:
+        """`(position_ids (3, L), rope_delta)` of one prompt; decode position = index + rope_delta.
+
+        A video pruned by EVS keeps its tokens' original positions: rope runs over the prompt as if
+        the video were whole, then the pruned columns are dropped."""
+        if not layouts:  # text only: plain 1-D positions on all three axes
+            return super().positions(token_ids, layouts)
+        masks = list(kept) or [None] * len(layouts)
+        types = {self.image_token_id: 1, self.video_token_id: 2}  # transformers' mm_token_type_ids values
+        pieces, keep, cursor = [], [], 0
+        for (start, length), mask in zip(token_runs(token_ids, tuple(types)), masks):
+            pieces += [torch.zeros(start - cursor, dtype=torch.int), torch.full(
+                (length if mask is None else len(mask),), types[token_ids[start]], dtype=torch.int)]
+            keep += [torch.ones(start - cursor + length, dtype=torch.bool) if mask is None else
+                     torch.cat([torch.ones(start - cursor, dtype=torch.bool), mask])]
+            cursor = start + length
+        pieces.append(torch.zeros(len(token_ids) - cursor, dtype=torch.int))
+        keep.append(torch.ones(len(token_ids) - cursor, dtype=torch.bool))
+        mm_token_type_ids = torch.cat(pieces)[None]
+        images = [list(layout.grid) for layout in layouts if layout.kind == "image"]
+        videos = [layout for layout in layouts if layout.kind == "video"]
+        position_ids, rope_deltas = self._rope_index(
+            torch.zeros_like(mm_token_type_ids, dtype=torch.long), mm_token_type_ids,
+            image_grid_thw=torch.tensor(images, dtype=torch.long) if images else None,
+            video_grid_thw=torch.tensor([list(v.grid) for v in videos], dtype=torch.long) if videos else None,
+            # float32, as the processor hands it to the model: the temporal positions are truncated products
+            second_per_grid_ts=torch.tensor([v.seconds_per_grid for v in videos], dtype=torch.float32)
+            if videos else None)
+        pruned = mm_token_type_ids.shape[1] - len(token_ids)
+        return position_ids[:, 0][:, torch.cat(keep)], int(rope_deltas[0, 0]) + pruned
 
     def load_model(self, device: torch.device, dtype: torch.dtype) -> TextDecoder:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel

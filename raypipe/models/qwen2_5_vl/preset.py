@@ -17,9 +17,10 @@ QWEN_SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
-# Qwen2.5-VL's chat template, reduced to what raypipe serves (text and image parts).
+# Qwen2.5-VL's chat template, reduced to what raypipe serves (text, image and video parts).
 QWEN_CHAT_TEMPLATE = chat_template("<|vision_start|><|image_pad|><|vision_end|>",
-                                   default_system="You are a helpful assistant.")
+                                   default_system="You are a helpful assistant.",
+                                   video_part="<|vision_start|><|video_pad|><|vision_end|>")
 
 # name -> (vision kwargs, text kwargs, image-processor pixel bounds)
 SHAPES = {

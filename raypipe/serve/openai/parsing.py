@@ -56,8 +56,8 @@ def _field_path(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "ImageURL") and not (
-                isinstance(previous, int) and part in ("text", "image_url")):
+        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "ImageURL", "VideoURL") and not (
+                isinstance(previous, int) and part in ("text", "image_url", "video_url")):
             path += f".{part}" if path else part
         previous = part
     return path

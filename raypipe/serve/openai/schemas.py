@@ -3,7 +3,8 @@
 Strict mode makes `"max_tokens": "5"` a 400 rather than a silent coercion, and `extra="forbid"`
 makes an unknown or misspelled field a 400 naming it. Explicit `null` means "not set", as in
 OpenAI's API. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`), which benchmark tools send, are accepted under vLLM's names.
+`ignore_eos`, `stop_token_ids`), which benchmark tools send, are accepted under vLLM's names, and
+so are video parts (`video_url`) and per-request video sampling (`mm_processor_kwargs`).
 
 The models describe what a client may write; what this server refuses of it lives in `refusals`
 (except an empty prompt inside a one-element batch, refused where `single_prompt` takes it out),
@@ -42,7 +43,34 @@ class ImageURLPart(_Strict):
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
-ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+class VideoURL(_Strict):
+    url: str
+
+
+class VideoURLPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL | str  # a bare string is the URL itself
+
+    @property
+    def url(self) -> str:
+        return self.video_url if isinstance(self.video_url, str) else self.video_url.url
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
+
+
+class MMProcessorKwargs(_Strict):
+    """vLLM's per-request processor overrides that apply to this server's models: video sampling
+    (`raypipe.inputs.video.VideoSampling`) and the EVS pruning rate (`raypipe.models.evs`)."""
+
+    fps: float | None = Field(default=None, gt=0.0)
+    num_frames: int | None = Field(default=None, ge=1)
+    min_frames: int | None = Field(default=None, ge=1)
+    max_frames: int | None = Field(default=None, ge=1)
+    min_pixels: int | None = Field(default=None, ge=1)
+    max_pixels: int | None = Field(default=None, ge=1)
+    total_pixels: int | None = Field(default=None, ge=1)
+    video_pruning_rate: float | None = Field(default=None, ge=0.0, lt=1.0)
 
 
 class Message(_Strict):
@@ -111,14 +139,21 @@ class ChatCompletionRequest(Common):
     tools: list[Any] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
+    mm_processor_kwargs: MMProcessorKwargs | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def image_urls(self) -> list[str]:
+        return self._urls(ImageURLPart)
+
+    def video_urls(self) -> list[str]:
+        return self._urls(VideoURLPart)
+
+    def _urls(self, part_type) -> list[str]:
         return [part.url for message in self.messages if isinstance(message.content, list)
-                for part in message.content if isinstance(part, ImageURLPart)]
+                for part in message.content if isinstance(part, part_type)]
 
     def messages_for_template(self) -> list[dict]:
         """Plain dicts in the shape `raypipe.models.prompt.build_prompt` and chat templates expect.
@@ -132,8 +167,8 @@ class ChatCompletionRequest(Common):
             if content is None:
                 content = ""
             elif isinstance(content, list):
-                content = [{"type": "image_url", "image_url": {"url": part.url}} if isinstance(part, ImageURLPart)
-                           else {"type": "text", "text": part.text} for part in content]
+                content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
+                           else {"type": part.type, part.type: {"url": part.url}} for part in content]
             out.append({"role": "system" if message.role == "developer" else message.role, "content": content})
         return out
 

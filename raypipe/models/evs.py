@@ -1,0 +1,51 @@
+"""EVS (efficient video sampling): drop the video tokens that barely changed since the previous frame group.
+
+A video's embedding is `num_groups` frame groups of `tokens_per_group` rows, the same spatial
+positions in the same order in every group. A token whose embedding is close (cosine) to the token
+at the same position one group earlier adds little; with `rate` q the most similar ones go,
+keeping `retained_count` tokens. The first group has no predecessor and is always kept whole.
+
+How many tokens survive depends on the geometry alone, so the prompt's placeholders are planned
+before encoding; which ones survive is decided from the embeddings after. The survivors keep their
+original 3-D positions (the positions of the unpruned video, with the pruned columns removed).
+The rule follows vLLM's `video_pruning_rate` (vllm/multimodal/evs.py): count
+`max(tokens_per_group, int(total * (1 - q)))`, ties broken towards earlier tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raypipe.errors import InvalidInput
+
+_FIRST_GROUP = 4.0  # above any cosine dissimilarity (at most 2): the first group always ranks first
+
+
+def check_rate(rate: float, item: str = "video_pruning_rate") -> float:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+        raise InvalidInput(f"video_pruning_rate must be a number in [0, 1), got {rate!r}", item=item,
+                           code="invalid_video_pruning_rate")
+    return float(rate)
+
+
+def retained_count(num_groups: int, tokens_per_group: int, rate: float) -> int:
+    """Tokens a video of this geometry keeps at pruning `rate` (all of them at rate 0)."""
+    total = num_groups * tokens_per_group
+    if rate <= 0:
+        return total
+    return max(tokens_per_group, int(total * (1.0 - rate)))
+
+
+def retention_mask(embeds: torch.Tensor, num_groups: int, rate: float) -> torch.Tensor:
+    """`(rows,)` bool: which rows of one video's `(num_groups * tokens_per_group, hidden)` embedding stay."""
+    rows = embeds.shape[0]
+    tokens_per_group = rows // num_groups
+    if rate <= 0:
+        return torch.ones(rows, dtype=torch.bool)
+    grouped = embeds.float().reshape(num_groups, tokens_per_group, -1)
+    dissimilarity = torch.full((num_groups, tokens_per_group), _FIRST_GROUP)
+    dissimilarity[1:] = 1.0 - torch.nn.functional.cosine_similarity(grouped[1:], grouped[:-1], dim=-1)
+    order = torch.argsort(dissimilarity.reshape(-1), descending=True, stable=True)
+    mask = torch.zeros(rows, dtype=torch.bool)
+    mask[order[: retained_count(num_groups, tokens_per_group, rate)]] = True
+    return mask
