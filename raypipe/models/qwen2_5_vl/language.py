@@ -14,9 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from raypipe.models.base import LanguageAdapter
+from raypipe.models.base import LanguageAdapter, VisualLayout
 from raypipe.models.text_decoder import TextDecoder
 
+MM_TOKEN_TYPES = {"image": 1, "video": 2}  # transformers' `mm_token_type_ids` values (0: text)
 # Both layouts occur: the original release (`model.layers...`) and newer transformers saves.
 LANGUAGE_PREFIXES = ("model.language_model.", "model.")
 VISION_EXCLUDE = ("visual.", "model.visual.")
@@ -33,8 +34,9 @@ class _RopeIndex:
         self._get_rope_index = Qwen2_5_VLModel.get_rope_index
         self.get_vision_position_ids = Qwen2_5_VLModel.get_vision_position_ids.__get__(self)
 
-    def __call__(self, input_ids, mm_token_type_ids, image_grid_thw):
-        return self._get_rope_index(self, input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw)
+    def __call__(self, input_ids, mm_token_type_ids, **grids):
+        """`grids`: `image_grid_thw`, `video_grid_thw`, `second_per_grid_ts` (each optional)."""
+        return self._get_rope_index(self, input_ids, mm_token_type_ids, **grids)
 
 
 class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
@@ -42,6 +44,7 @@ class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
         super().__init__(checkpoint)
         self.vision_start_token_id = self.config.vision_start_token_id
         self.vision_end_token_id = self.config.vision_end_token_id
+        self.video_token_id = self.config.video_token_id
         self.merge = self.config.vision_config.spatial_merge_size
         self._rope_index = _RopeIndex(self.config)
 
@@ -49,15 +52,34 @@ class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
         t, h, w = grid
         return [t * h * w // self.merge**2]  # one run per image
 
-    def positions(self, token_ids: Sequence[int], grids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
-        """`(position_ids (3, L), rope_delta)` of one prompt; decode position = index + rope_delta."""
-        if not grids:  # text only: plain 1-D positions on all three axes
-            return super().positions(token_ids, grids)
-        ids = torch.tensor([list(token_ids)], dtype=torch.long)
-        mm_token_type_ids = (ids == self.image_token_id).int()
-        grid_thw = torch.tensor([list(g) for g in grids], dtype=torch.long)
-        position_ids, rope_deltas = self._rope_index(ids, mm_token_type_ids, grid_thw)
+    def positions(self, token_ids: Sequence[int], layouts: Sequence[VisualLayout | Sequence[int]]
+                  ) -> tuple[torch.Tensor, int]:
+        """`(position_ids (3, L), rope_delta)` of one prompt; decode position = index + rope_delta.
+
+        `layouts`: one `VisualLayout` per visual item in prompt order (a bare grid tuple is an image)."""
+        if not layouts:  # text only: plain 1-D positions on all three axes
+            return super().positions(token_ids, layouts)
+        position_ids, rope_deltas = self._rope_index(**self._rope_inputs(token_ids, layouts))
         return position_ids[:, 0], int(rope_deltas[0, 0])
+
+    def _rope_inputs(self, token_ids: Sequence[int], layouts: Sequence[VisualLayout | Sequence[int]]) -> dict:
+        """`get_rope_index`'s arguments for one prompt: token types, per-kind grids, videos' seconds per grid."""
+        layouts = [x if isinstance(x, VisualLayout) else VisualLayout("image", tuple(x)) for x in layouts]
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        types = torch.zeros_like(ids, dtype=torch.int)
+        for kind, token_id in self.placeholder_token_ids.items():
+            types[ids == token_id] = MM_TOKEN_TYPES[kind]
+        inputs = {"input_ids": ids, "mm_token_type_ids": types}
+        images = [x.grid for x in layouts if x.kind == "image"]
+        videos = [x for x in layouts if x.kind == "video"]
+        if images:
+            inputs["image_grid_thw"] = torch.tensor(images, dtype=torch.long)
+        if videos:
+            if any(x.seconds_per_grid is None or x.pruning_rate for x in videos):
+                raise ValueError("a Qwen2.5-VL video layout needs seconds_per_grid, and EVS pruning is not supported")
+            inputs["video_grid_thw"] = torch.tensor([x.grid for x in videos], dtype=torch.long)
+            inputs["second_per_grid_ts"] = torch.tensor([x.seconds_per_grid for x in videos])
+        return inputs
 
     def load_model(self, device: torch.device, dtype: torch.dtype) -> TextDecoder:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
