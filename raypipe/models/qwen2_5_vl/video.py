@@ -84,7 +84,7 @@ class QwenVideoConfig:
         return cls(**{k: tuple(v) if k in tuples else v for k, v in found.items() if v is not None})
 
     def to_json(self) -> dict:
-        """The file transformers' `Qwen2VLVideoProcessor.from_pretrained` reads back to the same settings."""
+        """This config under the keys of transformers' `Qwen2VLVideoProcessor` (`size`, `fps`, ...), for presets."""
         out = dataclasses.asdict(self)
         out.update(video_processor_type="Qwen2VLVideoProcessor", do_sample_frames=True,
                    size={"shortest_edge": out.pop("min_pixels"), "longest_edge": out.pop("max_pixels")})
