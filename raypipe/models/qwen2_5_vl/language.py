@@ -18,6 +18,7 @@ from raypipe.models.base import LanguageAdapter, VisualLayout
 from raypipe.models.prompt import token_runs
 from raypipe.models.text_decoder import TextDecoder
 
+MM_TOKEN_TYPES = {"image": 1, "video": 2}  # transformers' `mm_token_type_ids` values (0: text)
 # Both layouts occur: the original release (`model.layers...`) and newer transformers saves.
 LANGUAGE_PREFIXES = ("model.language_model.", "model.")
 VISION_EXCLUDE = ("visual.", "model.visual.")
@@ -35,6 +36,7 @@ class _RopeIndex:
         self.get_vision_position_ids = Qwen2_5_VLModel.get_vision_position_ids.__get__(self)
 
     def __call__(self, input_ids, mm_token_type_ids, **grids):
+        """`grids`: `image_grid_thw`, `video_grid_thw`, `second_per_grid_ts` (each optional)."""
         return self._get_rope_index(self, input_ids, mm_token_type_ids, **grids)
 
 
@@ -60,7 +62,7 @@ class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
         if not layouts:  # text only: plain 1-D positions on all three axes
             return super().positions(token_ids, layouts)
         masks = list(kept) or [None] * len(layouts)
-        types = {self.image_token_id: 1, self.video_token_id: 2}  # transformers' mm_token_type_ids values
+        types = {token: MM_TOKEN_TYPES[kind] for kind, token in self.placeholder_token_ids.items()}
         pieces, keep, cursor = [], [], 0
         for (start, length), mask in zip(token_runs(token_ids, tuple(types)), masks):
             pieces += [torch.zeros(start - cursor, dtype=torch.int), torch.full(

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pathlib
 
-from raypipe.models.presets import build_byte_tokenizer, chat_template, padded_vocab_size, save_preset
+from raypipe.models.presets import (
+    build_byte_tokenizer,
+    chat_template,
+    padded_vocab_size,
+    save_preset,
+)
+from raypipe.models.qwen2_5_vl.video import VIDEO_PROCESSOR_CONFIG, QwenVideoConfig
 
 # Qwen's special tokens, in the order the real vocabulary has them.
 QWEN_SPECIAL_TOKENS = [
@@ -22,7 +28,7 @@ QWEN_CHAT_TEMPLATE = chat_template("<|vision_start|><|image_pad|><|vision_end|>"
                                    default_system="You are a helpful assistant.",
                                    video_part="<|vision_start|><|video_pad|><|vision_end|>")
 
-# name -> (vision kwargs, text kwargs, image-processor pixel bounds)
+# name -> (vision kwargs, text kwargs, image-processor pixel bounds, video-processor per-frame pixel bounds)
 SHAPES = {
     # CPU test oracle: depth 2 = one window block + one full-attention block.
     "tiny": dict(
@@ -31,6 +37,8 @@ SHAPES = {
                   num_key_value_heads=2, mrope_section=[2, 3, 3]),
         min_pixels=28 * 28 * 4,
         max_pixels=28 * 28 * 256,
+        video_min_pixels=28 * 28 * 4,
+        video_max_pixels=28 * 28 * 64,  # small frames: a 64-frame video stays cheap on a CPU
     ),
     # Realistic shape scaled to a CPU (~70M parameters): used by benchmarks, not tests.
     "small": dict(
@@ -39,14 +47,20 @@ SHAPES = {
                   num_key_value_heads=2, mrope_section=[8, 12, 12]),
         min_pixels=28 * 28 * 4,
         max_pixels=28 * 28 * 1024,  # Qwen2.5-VL ships 28*28*1280
+        video_min_pixels=28 * 28 * 16,
+        video_max_pixels=28 * 28 * 256,  # transformers' default is 28*28*768
     ),
 }
 
 
 def write(folder: pathlib.Path, name: str) -> None:
+    import json
+
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     shape = SHAPES[name]
     tokenizer = build_byte_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_CHAT_TEMPLATE, eos="<|im_end|>", pad="<|endoftext|>")
@@ -76,3 +90,5 @@ def write(folder: pathlib.Path, name: str) -> None:
     save_preset(folder, model, tokenizer, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"])
     Qwen2VLImageProcessorPil(min_pixels=shape["min_pixels"], max_pixels=shape["max_pixels"], patch_size=14,
                              merge_size=2, temporal_patch_size=2).save_pretrained(folder)
+    video = QwenVideoConfig(min_pixels=shape["video_min_pixels"], max_pixels=shape["video_max_pixels"])
+    (folder / VIDEO_PROCESSOR_CONFIG).write_text(json.dumps(video.to_json(), indent=2))

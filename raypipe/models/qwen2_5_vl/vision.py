@@ -1,7 +1,12 @@
 """Qwen2.5-VL vision side: geometry, cost models and the vision tower alone, over transformers.
 
 The tower is transformers' `Qwen2_5_VisionTransformerPretrainedModel`; raypipe only feeds it packed
-shards and splits `pooler_output` per image (`last_hidden_state` is window-permuted: never used).
+shards and splits `pooler_output` per item (`last_hidden_state` is window-permuted: never used).
+
+A video's units are chunks of consecutive temporal groups. Every temporal group attends only within
+itself in this tower (full-attention blocks get one `cu_seqlens` run per group, windows are built per
+group), so chunks encode to exactly the rows of the whole video, t-major, and one long video spreads
+over every worker. An image is one unit, so balancing units (`split_units`) keeps images whole.
 """
 
 from __future__ import annotations
@@ -12,13 +17,23 @@ import numpy as np
 import torch
 
 from raypipe.inputs.media import DecodedVisual, pixel_hash
-from raypipe.models.base import ADAPTER_COST_MODELS, VisionAdapter, VisionItem, VisionTower, check_cost_model
+from raypipe.inputs.video import PlanFrames, VideoSampling
+from raypipe.models.base import (ADAPTER_COST_MODELS, VisionAdapter, VisionItem, VisionTower, VisualLayout,
+                                 check_cost_model)
 from raypipe.models.checkpoint import load_module_weights, load_tensors
+from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner, process_video
 
 VISION_PREFIXES = ("visual.", "model.visual.")
+# Patches per video chunk, the unit the coordinator balances: set here only (tests lower the adapter's
+# attribute). 4096 patches is 1024 tokens, a mid-size image's worth of work: a long video then cuts into
+# enough chunks to spread over several workers, each chunk still one efficient forward.
+VIDEO_CHUNK_PATCHES = 4096
 
 
 class Qwen2_5_VLVisionAdapter(VisionAdapter):
+    split_units = True  # a video's chunks go to different workers; an image is a single unit anyway
+    video_chunk_patches = VIDEO_CHUNK_PATCHES
+
     def __init__(self, checkpoint: str | pathlib.Path):
         from transformers import AutoConfig, AutoImageProcessor
 
@@ -27,14 +42,55 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         self.vision_config = self.config.vision_config
         self.hidden_size = self.vision_config.out_hidden_size
         self.image_token_id = self.config.image_token_id
+        self.video_token_id = self.config.video_token_id
         self.processor = AutoImageProcessor.from_pretrained(self.checkpoint)
+        self.video_config = QwenVideoConfig.from_checkpoint(self.checkpoint)
         self.merge = self.vision_config.spatial_merge_size
         self._flops = _attention_flops_model(self.vision_config)
 
     def make_item(self, image: DecodedVisual) -> VisionItem:
-        grid = self.grid_for(image.height, image.width)
-        num_tokens = grid[0] * grid[1] * grid[2] // (self.merge**2)
-        return VisionItem(image.pixels, image.content_hash, grid, num_tokens)
+        grid = self.video_grid(image) if image.kind == "video" else self.grid_for(image.height, image.width)
+        return VisionItem(image.pixels, image.content_hash, grid, self._tokens(grid), kind=image.kind)
+
+    def _tokens(self, grid: tuple[int, int, int]) -> int:
+        return grid[0] * grid[1] * grid[2] // (self.merge**2)
+
+    def video_grid(self, video: DecodedVisual) -> tuple[int, int, int]:
+        """(t, h, w) in patches of sampled frames already at tower size (the frame plan resized them)."""
+        vc = self.video_config
+        if video.height % vc.factor or video.width % vc.factor:
+            raise ValueError(f"video frames are {video.height}x{video.width}; the tower needs multiples of "
+                             f"{vc.factor}: resize them with the frame plan (`video.frame_planner`)")
+        t = -(-video.num_frames // vc.temporal_patch_size)  # a trailing odd frame is padded to a group
+        return (t, video.height // vc.patch_size, video.width // vc.patch_size)
+
+    def seconds_per_grid(self, video: DecodedVisual) -> float:
+        """Seconds between temporal groups (the processor's `second_per_grid_ts`): tp / sampled fps."""
+        return self.video_config.temporal_patch_size / video.fps
+
+    def plan_frames(self, sampling: VideoSampling) -> PlanFrames:
+        return frame_planner(self.video_config, sampling)
+
+    def layout(self, visual: DecodedVisual, item: VisionItem, pruning_rate: float = 0.0) -> VisualLayout:
+        if item.kind != "video":
+            return super().layout(visual, item)
+        return VisualLayout("video", tuple(item.grid), self.seconds_per_grid(visual), pruning_rate)
+
+    def units(self, item: VisionItem) -> list[VisionItem]:
+        """An image whole; a video as chunks of consecutive temporal groups of about `video_chunk_patches`."""
+        if item.kind != "video":
+            return [item]
+        t, h, w = item.grid
+        per_chunk = max(1, self.video_chunk_patches // (h * w))  # temporal groups per chunk
+        frames_per_group = self.video_config.temporal_patch_size
+        units = []
+        for k, start in enumerate(range(0, t, per_chunk)):
+            groups = min(per_chunk, t - start)
+            grid = (groups, h, w)
+            frames = item.pixels[start * frames_per_group:(start + groups) * frames_per_group]
+            units.append(VisionItem(frames, item.content_hash, grid, self._tokens(grid), unit_index=k,
+                                    kind="video"))
+        return units
 
     def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
         h, w = self.tower_size(height, width)
@@ -49,6 +105,8 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
                             max_pixels=self.processor.size["longest_edge"])
 
     def resize_for_tower(self, image: DecodedVisual) -> DecodedVisual:
+        if image.kind == "video":  # its frame plan resized it as it was decoded
+            return image
         from transformers.image_transforms import resize
         from transformers.image_utils import ChannelDimension
 
@@ -72,12 +130,13 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
 
 
 def _attention_flops_model(vc):
-    """FLOPs of one image through the tower, from the config, counting what grows with image size.
+    """FLOPs of one unit through the tower, from the config, counting what grows with image size.
 
     Linear layers cost O(N) per block. Window-attention blocks attend within windows of at most
     (window_size / patch_size)^2 patches: also O(N). The `fullatt_block_indexes` blocks attend over
     all N patches of the image: O(N^2). That quadratic term is what a patch count misses, and it is
     why one 4K screenshot can cost more than many thumbnails with the same total patch count.
+    A video's temporal groups attend only within themselves: t groups of h*w patches cost t * (h*w)^2.
     """
     d, m = vc.hidden_size, vc.intermediate_size
     full_blocks = len(vc.fullatt_block_indexes)
@@ -88,10 +147,10 @@ def _attention_flops_model(vc):
 
     def flops(grid: tuple[int, int, int]) -> float:
         t, h, w = grid
-        n = t * h * w
+        n, group = t * h * w, h * w
         linear = 2 * n * (4 * d * d + 3 * d * m) * vc.depth  # qkv + proj, gated MLP
-        window_attn = 4 * n * min(n, window_patches) * d * window_blocks  # QK^T and AV
-        full_attn = 4 * n * n * d * full_blocks
+        window_attn = 4 * n * min(group, window_patches) * d * window_blocks  # QK^T and AV
+        full_attn = 4 * n * group * d * full_blocks  # per temporal group
         embed = 2 * n * patch_in * d
         merger = 2 * (n // merge_unit) * (d * merge_unit) * (d * merge_unit + vc.out_hidden_size)
         return float(linear + window_attn + full_attn + embed + merger)
@@ -115,14 +174,29 @@ class Qwen2_5_VLVisionTower(VisionTower):
 
     @torch.inference_mode()
     def encode(self, items: list[VisionItem]) -> list[torch.Tensor]:
+        """One forward over a shard mixing images and video chunks: pixel rows and grids in shard order."""
         if not items:
             return []
-        processed = self.adapter.processor(images=[item.pixels for item in items], return_tensors="pt")
-        grid_thw = processed["image_grid_thw"]
-        expected = torch.tensor([item.grid for item in items], dtype=grid_thw.dtype)
-        if not torch.equal(grid_thw, expected):
-            raise RuntimeError(f"image processor produced grids {grid_thw.tolist()}, predicted {expected.tolist()}")
-        pixel_values = processed["pixel_values"].to(self.device, self.dtype)
-        embeddings = self.model(pixel_values, grid_thw=grid_thw.to(self.device)).pooler_output
+        rows, grids = [], []
+        image_parts = iter(self._process_images([item.pixels for item in items if item.kind != "video"]))
+        for item in items:
+            pixels, grid = (process_video(item.pixels, self.adapter.video_config) if item.kind == "video"
+                            else next(image_parts))
+            if tuple(grid) != tuple(item.grid):
+                raise RuntimeError(f"{item.kind} processor produced grid {grid}, predicted {item.grid}")
+            rows.append(pixels)
+            grids.append(grid)
+        pixel_values = torch.cat(rows).to(self.device, self.dtype)
+        grid_thw = torch.tensor(grids, dtype=torch.long, device=self.device)
+        embeddings = self.model(pixel_values, grid_thw=grid_thw).pooler_output
         sizes = [item.num_tokens for item in items]
         return [chunk.cpu() for chunk in torch.split(embeddings, sizes)]
+
+    def _process_images(self, images: list[np.ndarray]) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """(pixel rows, grid) per image, through the checkpoint's own image processor."""
+        if not images:
+            return []
+        processed = self.adapter.processor(images=images, return_tensors="pt")
+        grids = processed["image_grid_thw"]
+        return list(zip(torch.split(processed["pixel_values"], grids.prod(-1).tolist()),
+                        [tuple(g) for g in grids.tolist()]))
