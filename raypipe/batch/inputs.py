@@ -1,4 +1,4 @@
-"""What a batch job processes: every image file under a prefix, or the rows of a manifest.
+"""What a batch job processes: every image and video file under a prefix, or the rows of a manifest.
 
 The result is one Arrow table with `id` (stable across runs: the resume key), `uri` (where to read
 the bytes) and, when the manifest has one, `prompt`. Listing ids are paths relative to the input
@@ -19,6 +19,7 @@ from raypipe.errors import InvalidInput
 from raypipe.storage import S3Options, is_s3, list_files, open_filesystem, uri_of
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
 MANIFEST_EXTENSIONS = (".parquet", ".jsonl", ".json")
 
 
@@ -30,7 +31,7 @@ def list_inputs(uri: str, s3: S3Options | None = None, *, path_column: str = "pa
                 prompt_column: str | None = None) -> pa.Table:
     """`(id, uri[, prompt])` for every input, sorted by id, ids unique."""
     table = (_read_manifest(uri, s3, path_column, id_column, prompt_column) if is_manifest(uri)
-             else _list_images(uri, s3))
+             else _list_visuals(uri, s3))
     ids = table.column("id")
     if len(ids) != len(set(ids.to_pylist())):
         raise InvalidInput(f"input ids are not unique in {uri!r}; give the manifest a unique {id_column!r} column",
@@ -38,9 +39,14 @@ def list_inputs(uri: str, s3: S3Options | None = None, *, path_column: str = "pa
     return table.sort_by("id")
 
 
-def _list_images(uri: str, s3: S3Options | None) -> pa.Table:
+def kind_of(uri: str) -> str:
+    """A row's kind of visual item, by its file extension (anything else is read as an image)."""
+    return "video" if uri.lower().endswith(VIDEO_EXTENSIONS) else "image"
+
+
+def _list_visuals(uri: str, s3: S3Options | None) -> pa.Table:
     fs, root = open_filesystem(uri, s3)
-    files = [info for info in list_files(fs, root) if info.path.lower().endswith(IMAGE_EXTENSIONS)]
+    files = [info for info in list_files(fs, root) if info.path.lower().endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)]
     ids = [info.path[len(root) + 1:] for info in files]
     return pa.table({"id": pa.array(ids, pa.string()), "uri": pa.array([uri_of(fs, i.path) for i in files], pa.string())})
 

@@ -24,6 +24,8 @@ import pyarrow as pa
 from raypipe.batch import output
 from raypipe.batch.inputs import list_inputs
 from raypipe.config import EngineConfig, ImageLimits, ModelConfig
+from raypipe.inputs.video import VideoLimits
+from raypipe.models.prompt import VideoOptions
 from raypipe.storage import S3Options, open_filesystem
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class BatchOptions:
     model: ModelConfig = ModelConfig(num_encoders=1)  # model, encoder pool (num..max), cost model, dtype
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)  # decode engine limits (generate)
     image_limits: ImageLimits = ImageLimits()
+    video_limits: VideoLimits = VideoLimits()
     prompt: str = "Describe this image."  # for rows without a prompt of their own
     prompt_column: str | None = None  # manifest column with a per-row prompt
     path_column: str = "path"  # manifest column with image paths or URIs
@@ -190,7 +193,8 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     blocks = [todo.slice(i, options.read_batch) for i in range(0, todo.num_rows, options.read_batch)]
     ds = ray.data.from_arrow(blocks)
     ds = ds.map_batches(stages.read_and_pack, batch_format="pyarrow", batch_size=options.read_batch,
-                        fn_kwargs=dict(model=model, image_limits=options.image_limits, s3=options.s3,
+                        fn_kwargs=dict(model=model, image_limits=options.image_limits,
+                                       video_limits=options.video_limits, s3=options.s3,
                                        cost_model=config.cost_model, budget=budget, per_pack=options.batch_images),
                         num_cpus=0.5, max_retries=3)  # half a CPU: fits Ray Data's per-stage budget on 2 cores
     ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1,
@@ -205,6 +209,8 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                             num_gpus=decode_gpus,
                             fn_constructor_kwargs=dict(model=model, engine_config=options.engine,
                                                        image_limits=options.image_limits,
+                                                       video=VideoOptions(options.video_limits,
+                                                                          pruning_rate=config.video_pruning_rate),
                                                        max_tokens=options.max_tokens,
                                                        default_prompt=options.prompt),
                             **actor_options)

@@ -1,7 +1,7 @@
 """The Ray Data stages of a batch job; each wraps a piece the online path uses too.
 
-    read_and_pack   (CPU tasks)   bytes from storage -> `inputs.images.load_image` (same limits and
-                                  error codes as the endpoint) -> resized to the tower's size
+    read_and_pack   (CPU tasks)   bytes from storage -> `inputs.images.load_image` / `inputs.video.load_video`
+                                  (same limits and error codes as the endpoint) -> resized to the tower's size
                                   (`resize_for_tower`, as the endpoint does) -> geometry and cost
                                   from the vision adapter -> packs of about equal cost (`packing`)
     EncodeStage     (actor pool)  one `EncoderWorker` (the same class the coordinator drives) per actor
@@ -9,7 +9,9 @@
                                   multi-step rounds, built with the same `build_prompt` as `Pipeline`
     write_rows      (CPU tasks)   one atomic Parquet part file per batch (`output`)
 
-Between stages a row is one visual item (`ROW_SCHEMA`; `kind` "image": the inputs are image files);
+Between stages a row is one visual item (`ROW_SCHEMA`; `kind` "image" or "video", by file extension;
+a video's sampled frames travel together and one encoder actor encodes them: a batch has many inputs to
+spread, so videos are not cut into chunks here as the online coordinator does);
 a pack travels as a single row holding those rows in Arrow IPC form, so that Ray Data cannot regroup
 it. Pixels and embeddings travel as raw bytes (float32 / uint8) rather than tensor columns: rows
 that failed have none, and Ray Data's tensor columns do not mix with nulls. A bad input never
@@ -29,18 +31,23 @@ import pyarrow as pa
 import torch
 
 from raypipe.batch import packing
+from raypipe.batch.inputs import kind_of
 from raypipe.batch.output import write_part
 from raypipe.errors import InvalidInput
 from raypipe.inputs.images import ImageLimits, load_image
 from raypipe.inputs.media import DecodedVisual
+from raypipe.inputs.video import VideoLimits, VideoSampling, load_video
 from raypipe.storage import S3Options, is_s3, open_filesystem, read_bytes
 
 ROW_SCHEMA = pa.schema([
     ("id", pa.string()), ("uri", pa.string()), ("kind", pa.string()), ("prompt", pa.string()),
-    ("width", pa.int32()), ("height", pa.int32()),  # the input image's size, as the output reports it
+    # The input image's size, as the output reports it; a video's: its sampled frames' (the tower's size).
+    ("width", pa.int32()), ("height", pa.int32()),
     ("num_tokens", pa.int32()), ("cost", pa.float64()),
-    # (pixel_height, pixel_width, 3) uint8 (kind "image"): resized to what the tower consumes; null once encoded
+    # (pixel_height, pixel_width, 3) uint8 image or (num_frames, ...) video frames, resized to what the
+    # tower consumes; null once encoded. `fps`: the sampled frames' rate (a video's positions need it).
     ("pixels", pa.large_binary()), ("pixel_height", pa.int32()), ("pixel_width", pa.int32()),
+    ("num_frames", pa.int32()), ("fps", pa.float64()),
     ("embedding", pa.large_binary()),  # (num_tokens, hidden) float32 after encoding
     ("hidden", pa.int32()),
     ("text", pa.string()), ("finish_reason", pa.string()),
@@ -80,23 +87,28 @@ def _image_cost(adapter, item, cost_model: str) -> float:
     return sum(adapter.cost(unit, cost_model) for unit in adapter.units(item))
 
 
-def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, s3: S3Options | None,
-                  cost_model: str, budget: float | None, per_pack: int) -> pa.Table:
+def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, video_limits: VideoLimits,
+                  s3: S3Options | None, cost_model: str, budget: float | None, per_pack: int) -> pa.Table:
     """Decode a slice of inputs and return it as packs: by cost (`budget`, at most `per_pack` images
     per pack on average) or by count (`per_pack`)."""
     adapter = _vision_adapter(model)
     rows = []
     prompts = batch.column("prompt").to_pylist() if "prompt" in batch.column_names else [None] * batch.num_rows
     for id_, uri, prompt in zip(batch.column("id").to_pylist(), batch.column("uri").to_pylist(), prompts):
-        row = {"id": id_, "uri": uri, "kind": "image", "prompt": prompt}
+        row = {"id": id_, "uri": uri, "kind": kind_of(uri), "prompt": prompt}
         try:
-            image = load_image(_read(uri, s3, image_limits.max_bytes), image_limits, item=id_)
-            # As the endpoint does: only what the tower consumes travels to the encoder actors.
-            resized = adapter.resize_for_tower(image)
+            if row["kind"] == "video":  # frames sampled and resized to the tower's size as they are decoded
+                decoded = resized = load_video(_read(uri, s3, video_limits.max_bytes), video_limits,
+                                               adapter.plan_frames(VideoSampling()), item=id_)
+            else:
+                decoded = load_image(_read(uri, s3, image_limits.max_bytes), image_limits, item=id_)
+                # As the endpoint does: only what the tower consumes travels to the encoder actors.
+                resized = adapter.resize_for_tower(decoded)
             item = adapter.make_item(resized)
-            row.update(width=image.width, height=image.height, num_tokens=item.num_tokens,
+            row.update(width=decoded.width, height=decoded.height, num_tokens=item.num_tokens,
                        cost=_image_cost(adapter, item, cost_model), pixels=resized.pixels.tobytes(),
-                       pixel_height=resized.height, pixel_width=resized.width)
+                       pixel_height=resized.height, pixel_width=resized.width, num_frames=resized.num_frames,
+                       fps=resized.fps)
         except InvalidInput as exc:
             row.update(error=exc.code, error_message=exc.reason)
         except OSError as exc:  # missing, forbidden or unreachable object
@@ -129,7 +141,7 @@ class EncodeStage:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
         todo = [r for r in rows if r["error"] is None]
         adapter = self.worker.adapter
-        units_of = [adapter.units(adapter.make_item(DecodedVisual(_pixels(r), ""))) for r in todo]
+        units_of = [adapter.units(adapter.make_item(_visual(r))) for r in todo]
         flat = [unit for units in units_of for unit in units]
         outs = iter(self.worker.encode(flat)[:-1] if flat else ())  # the last return is a receipt
         # An image's embedding is its units' embeddings concatenated in unit order.
@@ -145,7 +157,8 @@ class EncodeStage:
 class GenerateStage:
     """A decode actor: one `LLMEngine`; every row of a call is one request, all decoded together."""
 
-    def __init__(self, model: str, engine_config, image_limits: ImageLimits, max_tokens: int, default_prompt: str):
+    def __init__(self, model: str, engine_config, image_limits: ImageLimits, video, max_tokens: int,
+                 default_prompt: str):
         from raypipe.decode.engine import LLMEngine
         from raypipe.inputs.sampling import SamplingParams
         from raypipe.models.registry import resolve_model
@@ -154,6 +167,7 @@ class GenerateStage:
         self.engine = LLMEngine(checkpoint, engine_config)
         self.vision = _vision_adapter(str(checkpoint))
         self.image_limits = image_limits
+        self.video = video  # raypipe.models.prompt.VideoOptions: the EVS rate the prompt plans for
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         self.default_prompt = default_prompt
 
@@ -170,15 +184,14 @@ class GenerateStage:
     async def _generate(self, row: dict) -> None:
         from raypipe.models.prompt import build_prompt
 
-        # Only the image's size matters to the prompt (placeholder count): a zero-stride array carries it.
+        # Only the item's size (and a video's frame rate) matters to the prompt: a zero-stride array carries it.
         # The tower-size shape gives the same placeholders as the original and needs no resizing again.
-        shape = (row["pixel_height"], row["pixel_width"], 3)
-        shape_only = DecodedVisual(np.broadcast_to(np.zeros((1, 1, 3), np.uint8), shape), "", row["kind"])
+        shape_only = _visual(row, shape_only=True)
         messages = [{"role": "user", "content": [{"type": row["kind"], row["kind"]: shape_only},
                                                  {"type": "text", "text": row["prompt"] or self.default_prompt}]}]
         embedding = torch.from_numpy(np.frombuffer(row["embedding"], np.float32).reshape(-1, row["hidden"]).copy())
         try:
-            prompt = build_prompt(messages, self.engine.tokenizer, self.vision, self.image_limits)
+            prompt = build_prompt(messages, self.engine.tokenizer, self.vision, self.image_limits, video=self.video)
             out = await self.engine.generate_output(row["id"], prompt.without_pixels(), [embedding], self.params)
         except InvalidInput as exc:
             row.update(error=exc.code, error_message=exc.reason)
@@ -230,8 +243,14 @@ def pool(row: dict, pooling: str):
     return matrix.mean(axis=0, dtype=np.float32) if pooling == "mean" else matrix.tolist()
 
 
-def _pixels(row: dict) -> np.ndarray:
-    return np.frombuffer(row["pixels"], np.uint8).reshape(row["pixel_height"], row["pixel_width"], 3)
+def _visual(row: dict, *, shape_only: bool = False) -> DecodedVisual:
+    """The row's visual item at tower size (`shape_only`: zero-stride pixels that carry only its shape)."""
+    shape = (row["pixel_height"], row["pixel_width"], 3)
+    if row["kind"] == "video":
+        shape = (row["num_frames"], *shape)
+    pixels = (np.broadcast_to(np.zeros((1,) * len(shape), np.uint8), shape) if shape_only
+              else np.frombuffer(row["pixels"], np.uint8).reshape(shape))
+    return DecodedVisual(pixels, "", row["kind"], row["fps"])
 
 
 def _to_ipc(table: pa.Table) -> bytes:
