@@ -133,8 +133,8 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
         return [item]
 
     def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
-        """Prompt tokens that stand for the `index`-th image of a prompt (its image tokens included)."""
-        return [self.image_token_id] * item.num_tokens
+        """Prompt tokens that stand for the `index`-th visual item of a prompt (its placeholder tokens included)."""
+        return [self.placeholder_token_ids[item.kind]] * item.num_tokens
 
     def embedding_nbytes(self, item: VisionItem, dtype: torch.dtype = torch.float32) -> int:
         return item.num_tokens * self.hidden_size * torch.tensor([], dtype=dtype).element_size()
