@@ -6,6 +6,10 @@ padding) plus a small receipt, so the coordinator can detect failures without fe
 On a CPU the workers share cores with the decode engine, and they yield to it (`CPU_NICE`): a
 decode step advances every running request, an encode only the one request waiting for it. Under
 `raypipe bench serve` load this gave ~10% more requests/s and a shorter time to first token.
+
+A shard may hold a long video's worth of chunks: it is encoded in forwards of at most
+`MAX_PATCHES_PER_FORWARD` patches each, so activation memory follows that bound, not the shard's size
+(units themselves are bounded: images by the processor's pixel limit, video chunks by their size).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from raypipe.models.registry import vision_adapter
 from raypipe.runtime.device import pick_device, resolve_dtype
 
 CPU_NICE = 10  # added to a CPU worker's niceness (lower scheduling priority; never needs privileges)
+MAX_PATCHES_PER_FORWARD = 65536  # ~16 of Qwen2.5-VL's largest images, or 64 448x448 frame groups
 
 
 class EncoderWorker:
@@ -50,11 +55,24 @@ class EncoderWorker:
     def encode(self, items: list[VisionItem]):
         """Returns `(*embeddings, receipt)`: call with `num_returns=len(items) + 1`."""
         start = time.perf_counter()
-        embeddings = self.tower.encode(items)
+        embeddings = [e for group in self._forward_groups(items) for e in self.tower.encode(group)]
         self.items_encoded += len(items)
         receipt = {"pid": os.getpid(), "items": len(items), "seconds": time.perf_counter() - start,
                    "device": self.device_kind}
         return (*embeddings, receipt)
+
+    def _forward_groups(self, items: list[VisionItem]) -> list[list[VisionItem]]:
+        """Consecutive runs of `items` of at most `MAX_PATCHES_PER_FORWARD` patches (one item at least)."""
+        groups: list[list[VisionItem]] = []
+        patches = 0.0
+        for item in items:
+            size = self.adapter.cost(item, "patches")
+            if not groups or patches + size > MAX_PATCHES_PER_FORWARD:
+                groups.append([])
+                patches = 0.0
+            groups[-1].append(item)
+            patches += size
+        return groups
 
     def encode_timed(self, items: list[VisionItem], repeats: int = 3) -> list[float]:
         """Median seconds to encode each item alone (benchmarks measure real per-item cost).

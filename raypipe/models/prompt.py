@@ -24,10 +24,12 @@ import re
 import uuid
 from collections.abc import Collection, Sequence
 
+import numpy as np
+
 from raypipe.errors import InvalidInput
 from raypipe.inputs.images import ImageLimits, load_image
 from raypipe.inputs.media import DecodedVisual, VisualKind
-from raypipe.inputs.video import VideoLimits, VideoSampling, load_video
+from raypipe.inputs.video import PlanFrames, VideoLimits, VideoSampling, load_video
 from raypipe.models import evs
 from raypipe.models.base import VisionAdapter, VisualLayout
 
@@ -70,13 +72,16 @@ class PreparedPrompt:
 
 def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
                  image_limits: ImageLimits = ImageLimits(), *, video: VideoOptions = VideoOptions(),
-                 max_text_chars: int | None = None, resize_images: bool = True) -> PreparedPrompt:
-    """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it.
+                 max_text_chars: int | None = None, max_video_tokens: int | None = None,
+                 resize_images: bool = True) -> PreparedPrompt:
+    """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it;
+    `max_video_tokens` (the context length) refuses a video whose planned frames need more tokens
+    than that from its header, before any frame is decoded.
 
     `resize_images=False` keeps images at full resolution (the encoder worker's processor resizes
     them): only for measuring what resizing here saves (`raypipe bench serve-load`).
     """
-    loaders = _loaders(vision_adapter, image_limits, video, resize_images)
+    loaders = _loaders(vision_adapter, image_limits, video, resize_images, max_video_tokens)
     if isinstance(request, dict) and "prompt_token_ids" in request:
         return _from_token_ids(request, tokenizer, vision_adapter, loaders, video.pruning_rate)
     messages = request.get("messages") if isinstance(request, dict) else request
@@ -91,7 +96,8 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     return _expand(ids, visuals, tokenizer, vision_adapter, video.pruning_rate, allow_expanded=False)
 
 
-def _loaders(vision_adapter: VisionAdapter, image_limits: ImageLimits, video: VideoOptions, resize_images: bool):
+def _loaders(vision_adapter: VisionAdapter, image_limits: ImageLimits, video: VideoOptions, resize_images: bool,
+             max_video_tokens: int | None):
     """kind -> `(raw, item) -> DecodedVisual`, each decoded at the size the tower consumes, where it is
     decoded: only those pixels travel to the encoders (a video's frames are resized as they are decoded)."""
     def image(raw, item):
@@ -99,9 +105,36 @@ def _loaders(vision_adapter: VisionAdapter, image_limits: ImageLimits, video: Vi
         return vision_adapter.resize_for_tower(decoded) if resize_images else decoded
 
     def video_(raw, item):
-        return load_video(raw, video.limits, vision_adapter.plan_frames(video.sampling), item=item)
+        plan_frames = vision_adapter.plan_frames(video.sampling)
+        if max_video_tokens is not None:
+            plan_frames = _bounded(plan_frames, vision_adapter, max_video_tokens, video.pruning_rate, item)
+        return load_video(raw, video.limits, plan_frames, item=item)
 
     return {"image": image, "video": video_}
+
+
+def _bounded(plan_frames: PlanFrames, vision_adapter: VisionAdapter, max_tokens: int, pruning_rate: float,
+             item: str) -> PlanFrames:
+    """`plan_frames` that refuses a plan whose video needs more than `max_tokens` prompt tokens."""
+    def plan(metadata):
+        frame_plan = plan_frames(metadata)
+        if not frame_plan.indices:  # load_video refuses it, by its own code
+            return frame_plan
+        # The tokens follow from the frame count and size alone: a zero-stride array stands for the frames.
+        shape = (len(frame_plan.indices), frame_plan.height, frame_plan.width, 3)
+        planned = DecodedVisual(np.broadcast_to(np.zeros((1, 1, 1, 1), np.uint8), shape), "", "video", metadata.fps)
+        visual = vision_adapter.make_item(planned)
+        layout = vision_adapter.layout(planned, visual, pruning_rate)
+        groups = layout.grid[0]
+        tokens = evs.retained_count(groups, visual.num_tokens // groups, pruning_rate)
+        if tokens > max_tokens:
+            raise InvalidInput(f"the video needs {tokens} tokens ({len(frame_plan.indices)} frames of "
+                               f"{frame_plan.height}x{frame_plan.width}); this model's context holds {max_tokens}: "
+                               "sample fewer frames (mm_processor_kwargs fps / max_frames / max_pixels)", item=item,
+                               code="context_length_exceeded")
+        return frame_plan
+
+    return plan
 
 
 def _load_all(raw_visuals: list[tuple[VisualKind, object]], loaders: dict) -> list[DecodedVisual]:

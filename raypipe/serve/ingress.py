@@ -201,7 +201,7 @@ class Ingress:
         prompt = await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
                                          self.vision_adapter, self.image_limits, video=self._video_options(chat),
                                          max_text_chars=model_len * self.chars_per_token,
-                                         resize_images=self.resize_images)
+                                         max_video_tokens=model_len, resize_images=self.resize_images)
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
         return prompt, sampling_params(chat, max_tokens)
 
