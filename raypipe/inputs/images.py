@@ -2,9 +2,9 @@
 
 Accepted: PIL images, numpy arrays (HxW, HxWx1/3/4, uint8), raw encoded bytes, and `data:` URLs
 (scheme in any case, base64 possibly line-wrapped as `base64.encodebytes` writes it).
-`http(s)://` and `file://` URLs are refused unless their prefix is explicitly allowed. Dimensions
-are read from the file header *before* decoding, so a decompression bomb is refused without ever
-allocating its pixels. Every refusal is an `InvalidInput` naming the item and the reason.
+`http(s)://` and `file://` URLs are refused unless their prefix is explicitly allowed (`raypipe.inputs.urls`,
+shared with videos). Dimensions are read from the file header *before* decoding, so a decompression
+bomb is refused without ever allocating its pixels. Every refusal is an `InvalidInput` naming the item and the reason.
 
 Images are turned upright by their EXIF orientation (a phone photo stored sideways reaches the model
 as it is viewed), and high-bit-depth modes are converted to 8 bits: 16-bit integer images keep their
@@ -17,12 +17,8 @@ encoder workers. Normalising and patchifying run inside the workers.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import io
-import urllib.parse
-import urllib.request
 import warnings
 from collections.abc import Sequence
 
@@ -31,6 +27,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual, pixel_hash
+from raypipe.inputs.urls import read_url
 
 # Modes PIL can convert to RGB without guessing a value range.
 _CONVERTIBLE_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "La"}
@@ -68,7 +65,9 @@ def load_image(image, limits: ImageLimits = ImageLimits(), *, item: str = "image
     elif isinstance(image, (bytes, bytearray, memoryview)):
         pixels = _decode_bytes(bytes(image), limits, item)
     elif isinstance(image, str):
-        pixels = _decode_bytes(_read_url(image, limits, item), limits, item)
+        data = read_url(image, kind="image", allowed_prefixes=limits.allowed_url_prefixes,
+                        timeout_s=limits.fetch_timeout_s, max_bytes=limits.max_bytes, item=item)
+        pixels = _decode_bytes(data, limits, item)
     else:
         raise InvalidInput(f"unsupported image type {type(image).__name__}; expected PIL image, numpy array, "
                            "bytes or a data: URL", item=item, code="unsupported_image_type")
@@ -156,35 +155,3 @@ def _decode_bytes(data: bytes, limits: ImageLimits, item: str) -> np.ndarray:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             return _pil_to_rgb(image, limits, item)
-
-
-def _read_url(url: str, limits: ImageLimits, item: str) -> bytes:
-    if url[:5].lower() == "data:":
-        return _decode_data_url(url, item)
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
-    if scheme not in ("http", "https", "file"):
-        raise InvalidInput("image string must be a data: URL (or an allowed http(s)/file URL)", item=item,
-                           code="invalid_image_url")
-    if not any(url.startswith(prefix) for prefix in limits.allowed_url_prefixes):
-        raise InvalidInput(f"{scheme}:// image URLs are not allowed on this server; send a data: URL",
-                           item=item, code="url_not_allowed")
-    try:
-        with urllib.request.urlopen(url, timeout=limits.fetch_timeout_s) as response:  # noqa: S310 (allow-listed)
-            data = response.read(limits.max_bytes + 1)
-    except (OSError, ValueError) as exc:
-        raise InvalidInput(f"could not fetch image URL ({exc})", item=item, code="image_fetch_failed") from None
-    return data
-
-
-def _decode_data_url(url: str, item: str) -> bytes:
-    header, sep, payload = url.partition(",")
-    if not sep:
-        raise InvalidInput("malformed data: URL (no comma)", item=item, code="invalid_image_url")
-    if not header.lower().endswith(";base64"):
-        raise InvalidInput("data: URL must be base64-encoded (data:image/...;base64,...)", item=item,
-                           code="invalid_image_url")
-    try:
-        # Line-wrapped base64 (MIME, `base64.encodebytes`) is still base64; any other stray byte is not.
-        return base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidInput("data: URL payload is not valid base64", item=item, code="invalid_base64") from None

@@ -2,16 +2,51 @@
 
 Which frames are kept and at what size is the model family's decision (`PlanFrames`: Qwen2.5-VL
 follows transformers' Qwen2-VL video processor); this module reads the container's header, refuses
-what is over the limits before decoding anything, then decodes only the kept frames and resizes each
-as it is decoded, so a long high-resolution video never sits in memory at full size.
+what is over the limits before decoding anything, then decodes only the kept frames and resizes them
+a few at a time as they are decoded, so a long high-resolution video never sits in memory at full size.
+
+Accepted: encoded bytes, `data:` URLs and allow-listed `http(s)://`/`file://` URLs (as for images,
+`raypipe.inputs.urls`), a `pathlib.Path` (a trusted local file, read by the caller's own process:
+Pipeline, batch jobs), a list of frames (numpy (H, W, 3) uint8 or PIL images, all one size) taken as
+a video at `frames_fps`, and an already decoded video item. Still images (PNG, JPEG, GIF, ...) are
+refused as `not_a_video`. Every refusal is an `InvalidInput` naming the item, the reason and a code.
+How kept frames are found, and what happens when a stream ends early: `raypipe.inputs.video_decode`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import itertools
+import pathlib
+from collections.abc import Callable, Iterable, Iterator
 
+import av
 import numpy as np
+from PIL import Image
+
+from raypipe.errors import InvalidInput
+from raypipe.inputs.media import DecodedVisual, pixel_hash
+from raypipe.inputs.urls import read_url
+from raypipe.inputs.video_decode import kept_frames, open_container, video_stream
+
+RESIZE_BATCH = 8  # kept frames held at source size at once, before `FramePlan.resize` shrinks them
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VideoLimits:
+    """What a server accepts as one video; everything but `max_frames` is checked from the header alone."""
+
+    max_bytes: int = 512 * 1024 * 1024  # encoded size
+    max_duration_s: float = 3600.0  # a 2-hour upload is refused
+    max_source_pixels: int = 3840 * 2160  # per source frame: 4K yes, 8K no
+    max_frames: int = 768  # kept frames (Qwen2.5-VL's own cap)
+    allowed_url_prefixes: tuple[str, ...] = ()  # e.g. ("https://videos.example.com/", "file:///data/")
+    fetch_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if min(self.max_bytes, self.max_duration_s, self.max_source_pixels, self.max_frames,
+               self.fetch_timeout_s) <= 0:
+            raise ValueError(f"video limits must be positive: {self}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,7 +68,14 @@ class FramePlan:
     indices: tuple[int, ...]  # source frame indices, ascending
     height: int
     width: int
-    resize: Callable[[np.ndarray, tuple[int, int]], np.ndarray]  # (n, H, W, 3) uint8 -> (n, h, w, 3) uint8
+    resize: Callable[[np.ndarray, tuple[int, int]], np.ndarray]  # (n, H, W, 3) uint8, (h, w) -> (n, h, w, 3) uint8
+
+    def __post_init__(self):
+        # A repeated index repeats its frame (a plan may pad to an even count); going back would need a rewind.
+        if any(b < a for a, b in zip(self.indices, self.indices[1:])) or (self.indices and self.indices[0] < 0):
+            raise ValueError(f"frame indices must be non-negative and ascending: {self.indices[:16]}...")
+        if self.height < 1 or self.width < 1:
+            raise ValueError(f"frame plan size must be positive: {self.height}x{self.width}")
 
 
 PlanFrames = Callable[[VideoMetadata], FramePlan]
@@ -51,3 +93,147 @@ class VideoSampling:
     min_pixels: int | None = None  # per frame
     max_pixels: int | None = None  # per frame
     total_pixels: int | None = None  # budget for all frames of one video
+
+
+def load_video(video, limits: VideoLimits, plan_frames: PlanFrames, *, item: str = "video",
+               frames_fps: float = 2.0) -> DecodedVisual:
+    """Validate and decode one video into the frames `plan_frames` keeps; `frames_fps`: the rate of a frames list."""
+    if isinstance(video, DecodedVisual) and video.kind == "video":
+        return video
+    if isinstance(video, (list, tuple)):
+        return _load_frame_list(video, limits, plan_frames, item, frames_fps)
+    if isinstance(video, pathlib.Path):
+        try:
+            size = video.stat().st_size
+        except OSError as exc:
+            raise InvalidInput(f"could not read video file ({exc})", item=item, code="video_fetch_failed") from None
+        return _load_encoded(video, size, limits, plan_frames, item)
+    if isinstance(video, str):
+        video = read_url(video, kind="video", allowed_prefixes=limits.allowed_url_prefixes,
+                         timeout_s=limits.fetch_timeout_s, max_bytes=limits.max_bytes, item=item)
+    if isinstance(video, (bytes, bytearray, memoryview)):
+        data = bytes(video)
+        if not data:
+            raise InvalidInput("video data is empty", item=item, code="not_a_video")
+        return _load_encoded(data, len(data), limits, plan_frames, item)
+    raise InvalidInput(f"unsupported video type {type(video).__name__}; expected bytes, a data: URL, a path or a "
+                       "list of frames", item=item, code="unsupported_video_type")
+
+
+def _load_encoded(source: bytes | pathlib.Path, size: int, limits: VideoLimits, plan_frames: PlanFrames,
+                  item: str) -> DecodedVisual:
+    if size > limits.max_bytes:
+        raise InvalidInput(f"encoded video is {size} bytes; the limit is {limits.max_bytes}", item=item,
+                           code="video_too_large")
+    with open_container(source, item) as container:
+        stream = video_stream(container, item)
+        metadata = _read_metadata(container, stream, item)
+        plan = _plan(plan_frames, metadata, limits, item)
+        distinct = sorted(set(plan.indices))
+        frames = kept_frames(container, stream, distinct, metadata.fps, item)
+        pixels = _resize_in_batches(frames, len(distinct), plan)
+    return _visual(pixels, distinct, plan, metadata)
+
+
+def _read_metadata(container: av.container.InputContainer, stream: av.VideoStream, item: str) -> VideoMetadata:
+    """The header's word on frame count, rate, duration and size; nothing is decoded."""
+    rate = stream.average_rate or stream.guessed_rate
+    if stream.duration:
+        duration = float(stream.duration * stream.time_base)
+    elif container.duration:
+        # Matroska/WebM give no stream duration, and their segment duration is the end time, from 0.
+        duration = (container.duration - max(container.start_time or 0, 0)) / av.time_base
+    else:
+        duration = 0.0
+    fps = float(rate) if rate else (stream.frames / duration if stream.frames and duration else 0.0)
+    total = stream.frames or round(duration * fps)  # Matroska/WebM headers give no frame count
+    context = stream.codec_context
+    metadata = VideoMetadata(total_num_frames=total, fps=fps, duration_s=duration, width=context.width,
+                             height=context.height, codec=context.name)
+    if fps <= 0 or context.width <= 0 or context.height <= 0:
+        raise InvalidInput(f"video header gives no frame rate or frame size ({metadata})", item=item,
+                           code="corrupt_video")
+    return metadata
+
+
+def _load_frame_list(frames: list | tuple, limits: VideoLimits, plan_frames: PlanFrames, item: str,
+                     fps: float) -> DecodedVisual:
+    sizes = [_frame_size(frame, f"{item}[{i}]") for i, frame in enumerate(frames)]
+    if not sizes:
+        raise InvalidInput("video has no frames", item=item, code="empty_video")
+    if len(set(sizes)) > 1:
+        first = next(i for i, size in enumerate(sizes) if size != sizes[0])
+        raise InvalidInput(f"frame {first} is {sizes[first][1]}x{sizes[first][0]} but frame 0 is "
+                           f"{sizes[0][1]}x{sizes[0][0]}; all frames of a video must be one size", item=item,
+                           code="frame_size_mismatch")
+    height, width = sizes[0]
+    metadata = VideoMetadata(total_num_frames=len(frames), fps=fps, duration_s=len(frames) / fps, width=width,
+                             height=height, codec="frames")
+    plan = _plan(plan_frames, metadata, limits, item)
+    distinct = sorted(set(plan.indices))
+    pixels = _resize_in_batches((_frame_rgb(frames[i]) for i in distinct), len(distinct), plan)
+    return _visual(pixels, distinct, plan, metadata)
+
+
+def _frame_size(frame, item: str) -> tuple[int, int]:
+    if isinstance(frame, Image.Image):
+        return frame.height, frame.width
+    if isinstance(frame, np.ndarray) and frame.ndim == 3 and frame.shape[-1] == 3 and frame.dtype == np.uint8:
+        return frame.shape[:2]
+    what = f"array of shape {frame.shape} and dtype {frame.dtype}" if isinstance(frame, np.ndarray) \
+        else type(frame).__name__
+    raise InvalidInput(f"video frame is {what}; expected an (H, W, 3) uint8 array or a PIL image", item=item,
+                       code="unsupported_video_type")
+
+
+def _frame_rgb(frame: np.ndarray | Image.Image) -> np.ndarray:
+    return np.asarray(frame.convert("RGB")) if isinstance(frame, Image.Image) else frame
+
+
+def _plan(plan_frames: PlanFrames, metadata: VideoMetadata, limits: VideoLimits, item: str) -> FramePlan:
+    """Refuse what the header shows is over the limits, then ask the family which frames to keep."""
+    if metadata.duration_s > limits.max_duration_s:
+        raise InvalidInput(f"video is {metadata.duration_s:.1f} s long; the limit is {limits.max_duration_s:g} s",
+                           item=item, code="video_too_long")
+    if metadata.width * metadata.height > limits.max_source_pixels:
+        raise InvalidInput(f"video frames are {metadata.width}x{metadata.height}; the limit is "
+                           f"{limits.max_source_pixels} pixels per frame", item=item, code="video_resolution_too_large")
+    if metadata.total_num_frames <= 0:
+        raise InvalidInput("video has no frames", item=item, code="empty_video")
+    plan = plan_frames(metadata)
+    if not plan.indices:
+        raise InvalidInput(f"no frame of this {metadata.duration_s:.2f} s video is kept", item=item,
+                           code="empty_video")
+    if len(plan.indices) > limits.max_frames:
+        raise InvalidInput(f"{len(plan.indices)} frames would be sampled; the limit is {limits.max_frames}",
+                           item=item, code="too_many_frames")
+    if plan.indices[-1] >= metadata.total_num_frames:
+        raise ValueError(f"frame plan keeps frame {plan.indices[-1]} of a {metadata.total_num_frames}-frame video")
+    return plan
+
+
+def _resize_in_batches(frames: Iterable[np.ndarray], count: int, plan: FramePlan) -> np.ndarray:
+    """Resize frames a few at a time into one (count, h, w, 3) array: only resized frames accumulate."""
+    out = np.empty((count, plan.height, plan.width, 3), np.uint8)
+    done = 0
+    for batch in _batched(iter(frames), RESIZE_BATCH):
+        resized = plan.resize(np.stack(batch), (plan.height, plan.width))
+        if resized.shape != (len(batch), plan.height, plan.width, 3) or resized.dtype != np.uint8:
+            raise ValueError(f"frame plan resize gave {resized.shape} {resized.dtype}; expected "
+                             f"({len(batch)}, {plan.height}, {plan.width}, 3) uint8")
+        out[done:done + len(batch)] = resized
+        done += len(batch)
+    return out
+
+
+def _batched(frames: Iterator[np.ndarray], size: int) -> Iterator[list[np.ndarray]]:
+    while batch := list(itertools.islice(frames, size)):
+        yield batch
+
+
+def _visual(pixels: np.ndarray, distinct: list[int], plan: FramePlan, metadata: VideoMetadata) -> DecodedVisual:
+    if len(distinct) < len(plan.indices):  # repeated indices: repeat their frames
+        pixels = pixels[np.searchsorted(distinct, plan.indices)]
+    pixels = np.ascontiguousarray(pixels)
+    fps = len(plan.indices) / metadata.total_num_frames * metadata.fps
+    return DecodedVisual(pixels, pixel_hash(pixels), "video", fps)
