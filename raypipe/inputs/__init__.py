@@ -1,2 +1,2 @@
-"""What a request brings, decoded and validated: visual items (`media`; images and their limits) and
-sampling parameters."""
+"""What a request brings, decoded and validated: visual items (`media`; images, videos and their limits;
+`urls` shared by both) and sampling parameters."""

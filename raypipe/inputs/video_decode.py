@@ -17,6 +17,10 @@ stream is rewound to its start and decoded on from there, seeking no more.
 If the stream ends before a kept index (its header promised more frames than it holds, e.g. a
 truncated upload), the last decoded frame is repeated for the missing ones -- the video stays on its
 last picture -- but only if some frame was decoded at all; otherwise the video is corrupt.
+
+The decoder keeps PyAV's default threading (slices only). Frame threading ("AUTO") was measured
+slower on a 30 s 640x360 h264 clip sampled at 2 fps on a 2-core host (0.52 s against 0.39 s), and a
+server decodes many videos at once anyway: parallelism comes from requests, not from one decoder.
 """
 
 from __future__ import annotations
