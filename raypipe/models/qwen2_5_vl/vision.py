@@ -18,8 +18,14 @@ import torch
 
 from raypipe.inputs.media import DecodedVisual, pixel_hash
 from raypipe.inputs.video import PlanFrames, VideoSampling
-from raypipe.models.base import (ADAPTER_COST_MODELS, VisionAdapter, VisionItem, VisionTower, VisualLayout,
-                                 check_cost_model)
+from raypipe.models.base import (
+    ADAPTER_COST_MODELS,
+    VisionAdapter,
+    VisionItem,
+    VisionTower,
+    VisualLayout,
+    check_cost_model,
+)
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner, process_video
 

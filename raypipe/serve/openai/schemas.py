@@ -34,26 +34,27 @@ class TextPart(_Strict):
     text: str
 
 
-class ImageURLPart(_Strict):
-    type: Literal["image_url"]
-    image_url: ImageURL | str  # a bare string is the URL itself
+class _URLPart(_Strict):
+    """A visual part whose field, named after its type, is `{"url": ...}` or the bare URL string."""
 
     @property
     def url(self) -> str:
-        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+        value = getattr(self, self.type)
+        return value if isinstance(value, str) else value.url
+
+
+class ImageURLPart(_URLPart):
+    type: Literal["image_url"]
+    image_url: ImageURL | str
 
 
 class VideoURL(_Strict):
     url: str
 
 
-class VideoURLPart(_Strict):
+class VideoURLPart(_URLPart):
     type: Literal["video_url"]
-    video_url: VideoURL | str  # a bare string is the URL itself
-
-    @property
-    def url(self) -> str:
-        return self.video_url if isinstance(self.video_url, str) else self.video_url.url
+    video_url: VideoURL | str
 
 
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
