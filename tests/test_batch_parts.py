@@ -86,6 +86,7 @@ def test_decode_stage_ships_pixels_at_the_towers_size(tmp_path, tiny_ckpt):
 
     from raypipe.batch import stages
     from raypipe.config import ImageLimits
+    from raypipe.inputs.video import VideoLimits
     from raypipe.models.registry import vision_adapter
 
     sizes = {"big.png": (1400, 1000), "wide.png": (90, 610), "thumb.png": (30, 41)}  # (height, width)
@@ -93,8 +94,8 @@ def test_decode_stage_ships_pixels_at_the_towers_size(tmp_path, tiny_ckpt):
     for name, (h, w) in sizes.items():
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / name)
     batch = list_inputs(str(tmp_path))
-    packs = stages.read_and_pack(batch, model=str(tiny_ckpt), image_limits=ImageLimits(), s3=None,
-                                 cost_model="patches", budget=None, per_pack=8)
+    packs = stages.read_and_pack(batch, model=str(tiny_ckpt), image_limits=ImageLimits(), video_limits=VideoLimits(),
+                                 s3=None, cost_model="patches", budget=None, per_pack=8)
     rows = pa.concat_tables([stages._from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
     adapter = vision_adapter(str(tiny_ckpt))
     assert adapter.tower_size(1400, 1000)[0] * adapter.tower_size(1400, 1000)[1] < 1400 * 1000 / 4  # the big one shrinks
