@@ -105,4 +105,4 @@ def test_decode_stage_ships_pixels_at_the_towers_size(tmp_path, tiny_ckpt):
         tower_h, tower_w = adapter.tower_size(h, w)
         assert (row["height"], row["width"]) == (h, w)  # the original image's size, as the output reports it
         assert len(row["pixels"]) == tower_h * tower_w * 3  # resized before it travels
-        assert stages._pixels(row).shape == (tower_h, tower_w, 3)
+        assert stages._visual(row).pixels.shape == (tower_h, tower_w, 3)
