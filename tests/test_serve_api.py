@@ -357,6 +357,8 @@ def _bad_videos(video_url: str) -> dict:
         "three-videos": (_chat(messages=[{"role": "user", "content": [video_part(video_url)] * 3}]),
                          "too_many_videos"),
         "over-the-context": (one(video_url, mm_processor_kwargs=huge), "context_length_exceeded"),
+        "frames-beyond-any-array": (one(video_url, mm_processor_kwargs={"min_pixels": 10**30, "max_pixels": 10**30}),
+                                    "context_length_exceeded"),  # was a 500
         "fps-zero": (one(video_url, mm_processor_kwargs={"fps": 0}), "invalid_value"),
         "pruning-rate-one": (one(video_url, mm_processor_kwargs={"video_pruning_rate": 1.0}), "invalid_value"),
     }
