@@ -20,11 +20,14 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 
 from raypipe.batch import BatchOptions, run_batch
+from raypipe.batch.inputs import kind_of
 from raypipe.config import ModelConfig
 from raypipe.storage import S3Options, list_files, open_filesystem
+from raypipe.testing.sample_videos import cut_before_first_frame, index_frames, make_video
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +41,7 @@ BAD_FILES = {
     "bad/too_small.png": "image_too_small",
     "bad/too_large.png": "image_too_large",
     "bad/bomb.png": "image_too_large",
+    "bad/cut.mkv": "corrupt_video",  # inputs.video's codes: a header with no decodable frame
 }
 
 
@@ -73,7 +77,15 @@ def _bad_files() -> dict[str, bytes]:
     return {"bad/not_an_image.jpg": b"this is text, not a JPEG", "bad/empty.png": b"",
             "bad/truncated.jpg": jpeg[: len(jpeg) * 2 // 3],  # header whole, scan data cut
             "bad/too_small.png": _encode(np.zeros((10, 10, 3), np.uint8), "PNG"),
-            "bad/too_large.png": big.getvalue(), "bad/bomb.png": bomb.getvalue()}
+            "bad/too_large.png": big.getvalue(), "bad/bomb.png": bomb.getvalue(),
+            "bad/cut.mkv": cut_before_first_frame(make_video(index_frames(10), container="mkv"))}
+
+
+@pytest.fixture(scope="module")
+def videos() -> dict[str, bytes]:
+    """Two clips of different sizes, lengths and containers (their frames spell their index)."""
+    return {"clips/a.mp4": make_video(index_frames(20, 96, 128), fps=10),
+            "clips/b.webm": make_video(index_frames(12, 48, 64), fps=4, codec="libvpx-vp9", container="webm")}
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +132,24 @@ def _put(s3, uri: str, files: dict[str, bytes]) -> None:
 
 
 @pytest.fixture(scope="module")
-def photos(s3):
+def photos(s3, videos):
+    """The good images under s3://photos/in/; `videos` and `BAD_FILES` are there too."""
     images = _images(44)
-    _put(s3, "s3://photos/in", {**images, **_bad_files(), "notes.txt": b"not listed: no image extension"})
+    _put(s3, "s3://photos/in", {**images, **videos, **_bad_files(), "notes.txt": b"not listed: no image extension"})
     return images
+
+
+def _video_embedding(hf_model, ckpt, data: bytes) -> torch.Tensor:
+    """transformers' vision tower on the video's sampled frames (raypipe's frame plan, checked elsewhere)."""
+    from raypipe.inputs.video import VideoLimits, VideoSampling, load_video
+    from raypipe.models.qwen2_5_vl.video import process_video
+    from raypipe.models.registry import vision_adapter
+
+    adapter = vision_adapter(ckpt)
+    frames = load_video(data, VideoLimits(), adapter.plan_frames(VideoSampling())).pixels
+    pixel_values, grid = process_video(frames, adapter.video_config)
+    with torch.no_grad():
+        return hf_model.model.visual(pixel_values, grid_thw=torch.tensor([grid])).pooler_output
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +173,12 @@ def _batch_cli(args: list[str], env: dict) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def test_embed_s3_to_s3_matches_pipeline(photos, s3, pipe, tiny_ckpt):
+def test_embed_s3_to_s3_matches_pipeline(photos, videos, s3, pipe, tiny_ckpt, hf_model):
     summary = run_batch(BatchOptions(input="s3://photos/in/", output="s3://results/embed/", s3=s3,
                                      model=ModelConfig(str(tiny_ckpt), num_encoders=2), rows_per_file=16))
     table = _read_output("s3://results/embed/", s3)
     rows = {r["id"]: r for r in table.to_pylist()}
-    assert sorted(rows) == sorted([*photos, *BAD_FILES]) and table.num_rows == len(rows)  # each exactly once
+    assert sorted(rows) == sorted([*photos, *videos, *BAD_FILES]) and table.num_rows == len(rows)  # each once
     assert summary.inputs == len(rows) == summary.processed and summary.skipped == 0
     assert summary.errors == {code: list(BAD_FILES.values()).count(code) for code in set(BAD_FILES.values())}
     for name, code in BAD_FILES.items():
@@ -167,6 +193,11 @@ def test_embed_s3_to_s3_matches_pipeline(photos, s3, pipe, tiny_ckpt):
         assert (row["width"], row["height"]) == image.size and row["num_tokens"] == emb.shape[0]
         np.testing.assert_allclose(np.asarray(row["embedding"], np.float32), emb.float().mean(0).numpy(),
                                    atol=1e-5, rtol=0)
+    for name, data in videos.items():  # one pooled row per video
+        emb = _video_embedding(hf_model, tiny_ckpt, data)
+        assert rows[name]["error"] is None and rows[name]["num_tokens"] == emb.shape[0]
+        np.testing.assert_allclose(np.asarray(rows[name]["embedding"], np.float32), emb.mean(0).numpy(),
+                                   atol=1e-5, rtol=0)
     # The same command again: nothing left to do, nothing written twice.
     again = run_batch(BatchOptions(input="s3://photos/in/", output="s3://results/embed/", s3=s3,
                                    model=ModelConfig(str(tiny_ckpt), num_encoders=2), rows_per_file=16))
@@ -174,16 +205,17 @@ def test_embed_s3_to_s3_matches_pipeline(photos, s3, pipe, tiny_ckpt):
     assert _read_output("s3://results/embed/", s3).num_rows == len(rows)
 
 
-def test_manifest_prompts_generate_matches_pipeline(tmp_path, pipe, tiny_ckpt):
+def test_manifest_prompts_generate_matches_pipeline(tmp_path, pipe, tiny_ckpt, videos):
     from raypipe import SamplingParams
 
     folder = tmp_path / "images"
-    images = dict(list(_images(6, seed=3).items()))
+    images = {**_images(6, seed=3), "clip.mp4": videos["clips/a.mp4"]}
     for name, data in images.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
     names = sorted(images)
-    prompts = ["Describe this image.", "What colour dominates?", "Count the objects.", None, "Tag it.", "OCR?"]
+    prompts = ["Describe this image.", "What colour dominates?", "Count the objects.", None, "Tag it.", "OCR?",
+               "What happens?"]
     lines = [{"path": f"images/{name}", "key": f"k{i}", "question": p} for i, (name, p) in enumerate(zip(names, prompts))]
     lines.append({"path": "missing/nowhere.png", "key": "k-missing", "question": "?"})
     manifest = tmp_path / "manifest.jsonl"
@@ -195,7 +227,7 @@ def test_manifest_prompts_generate_matches_pipeline(tmp_path, pipe, tiny_ckpt):
     rows = {r["id"]: r for r in _read_output(str(out), None).to_pylist()}
     assert sorted(rows) == sorted(line["key"] for line in lines) and summary.processed == len(lines)
     assert rows["k-missing"]["error"] == "unreadable_object" and rows["k-missing"]["text"] is None
-    requests = [[{"role": "user", "content": [{"type": "image", "image": images[name]},
+    requests = [[{"role": "user", "content": [{"type": kind_of(name), kind_of(name): images[name]},
                                               {"type": "text", "text": p or "Default prompt."}]}]
                 for name, p in zip(names, prompts)]
     expected = pipe.generate(requests, SamplingParams(max_tokens=6, temperature=0.0))
@@ -258,7 +290,7 @@ def test_minicpmv_slices_local_folders_match_pipeline(tmp_path, ray_local, minic
                                    atol=1e-5, rtol=0)
 
 
-def test_kill_driver_and_resume_exactly_once(photos, s3, env, tiny_ckpt):
+def test_kill_driver_and_resume_exactly_once(photos, videos, s3, env, tiny_ckpt):
     out = "s3://results/killed/"
     args = ["--model", str(tiny_ckpt), "--input", "s3://photos/in/", "--output", out, "--rows-per-file", "2",
             "--batching", "count", "--batch-images", "1", "--read-batch", "2", "--json"]
@@ -275,7 +307,7 @@ def test_kill_driver_and_resume_exactly_once(photos, s3, env, tiny_ckpt):
     before = _read_output(out, s3)
     assert before is not None, "killed before any part file was written"
     done_before = before.num_rows
-    total = len(photos) + len(BAD_FILES)
+    total = len(photos) + len(videos) + len(BAD_FILES)
     assert 0 < done_before < total
     second = _batch_cli(args, env)
     stdout, stderr = second.communicate(timeout=300)

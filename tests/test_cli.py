@@ -43,3 +43,23 @@ def test_encode_writes_embeddings(tmp_path, tiny_ckpt, hf_model):
 def test_encode_reports_missing_file(tmp_path):
     proc = run_cli("encode", "--model", "tiny", str(tmp_path / "nope.png"), "--out", str(tmp_path / "x.npz"))
     assert proc.returncode == 2 and "no such file" in proc.stdout
+
+
+def test_generate_with_a_video(tmp_path, tiny_ckpt):
+    from raypipe.inputs.video import VideoMetadata, VideoSampling
+    from raypipe.models.evs import retained_count
+    from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner
+    from raypipe.testing.sample_videos import index_frames, make_video
+
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(make_video(index_frames(30, 96, 128), fps=10))
+    proc = run_cli("generate", "--model", str(tiny_ckpt), "--num-encoders", "1", "--video", str(video),
+                   "--video-pruning-rate", "0.5", "--prompt", "What happens?", "--max-tokens", "6",
+                   "--temperature", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip()  # the generated text
+    config = QwenVideoConfig.from_checkpoint(tiny_ckpt)
+    plan = frame_planner(config, VideoSampling())(VideoMetadata(30, 10.0, 3.0, 128, 96))
+    groups = len(plan.indices) // config.temporal_patch_size
+    planned = retained_count(groups, plan.height * plan.width // config.factor**2, 0.5)
+    assert f"({planned} from 0 images and 1 videos)" in proc.stderr, proc.stderr

@@ -258,6 +258,132 @@ def test_malformed_requests_get_openai_errors(server, http, client):
     assert metric(http, 'raypipe_request_errors_total{code="image_too_large"}') >= 2
 
 
+# --- videos ---------------------------------------------------------------------------------------
+
+VIDEO_FRAMES, VIDEO_FPS, VIDEO_SIZE = 30, 10, (96, 128)  # 3 s of 128x96: 6 frames kept at the default 2 fps
+
+
+@pytest.fixture(scope="module")
+def video_url():
+    from raypipe.testing.sample_videos import index_frames, make_video
+
+    return data_url(make_video(index_frames(VIDEO_FRAMES, *VIDEO_SIZE), VIDEO_FPS), "video/mp4")
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def planned_video_tokens(ckpt, sampling=None, rate: float = 0.0) -> int:
+    """The test video's placeholder count, from the model's frame plan and `evs.retained_count` alone."""
+    from raypipe.inputs.video import VideoMetadata, VideoSampling
+    from raypipe.models.evs import retained_count
+    from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner
+
+    config = QwenVideoConfig.from_checkpoint(ckpt)
+    height, width = VIDEO_SIZE
+    plan = frame_planner(config, sampling or VideoSampling())(
+        VideoMetadata(VIDEO_FRAMES, VIDEO_FPS, VIDEO_FRAMES / VIDEO_FPS, width, height))
+    groups = -(-len(plan.indices) // config.temporal_patch_size)
+    per_group = plan.height * plan.width // config.factor**2
+    return retained_count(groups, per_group, rate)
+
+
+@pytest.mark.parametrize("with_image", [False, True], ids=["video", "image-and-video"])
+def test_video_chat_matches_pipeline(client, pipe, tiny_ckpt, video_url, with_image):
+    from raypipe import SamplingParams
+
+    parts = [{"type": "text", "text": "What happens?"}, video_part(video_url)]
+    if with_image:
+        parts.insert(1, {"type": "image_url", "image_url": {"url": image_url(56, 84, seed=5)}})
+    messages = [{"role": "user", "content": parts}]
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    [expected] = pipe.generate([messages], SamplingParams(max_tokens=12, temperature=0.0))
+    assert response.choices[0].message.content == expected.text and expected.text
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    adapter = pipe.coordinator.adapter
+    image_tokens = int(np.prod(adapter.grid_for(56, 84))) // adapter.merge**2 if with_image else 0
+    video_tokens = planned_video_tokens(tiny_ckpt)
+    assert expected.num_image_tokens == video_tokens + image_tokens and video_tokens > 0
+    text_only = client.chat.completions.create(model="tiny", messages=user("What happens?"), max_tokens=1)
+    assert response.usage.prompt_tokens > text_only.usage.prompt_tokens + expected.num_image_tokens
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage == response.usage
+
+
+def test_mm_processor_kwargs_plan_the_video_tokens(client, tiny_ckpt, video_url):
+    from raypipe.inputs.video import VideoSampling
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Summarise."}, video_part(video_url)]}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    pruned = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={"mm_processor_kwargs": {"fps": 1, "video_pruning_rate": 0.5}})
+    saved = planned_video_tokens(tiny_ckpt) - planned_video_tokens(tiny_ckpt, VideoSampling(fps=1), 0.5)
+    assert saved > 0 and pruned.usage.prompt_tokens == plain.usage.prompt_tokens - saved
+    assert pruned.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                       extra_body={"mm_processor_kwargs": {"fps": 1, "frame_rate": 2}})
+    assert info.value.code == "unrecognized_argument" and info.value.param == "mm_processor_kwargs.frame_rate"
+
+
+def _bad_videos(video_url: str) -> dict:
+    """id -> (request fields, the error code): each bad video, or bad way to ask for one, has its own."""
+    from raypipe.testing.sample_videos import (
+        cut_before_first_frame,
+        index_frames,
+        make_audio_only,
+        make_unknown_codec_video,
+        make_video,
+    )
+
+    def one(url: str, **fields) -> dict:
+        return _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "see"}, video_part(url)]}],
+                     **fields)
+
+    mkv = make_video(index_frames(10), container="mkv")
+    huge = {"fps": 10, "min_pixels": 1_000_000, "max_pixels": 1_000_000}  # ~1300 tokens per frame pair
+    return {
+        "png-as-video": (one(data_url(png_bytes(random_images([(56, 56)])[0]), "video/mp4")), "not_a_video"),
+        "text-as-video": (one(data_url(b"not a video at all", "video/mp4")), "not_a_video"),
+        "audio-only": (one(data_url(make_audio_only(), "video/x-matroska")), "no_video_stream"),
+        "cut-before-first-frame": (one(data_url(cut_before_first_frame(mkv), "video/x-matroska")), "corrupt_video"),
+        "unknown-codec": (one(data_url(make_unknown_codec_video(), "video/x-matroska")), "unsupported_codec"),
+        "bad-base64": (one("data:video/mp4;base64,@@not-base64@@"), "invalid_base64"),
+        "http-url": (one("http://example.com/cat.mp4"), "url_not_allowed"),
+        "three-videos": (_chat(messages=[{"role": "user", "content": [video_part(video_url)] * 3}]),
+                         "too_many_videos"),
+        "over-the-context": (one(video_url, mm_processor_kwargs=huge), "context_length_exceeded"),
+        "frames-beyond-any-array": (one(video_url, mm_processor_kwargs={"min_pixels": 10**30, "max_pixels": 10**30}),
+                                    "context_length_exceeded"),  # was a 500
+        "fps-zero": (one(video_url, mm_processor_kwargs={"fps": 0}), "invalid_value"),
+        "pruning-rate-one": (one(video_url, mm_processor_kwargs={"video_pruning_rate": 1.0}), "invalid_value"),
+    }
+
+
+def test_bad_videos_get_their_own_codes(server, http, client, video_url):
+    from raypipe.testing.sample_videos import make_long_4k_video
+
+    failures = []
+    for name, (body, code) in _bad_videos(video_url).items():
+        response = http.post("/v1/chat/completions", json=body)
+        if response.status_code != 400 or response.json()["error"]["code"] != code:
+            failures.append(f"{name}: {response.status_code} {response.text[:300]}")
+    assert not failures, "\n".join(failures)
+    long_4k = data_url(make_long_4k_video(), "video/x-matroska")  # 2 h of 4K in its header, two frames inside
+    start = time.monotonic()
+    response = http.post("/v1/chat/completions", json=_chat(messages=[{"role": "user", "content": [
+        video_part(long_4k)]}]))
+    assert response.status_code == 400 and response.json()["error"]["code"] == "video_too_long", response.text
+    assert time.monotonic() - start < 10  # refused from the header: no 4K frame is decoded
+    ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [video_part(video_url)]}],
+                                        max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
 # --- concurrency, batching, cancellation, failures ----------------------------------------------
 
 async def _concurrent(server: str, n: int, seed: int, max_tokens: int = 16, on_started=None, images: int = 1):

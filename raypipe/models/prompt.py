@@ -122,7 +122,13 @@ def _bounded(plan_frames: PlanFrames, vision_adapter: VisionAdapter, max_tokens:
             return frame_plan
         # The tokens follow from the frame count and size alone: a zero-stride array stands for the frames.
         shape = (len(frame_plan.indices), frame_plan.height, frame_plan.width, 3)
-        planned = DecodedVisual(np.broadcast_to(np.zeros((1, 1, 1, 1), np.uint8), shape), "", "video", metadata.fps)
+        try:
+            pixels = np.broadcast_to(np.zeros((1, 1, 1, 1), np.uint8), shape)
+        except ValueError:  # more pixels than an array can index (a huge requested min_pixels): over any context
+            raise InvalidInput(f"the video's sampled frames would be {frame_plan.height}x{frame_plan.width}; this "
+                               f"model's context holds {max_tokens} tokens", item=item,
+                               code="context_length_exceeded") from None
+        planned = DecodedVisual(pixels, "", "video", metadata.fps)
         visual = vision_adapter.make_item(planned)
         layout = vision_adapter.layout(planned, visual, pruning_rate)
         groups = layout.grid[0]
