@@ -219,3 +219,19 @@ def test_positions_equal_get_rope_index(tiny_ckpt, hf_model, visuals):
         second_per_grid_ts=torch.tensor([x.seconds_per_grid for x in videos]))
     assert torch.equal(got, want[:, 0]) and delta == int(want_delta[0, 0])
     assert len(set(got[0].tolist())) < len(ids)  # temporal axis is not the plain index
+
+
+def test_the_cache_key_follows_the_sampling(tiny_ckpt):
+    """The embedding cache is keyed by the sampled frames' hash: the same file under other sampling
+    parameters is another key, under the same ones the same key."""
+    from raypipe.inputs.video import VideoLimits, load_video
+    from raypipe.testing.sample_videos import index_frames, make_video
+
+    adapter = vision_adapter(tiny_ckpt)
+    data = make_video(index_frames(40, 96, 128), fps=10)
+
+    def key(**sampling):
+        return load_video(data, VideoLimits(), adapter.plan_frames(VideoSampling(**sampling))).content_hash
+
+    assert key(fps=2.0) == key(fps=2.0)
+    assert len({key(fps=2.0), key(fps=1.0), key(fps=2.0, max_pixels=4 * 28 * 28)}) == 3
