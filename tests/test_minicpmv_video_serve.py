@@ -57,7 +57,8 @@ def server(ray_local, minicpmv_ckpt):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": str(minicpmv_ckpt), "served_model_name": "tiny-minicpmv", "api_key": KEY,
-                         "engine": {"max_model_len": 1024, "max_num_seqs": 4}}), name="raypipe-mvideo", route_prefix="/")
+                         "engine": {"max_model_len": 1024, "max_num_seqs": 4}}),
+              name="raypipe-mvideo", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 

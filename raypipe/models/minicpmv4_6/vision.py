@@ -115,8 +115,8 @@ class MiniCPMV4_6VisionAdapter(VisionAdapter):
 
     def layout(self, visual: DecodedVisual, item: VisionItem, pruning_rate: float = 0.0) -> VisualLayout:
         if item.kind == "video" and pruning_rate > 0:
-            raise InvalidInput("EVS (video_pruning_rate) is not supported for MiniCPM-V videos", item="video_pruning_rate",
-                               code="invalid_video_pruning_rate")
+            raise InvalidInput("EVS (video_pruning_rate) is not supported for MiniCPM-V videos",
+                               item="video_pruning_rate", code="invalid_video_pruning_rate")
         return VisualLayout(item.kind, tuple(item.grid))
 
     def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
