@@ -120,10 +120,11 @@ class MiniCPMV4_6VisionAdapter(VisionAdapter):
         return VisualLayout(item.kind, tuple(item.grid))
 
     def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
-        """What `MiniCPMV4_6Processor` puts for the `index`-th image of a prompt: `<image_id>index</image_id>`
-        (if the processor uses image ids), `<image>` overview `</image>`, then one `<slice>...</slice>`
-        per slice, rows separated by a newline. Special tokens delimit every piece, so tokenizing it
-        alone gives the same ids as the processor's tokenizing of the whole prompt."""
+        """What `MiniCPMV4_6Processor` puts for the `index`-th image (or video) of a prompt:
+        `<image_id>index</image_id>` (if the processor uses image ids), `<image>` overview `</image>`, then
+        one `<slice>...</slice>` per slice, rows separated by a newline -- for a video, that per visual unit,
+        with `<|video_pad|>`. Special tokens delimit every piece, so tokenizing it alone gives the same ids
+        as the processor's tokenizing of the whole prompt."""
         t = tokenizer
         text = f"{t.image_id_start_token}{index}{t.image_id_end_token}" if self.processor.use_image_id else ""
         if item.kind != "video":
