@@ -125,7 +125,7 @@ def test_prompt_equals_processor(patched, minicpmv_ckpt, with_image):
     assert sum(lang_runs) == prompt.num_image_tokens
 
 
-def test_refusals(minicpmv_ckpt):
+def test_refusals(minicpmv_ckpt, monkeypatch):
     lang, vision = language_adapter(minicpmv_ckpt), vision_adapter(minicpmv_ckpt)
     source = list(_source(6, 48, 64, seed=0))
     messages = [{"role": "user", "content": [{"type": "video", "video": source}]}]
@@ -138,6 +138,10 @@ def test_refusals(minicpmv_ckpt):
     with pytest.raises(InvalidInput) as err:  # refused from the header's plan, before any frame is decoded
         build_prompt(messages, lang.tokenizer, vision, max_video_tokens=20)
     assert err.value.code == "context_length_exceeded"
+    monkeypatch.setattr(mvideo, "MAX_KEPT_BYTES", 500 * 1024**2)  # the tiny preset keeps at most 24 frames
+    with pytest.raises(InvalidInput) as err:  # 24 frames of 4K (0.6 GB) would stay in memory at source size
+        vision.plan_frames(VideoSampling())(VideoMetadata(300, 30.0, 10.0, 3840, 2160))
+    assert err.value.code == "video_too_large"
 
 
 def test_visual_units_need_the_duration(minicpmv_ckpt):

@@ -32,6 +32,9 @@ from raypipe.errors import InvalidInput
 from raypipe.inputs.video import FramePlan, PlanFrames, VideoMetadata, VideoSampling
 
 VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
+# Kept frames stay at source size until the coordinator cuts them into pieces: a plan whose frames would
+# hold more than this is refused from the header (120 frames of 1080p are 0.75 GiB; of 4K, 3 GiB).
+MAX_KEPT_BYTES = 2 * 1024**3
 
 
 def _processor_class():
@@ -90,6 +93,11 @@ def frame_planner(processor, sampling: VideoSampling | None = None) -> PlanFrame
         hf_meta = HFVideoMetadata(total_num_frames=meta.total_num_frames, fps=meta.fps,
                                   duration=meta.frames_duration_s, width=meta.width, height=meta.height)
         indices = processor.sample_frames(hf_meta, max_num_frames=max_num_frames)
+        kept = len(indices) * meta.height * meta.width * 3
+        if kept > MAX_KEPT_BYTES:
+            raise InvalidInput(f"{len(indices)} frames of {meta.width}x{meta.height} would be kept at source size "
+                               f"({kept / 1024**3:.1f} GiB; the limit is {MAX_KEPT_BYTES / 1024**3:g} GiB): send a "
+                               "smaller video or a lower max_frames", item="video", code="video_too_large")
         return FramePlan(tuple(int(i) for i in indices), meta.height, meta.width, _keep)
 
     return plan
