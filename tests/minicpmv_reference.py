@@ -30,7 +30,8 @@ def processor(ckpt):
                 return super().check_argument_for_proper_class(argument_name, argument)
 
     return Processor(image_processor=MiniCPMV4_6ImageProcessorPil.from_pretrained(ckpt),
-                     video_processor=MiniCPMV4_6VideoProcessor(), tokenizer=AutoTokenizer.from_pretrained(ckpt))
+                     video_processor=MiniCPMV4_6VideoProcessor.from_pretrained(ckpt),
+                     tokenizer=AutoTokenizer.from_pretrained(ckpt))
 
 
 def image_embeddings(hf_model, ckpt, images) -> list[torch.Tensor]:

@@ -45,9 +45,10 @@ ROW_SCHEMA = pa.schema([
     ("width", pa.int32()), ("height", pa.int32()),
     ("num_tokens", pa.int32()), ("cost", pa.float64()),
     # (pixel_height, pixel_width, 3) uint8 image or (num_frames, ...) video frames, resized to what the
-    # tower consumes; null once encoded. `fps`: the sampled frames' rate (a video's positions need it).
+    # tower consumes; null once encoded. `fps`: the sampled frames' rate (a video's positions need it);
+    # `duration_s`: the source video's (MiniCPM-V groups its frames by second of video).
     ("pixels", pa.large_binary()), ("pixel_height", pa.int32()), ("pixel_width", pa.int32()),
-    ("num_frames", pa.int32()), ("fps", pa.float64()),
+    ("num_frames", pa.int32()), ("fps", pa.float64()), ("duration_s", pa.float64()),
     ("embedding", pa.large_binary()),  # (num_tokens, hidden) float32 after encoding
     ("hidden", pa.int32()),
     ("text", pa.string()), ("finish_reason", pa.string()),
@@ -108,7 +109,7 @@ def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, vid
             row.update(width=decoded.width, height=decoded.height, num_tokens=item.num_tokens,
                        cost=_image_cost(adapter, item, cost_model), pixels=resized.pixels.tobytes(),
                        pixel_height=resized.height, pixel_width=resized.width, num_frames=resized.num_frames,
-                       fps=resized.fps)
+                       fps=resized.fps, duration_s=resized.duration_s)
         except InvalidInput as exc:
             row.update(error=exc.code, error_message=exc.reason)
         except OSError as exc:  # missing, forbidden or unreachable object
@@ -250,7 +251,7 @@ def _visual(row: dict, *, shape_only: bool = False) -> DecodedVisual:
         shape = (row["num_frames"], *shape)
     pixels = (np.broadcast_to(np.zeros((1,) * len(shape), np.uint8), shape) if shape_only
               else np.frombuffer(row["pixels"], np.uint8).reshape(shape))
-    return DecodedVisual(pixels, "", row["kind"], row["fps"])
+    return DecodedVisual(pixels, "", row["kind"], row["fps"], row.get("duration_s"))
 
 
 def _to_ipc(table: pa.Table) -> bytes:

@@ -1,17 +1,22 @@
-"""`raypipe bench video`: one long video, decoded on CPU and encoded by time-sharded chunks.
+"""`raypipe bench video`: one long video, decoded on CPU and encoded in units spread over the workers.
 
 Three measurements, side by side in one run (nothing else should run on the machine):
 
 1. CPU decode + sample: a `seconds`-long clip (source 10 fps, 640x360 h264, made here with PyAV)
-   read with the model's frame plan (2 fps), frames kept per second of wall time -- against
+   read with the model's own frame plan (Qwen2.5-VL: 2 fps, resized as decoded; MiniCPM-V: one main
+   frame per second plus per-second canvases of sub-second frames, at source size), kept frames per
+   second of wall time -- against
 2. the encoders: the same sampled video through the coordinator on 1 and on 2 encoder workers
-   (1 torch thread each), its temporal chunks balanced over them. Ratio = 1-worker / 2-worker time
-   (vLLM encodes one video on one GPU: its ratio is 1 by construction).
-3. EVS at 0.5 / 0.75 against off, on a shorter clip at a lower per-frame resolution so that the
-   prompt fits the small preset's 4096-token context: video tokens in the prompt, the engine's
-   prefill time and the time to first token (`max_tokens=1`, embeddings already encoded).
+   (1 torch thread each), its units balanced over them (Qwen: chunks of temporal groups; MiniCPM-V:
+   each frame's and canvas's overview and slices). Ratio = 1-worker / 2-worker time (vLLM encodes
+   one video on one GPU: its ratio is 1 by construction).
+3. EVS at 0.5 / 0.75 against off, for families that support it (Qwen2.5-VL; skipped, saying so,
+   otherwise), on a shorter clip at a lower per-frame resolution so that the prompt fits the small
+   preset's 4096-token context: video tokens in the prompt, the engine's prefill time and the time
+   to first token (`max_tokens=1`, embeddings already encoded).
 
-Default model: `small` (Qwen2.5-VL-shaped, ~70M parameters). Medians over `repeats` runs.
+Default model: `small` (Qwen2.5-VL-shaped, ~70M parameters); `--model small-minicpmv` for MiniCPM-V.
+Medians over `repeats` runs.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def main(args) -> int:
 
     from raypipe.encode.coordinator import Coordinator
     from raypipe.encode.pool import EncoderPool, WorkerOptions
-    from raypipe.inputs.media import DecodedVisual
+    from raypipe.errors import InvalidInput
     from raypipe.inputs.video import VideoLimits, VideoSampling, load_video
     from raypipe.models.registry import model_for_actors, resolve_model, vision_adapter
     from raypipe.runtime.ray_cluster import connect_ray
@@ -56,12 +61,12 @@ def main(args) -> int:
     seconds = 60 if args.quick else 300
     repeats = 1 if args.quick else 3
     data = source_video(seconds)
-    plan = adapter.plan_frames(VideoSampling(fps=2.0))
+    plan = adapter.plan_frames(VideoSampling())  # the model's own plan
     limits = VideoLimits()
     decode_s = median_seconds(lambda: load_video(data, limits, plan), repeats)
     video = load_video(data, limits, plan)
     item = adapter.make_item(video)
-    warmup = DecodedVisual(video.pixels[:8], "warmup", "video", video.fps)
+    warmup = load_video(source_video(4), limits, plan)  # a short clip through the same plan
 
     connect_ray()
     actor_model = model_for_actors(model, checkpoint)
@@ -73,14 +78,18 @@ def main(args) -> int:
         encode_s[workers] = median_seconds(lambda: coordinator.encode([video]), repeats, warmup=0)
         spread = sum(1 for shard in coordinator.last_report.assignment if shard)
         coordinator.pool.shutdown()
-    evs_seconds = 20 if args.quick else 45
-    evs = evs_rows(checkpoint, adapter, source_video(evs_seconds), evs_seconds, repeats)
+    try:  # EVS is a per-family feature: a family without it refuses a pruning rate when laying a video out
+        adapter.layout(video, item, pruning_rate=0.5)
+        evs_seconds = 20 if args.quick else 45
+        evs = evs_rows(checkpoint, adapter, source_video(evs_seconds), evs_seconds, repeats)
+    except InvalidInput as exc:
+        evs = {"skipped": exc.reason}
     ray.shutdown()
 
     frames = video.num_frames
     result = {"model": str(model), "seconds": seconds, "source_frames": seconds * SOURCE_FPS, "kept_frames": frames,
               "frame_size": [video.height, video.width], "video_tokens": item.num_tokens,
-              "chunks": len(adapter.units(item)), "workers_used_by_2": spread,
+              "units": len(adapter.units(item)), "workers_used_by_2": spread,
               "decode_s": decode_s, "decode_frames_per_s": frames / decode_s,
               "encode_s": encode_s, "encode_frames_per_s": {n: frames / s for n, s in encode_s.items()},
               "speedup_2_over_1": encode_s[1] / encode_s[2], "evs": evs}
@@ -89,13 +98,16 @@ def main(args) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"model {model}: {seconds} s video, {seconds * SOURCE_FPS} source frames -> {frames} kept at "
-          f"{video.height}x{video.width}, {item.num_tokens} video tokens in {result['chunks']} chunks")
+          f"{video.height}x{video.width}, {item.num_tokens} video tokens in {result['units']} encoder units")
     print_table("decode + sample (CPU, this process) vs encode (1 torch thread per worker)",
                 ["stage", "seconds", "kept frames / s"],
                 [["decode + sample + resize", decode_s, frames / decode_s],
                  *[[f"encode, {n} worker(s)", s, frames / s] for n, s in encode_s.items()]])
-    print(f"2 workers vs 1: {result['speedup_2_over_1']:.2f}x (chunks on {spread} workers); decode is "
+    print(f"2 workers vs 1: {result['speedup_2_over_1']:.2f}x (units on {spread} workers); decode is "
           f"{(frames / decode_s) / (frames / encode_s[2]):.1f}x faster than 2-worker encoding")
+    if isinstance(evs, dict):
+        print(f"EVS rows skipped: {evs['skipped']}")
+        return 0
     print_table(f"EVS on a {evs[0]['seconds']} s clip ({evs[0]['frame_size'][0]}x{evs[0]['frame_size'][1]} frames)",
                 ["pruning rate", "video tokens", "prompt tokens", "prefill s", "TTFT s", "TTFT vs off"],
                 [[r["rate"], r["video_tokens"], r["prompt_tokens"], r["prefill_s"], r["ttft_s"],

@@ -27,6 +27,9 @@ class DecodedVisual:
     content_hash: str
     kind: VisualKind = "image"
     fps: float | None = None  # video: frames per second of the sampled frames (time between them)
+    # video: the source's length as frames / rate (as transformers' decoders count it); a family whose frame
+    # plan groups frames by second of video (MiniCPM-V's canvases) reads it again to rebuild that grouping
+    duration_s: float | None = None
 
     @property
     def num_frames(self) -> int:

@@ -60,20 +60,26 @@ class VideoMetadata:
     height: int
     codec: str = ""
 
+    @property
+    def frames_duration_s(self) -> float:
+        """Frames / rate: the duration transformers' video decoders report (the header's may differ slightly)."""
+        return self.total_num_frames / self.fps
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FramePlan:
     """A family's decision for one video: which source frames to keep and the size to resize them to."""
 
-    indices: tuple[int, ...]  # source frame indices, ascending
+    indices: tuple[int, ...]  # source frame indices, in the order the family wants its frames
     height: int
     width: int
     resize: Callable[[np.ndarray, tuple[int, int]], np.ndarray]  # (n, H, W, 3) uint8, (h, w) -> (n, h, w, 3) uint8
 
     def __post_init__(self):
-        # A repeated index repeats its frame (a plan may pad to an even count); going back would need a rewind.
-        if any(b < a for a, b in zip(self.indices, self.indices[1:])) or (self.indices and self.indices[0] < 0):
-            raise ValueError(f"frame indices must be non-negative and ascending: {self.indices[:16]}...")
+        # A repeated index repeats its frame (a plan may pad to an even count). The order is free (MiniCPM-V
+        # lists main frames, then sub-second frames): decoding still runs forward over the distinct indices.
+        if self.indices and min(self.indices) < 0:
+            raise ValueError(f"frame indices must be non-negative: {self.indices[:16]}...")
         if self.height < 1 or self.width < 1:
             raise ValueError(f"frame plan size must be positive: {self.height}x{self.width}")
 
@@ -207,8 +213,8 @@ def _plan(plan_frames: PlanFrames, metadata: VideoMetadata, limits: VideoLimits,
     if len(plan.indices) > limits.max_frames:
         raise InvalidInput(f"{len(plan.indices)} frames would be sampled; the limit is {limits.max_frames}",
                            item=item, code="too_many_frames")
-    if plan.indices[-1] >= metadata.total_num_frames:
-        raise ValueError(f"frame plan keeps frame {plan.indices[-1]} of a {metadata.total_num_frames}-frame video")
+    if max(plan.indices) >= metadata.total_num_frames:
+        raise ValueError(f"frame plan keeps frame {max(plan.indices)} of a {metadata.total_num_frames}-frame video")
     return plan
 
 
@@ -232,8 +238,8 @@ def _batched(frames: Iterator[np.ndarray], size: int) -> Iterator[list[np.ndarra
 
 
 def _visual(pixels: np.ndarray, distinct: list[int], plan: FramePlan, metadata: VideoMetadata) -> DecodedVisual:
-    if len(distinct) < len(plan.indices):  # repeated indices: repeat their frames
+    if list(distinct) != list(plan.indices):  # repeated or reordered indices: frames in the plan's order
         pixels = pixels[np.searchsorted(distinct, plan.indices)]
     pixels = np.ascontiguousarray(pixels)
     fps = len(plan.indices) / metadata.total_num_frames * metadata.fps
-    return DecodedVisual(pixels, pixel_hash(pixels), "video", fps)
+    return DecodedVisual(pixels, pixel_hash(pixels), "video", fps, metadata.frames_duration_s)

@@ -133,7 +133,7 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
         return [item]
 
     def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
-        """Prompt tokens that stand for the `index`-th visual item of a prompt (its placeholder tokens included)."""
+        """Prompt tokens that stand for the `index`-th visual item of its kind in a prompt (placeholder tokens included)."""
         return [self.placeholder_token_ids[item.kind]] * item.num_tokens
 
     def embedding_nbytes(self, item: VisionItem, dtype: torch.dtype = torch.float32) -> int:

@@ -128,11 +128,13 @@ def _bounded(plan_frames: PlanFrames, vision_adapter: VisionAdapter, max_tokens:
             raise InvalidInput(f"the video's sampled frames would be {frame_plan.height}x{frame_plan.width}; this "
                                f"model's context holds {max_tokens} tokens", item=item,
                                code="context_length_exceeded") from None
-        planned = DecodedVisual(pixels, "", "video", metadata.fps)
+        planned = DecodedVisual(pixels, "", "video", metadata.fps, metadata.frames_duration_s)
         visual = vision_adapter.make_item(planned)
         layout = vision_adapter.layout(planned, visual, pruning_rate)
-        groups = layout.grid[0]
-        tokens = evs.retained_count(groups, visual.num_tokens // groups, pruning_rate)
+        tokens = visual.num_tokens
+        if pruning_rate > 0:
+            groups = layout.grid[0]
+            tokens = evs.retained_count(groups, visual.num_tokens // groups, pruning_rate)
         if tokens > max_tokens:
             raise InvalidInput(f"the video needs {tokens} tokens ({len(frame_plan.indices)} frames of "
                                f"{frame_plan.height}x{frame_plan.width}); this model's context holds {max_tokens}: "
@@ -317,8 +319,10 @@ def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_a
     items = [vision_adapter.make_item(image) for image in images]
     layouts = [vision_adapter.layout(image, item, pruning_rate if image.kind == "video" else 0.0)
                for image, item in zip(images, items)]
-    expansions = [_pruned(vision_adapter.placeholder_ids(item, i, tokenizer), layout, pads.get(item.kind))
-                  for i, (item, layout) in enumerate(zip(items, layouts))]
+    # Items are numbered per kind (MiniCPM-V's `<image_id>` counts images and videos separately).
+    kind_index = [sum(1 for prior in items[:i] if prior.kind == item.kind) for i, item in enumerate(items)]
+    expansions = [_pruned(vision_adapter.placeholder_ids(item, index, tokenizer), layout, pads.get(item.kind))
+                  for item, index, layout in zip(items, kind_index, layouts)]
     out: list[int] = []
     cursor = 0
     for i, (image, item, expansion) in enumerate(zip(images, items, expansions)):

@@ -26,6 +26,7 @@ class MiniCPMV4_6LanguageAdapter(LanguageAdapter):
     def __init__(self, checkpoint: str | pathlib.Path):
         super().__init__(checkpoint)
         self.vision = MiniCPMV4_6VisionAdapter(self.checkpoint)
+        self.video_token_id = self.config.video_token_id
 
     def token_runs(self, grid: Sequence[int]) -> list[int]:
         return self.vision.token_runs(grid)

@@ -27,8 +27,9 @@ MINICPMV_TOKENS = {
 }
 
 # Qwen-style chat; each image part renders one `<|image_pad|>`, which the processor (and raypipe's
-# prompt builder) expands to `<image_id>N</image_id><image>...</image><slice>...</slice>...`.
-MINICPMV_CHAT_TEMPLATE = chat_template("<|image_pad|>\n")
+# prompt builder) expands to `<image_id>N</image_id><image>...</image><slice>...</slice>...`; each video
+# part one `<|video_pad|>`, expanded to its id and every visual unit's `<image>...</image><slice>...`.
+MINICPMV_CHAT_TEMPLATE = chat_template("<|image_pad|>\n", video_part="<|video_pad|>\n")
 
 SHAPES = {
     # CPU test oracle: vision depth 2 with the window merger after layer 0; text layers
@@ -42,6 +43,8 @@ SHAPES = {
                   linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
                   layer_types=["linear_attention", "linear_attention", "full_attention"]),
         scale_resolution=224,
+        # Canvases of two sub-second frames per second; a small cap so tests reach it with short videos.
+        video=dict(stack_frames=3, max_num_frames=8),
     ),
     # Realistic proportions scaled to a CPU: benchmarks, not tests. 448 px slices like the release.
     "small-minicpmv": dict(
@@ -53,6 +56,7 @@ SHAPES = {
                   linear_num_key_heads=4, linear_num_value_heads=8, linear_conv_kernel_dim=4,
                   layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2),
         scale_resolution=448,
+        video=dict(stack_frames=2, max_num_frames=128),
     ),
 }
 
@@ -61,6 +65,7 @@ def write(folder: pathlib.Path, name: str) -> None:
     import torch
     from transformers import MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration
     from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import MiniCPMV4_6ImageProcessorPil
+    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
 
     shape = SHAPES[name]
     tokenizer = build_byte_tokenizer(["<|im_start|>", "<|im_end|>", *MINICPMV_TOKENS.values()], MINICPMV_CHAT_TEMPLATE,
@@ -95,3 +100,6 @@ def write(folder: pathlib.Path, name: str) -> None:
     save_preset(folder, model, tokenizer, eos_id=eos, pad_id=pad)
     MiniCPMV4_6ImageProcessorPil(scale_resolution=shape["scale_resolution"], max_slice_nums=9,
                                  patch_size=14).save_pretrained(folder)
+    # transformers' own class (it builds without torchvision), so the folder is a normal checkpoint.
+    MiniCPMV4_6VideoProcessor(scale_resolution=shape["scale_resolution"], max_slice_nums=9, patch_size=14,
+                              **shape["video"]).save_pretrained(folder)
