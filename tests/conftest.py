@@ -82,3 +82,18 @@ def step3_hf_model(step3_ckpt):
     from transformers import Step3p7ForConditionalGeneration
 
     return Step3p7ForConditionalGeneration.from_pretrained(step3_ckpt).eval()
+
+
+@pytest.fixture(scope="session")
+def llava_ckpt():
+    from raypipe.models.registry import preset_checkpoint
+
+    return preset_checkpoint("tiny-llava-ov")
+
+
+@pytest.fixture(scope="session")
+def llava_hf_model(llava_ckpt):
+    """transformers' own LlavaOnevisionForConditionalGeneration: the LLaVA-OneVision reference."""
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    return LlavaOnevisionForConditionalGeneration.from_pretrained(llava_ckpt).eval()

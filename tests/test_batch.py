@@ -259,12 +259,22 @@ def test_local_folders_and_pooling_none(tmp_path, pipe, tiny_ckpt):
 
 def test_minicpmv_slices_local_folders_match_pipeline(tmp_path, ray_local, minicpmv_ckpt):
     """A family whose images are several units (MiniCPM-V: overview + slices) through the same batch job."""
-    from raypipe import Pipeline
     from raypipe.models.registry import vision_adapter
 
     sizes = [(60, 50), (700, 700), (900, 200), (30, 400), (450, 460), (224, 224)]  # (height, width)
     adapter = vision_adapter(minicpmv_ckpt)
     assert sum(adapter.grid_for(h, w)[0] > 0 for h, w in sizes) >= 3  # several images are cut into slices
+    _multi_unit_batch_matches_pipeline(tmp_path, "tiny-minicpmv", minicpmv_ckpt, sizes)
+
+
+def test_llava_ov_tiles_local_folder_matches_pipeline(tmp_path, ray_local, llava_ckpt):
+    """LLaVA-OneVision (base view + AnyRes tiles, packed per image) through the same batch job."""
+    _multi_unit_batch_matches_pipeline(tmp_path, "tiny-llava-ov", llava_ckpt, [(100, 60), (300, 290), (40, 170)])
+
+
+def _multi_unit_batch_matches_pipeline(tmp_path, preset, ckpt, sizes):
+    from raypipe import Pipeline
+
     rng = np.random.default_rng(4)
     images = {f"{'sub/' if i % 2 else ''}img{i}.{'png' if i % 3 else 'jpg'}":
               _encode(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "PNG" if i % 3 else "JPEG")
@@ -273,17 +283,17 @@ def test_minicpmv_slices_local_folders_match_pipeline(tmp_path, ray_local, minic
         (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / name).write_bytes(data)
     summary = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), read_batch=3,
-                                     rows_per_file=2, model=ModelConfig("tiny-minicpmv", num_encoders=2)))
+                                     rows_per_file=2, model=ModelConfig(preset, num_encoders=2)))
     table = _read_output(str(tmp_path / "out"), None)
     rows = {r["id"]: r for r in table.to_pylist()}
     assert sorted(rows) == sorted(images) and table.num_rows == len(images)  # every input exactly once
     assert summary.processed == len(images) and not summary.errors
     names = sorted(images)
-    with Pipeline.from_pretrained(minicpmv_ckpt, num_encoders=1, cache_bytes=0) as pipe:
+    with Pipeline.from_pretrained(ckpt, num_encoders=1, cache_bytes=0) as pipe:
         reference = pipe.encode([images[n] for n in names])
     for name, emb in zip(names, reference):
         row = rows[name]
-        assert row["error"] is None and row["model"] == "tiny-minicpmv"
+        assert row["error"] is None and row["model"] == preset
         assert (row["width"], row["height"]) == Image.open(io.BytesIO(images[name])).size
         assert row["num_tokens"] == emb.shape[0]
         np.testing.assert_allclose(np.asarray(row["embedding"], np.float32), emb.float().mean(0).numpy(),

@@ -142,11 +142,12 @@ class EncodeStage:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
         todo = [r for r in rows if r["error"] is None]
         adapter = self.worker.adapter
-        units_of = [adapter.units(adapter.make_item(_visual(r))) for r in todo]
+        items = [adapter.make_item(_visual(r)) for r in todo]
+        units_of = [adapter.units(item) for item in items]
         flat = [unit for units in units_of for unit in units]
         outs = iter(self.worker.encode(flat)[:-1] if flat else ())  # the last return is a receipt
-        # An image's embedding is its units' embeddings concatenated in unit order.
-        embeddings = [torch.cat([next(outs) for _ in units]) for units in units_of]
+        # An image's embedding from its units' embeddings, as the online coordinator assembles it.
+        embeddings = [adapter.join_units(item, [next(outs) for _ in units]) for item, units in zip(items, units_of)]
         for row, embedding in zip(todo, embeddings):
             matrix = embedding.float().numpy()
             row.update(pixels=None, embedding=matrix.tobytes(), hidden=matrix.shape[1])

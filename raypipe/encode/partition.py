@@ -14,6 +14,11 @@ sorted load vector drops lexicographically: the makespan never rises, and the lo
 result is never made worse. The budget (default 2 ms) is far below the encode time a better split
 saves (tens to hundreds of ms per batch); `bench encode` measures both.
 
+When every unit costs the same and no worker is busier than another (fixed-size towers: LLaVA-OneVision's
+base views and tiles), the answer is vLLM's even split (`run_dp_sharded_vision_model`), contiguous and
+without its padding: its makespan, ceil(units / workers) units, is optimal, and neighbouring units (the
+tiles of one image) stay on one worker.
+
 `balance.get_load_balance_assignment` stays vLLM's exact contract; this is raypipe's own choice for
 the coordinator.
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from raypipe.encode.balance import get_load_balance_assignment, split_by_counts
+from raypipe.encode.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
 
 DEFAULT_BUDGET_S = 0.002
 
@@ -34,6 +39,9 @@ def partition(costs: Sequence[float], num_workers: int, initial_loads: Sequence[
 
     `initial_loads` is work already in flight per worker (counted in the makespan, not in `loads`).
     """
+    if len(set(costs)) == 1 and len(set(initial_loads or [0.0])) == 1:
+        shards = even_split_assignment(len(costs), num_workers)
+        return shards, [float(costs[0] * len(shard)) for shard in shards]
     order, counts, _ = get_load_balance_assignment(costs, num_workers, initial_loads)
     shards = split_by_counts(order, counts)
     improve(costs, shards, initial_loads, budget_s=budget_s)

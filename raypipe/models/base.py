@@ -132,6 +132,11 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
         """What workers encode for `item`, in the order their embeddings concatenate into its embedding."""
         return [item]
 
+    def join_units(self, item: VisionItem, parts: list[torch.Tensor]) -> torch.Tensor:
+        """`item`'s embedding from its units' embeddings (in `units` order): concatenated, unless the family
+        assembles them otherwise (LLaVA-OneVision lays tiles side by side)."""
+        return torch.cat(parts)
+
     def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
         """Prompt tokens that stand for the `index`-th visual item of its kind in a prompt (placeholder tokens included)."""
         return [self.placeholder_token_ids[item.kind]] * item.num_tokens

@@ -30,7 +30,8 @@ class TextDecoder(torch.nn.Module):
 
     @classmethod
     def from_checkpoint(cls, adapter, text_model_class, device: torch.device, dtype: torch.dtype, *,
-                        prefixes: tuple[str, ...], exclude: tuple[str, ...]) -> "TextDecoder":
+                        prefixes: tuple[str, ...], exclude: tuple[str, ...],
+                        head_prefixes: tuple[str, ...] = LM_HEAD_PREFIXES) -> "TextDecoder":
         """Build `text_model_class` from `text_config` and load only its tensors (and lm_head's)."""
         from transformers.initialization import no_init_weights
 
@@ -38,12 +39,12 @@ class TextDecoder(torch.nn.Module):
         with no_init_weights():  # weights come from the checkpoint; skip the random init
             model = text_model_class._from_config(text_config, dtype=dtype)
             lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
-        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + LM_HEAD_PREFIXES)
+        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + head_prefixes)
         load_module_weights(model, state, what=f"{adapter.checkpoint} language model")
         if getattr(adapter.config, "tie_word_embeddings", False):
             lm_head.weight = model.embed_tokens.weight
         else:
-            head = load_tensors(adapter.checkpoint, LM_HEAD_PREFIXES, dtype=dtype)
+            head = load_tensors(adapter.checkpoint, head_prefixes, dtype=dtype)
             load_module_weights(lm_head, head, what=f"{adapter.checkpoint} lm_head")
         return cls(adapter, model, lm_head, device, dtype)
 
