@@ -103,16 +103,20 @@ class GrammarRows:
         self.matchers = matchers
         self.vocab_size = vocab_size
         self.bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
-        self.shifts = torch.arange(32, dtype=torch.int32, device=device)
+        # Byte value -> its 8 bits as additive biases (0 allowed, -inf forbidden). One gather and one add
+        # measured ~10x faster than shifting the words into a bool mask and a masked_fill / where.
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        self.byte_bias = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf")).to(device)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` (B, V) with every token the grammar forbids at -inf on the constrained rows (in place)."""
+        """`logits` (B, V) float32 with every token the grammar forbids at -inf on the constrained rows (in place)."""
         for i, matcher in enumerate(self.matchers):
             llguidance.torch.fill_next_token_bitmask(matcher, self.bitmask, i)
+        # The copy is done before the next fill: `advance` reads the sampled ids, which waits for it.
         words = self.bitmask.to(logits.device, non_blocking=True)
-        allowed = ((words[:, :, None] >> self.shifts) & 1).view(len(self.rows), -1)[:, : logits.shape[-1]].bool()
-        logits[self.index] = logits[self.index].masked_fill(~allowed, float("-inf"))
-        return logits
+        byte_values = words.view(torch.uint8).view(-1).long()  # little-endian: byte k holds tokens 8k..8k+7
+        bias = self.byte_bias.index_select(0, byte_values).view(len(self.rows), -1)[:, : logits.shape[-1]]
+        return logits.index_add_(0, self.index, bias)
 
     def advance(self, tokens: torch.Tensor) -> None:
         """Feed each constrained row's sampled token to its matcher (one host read of those rows)."""
