@@ -3,8 +3,9 @@
 Engine: llguidance (a 3 MB abi3 wheel without dependencies). Measured on this engine's tokenizers
 (`python -m raypipe.bench.grammar_engines`): a JSON schema compiles in ~1 ms on a 64k-token
 Qwen2-shaped BPE where outlines-core's DFA index took ~135 ms (and grows with the schema and the
-vocabulary; vLLM moved away from it for that reason), and a mask fill costs ~0.01-0.1 ms per step
-(outlines-core ~0.01 ms), small against a decode step. llguidance also takes what outlines-core
+vocabulary), and a mask fill costs ~0.01-0.1 ms per row and step (outlines-core ~0.01 ms; up to
+~0.15 ms per row on the 64k vocabulary when every step reaches a new lexer state), small against a
+decode step of a real model. llguidance also takes what outlines-core
 cannot (Lark grammars, recursive schemas), and its matcher can be copied, which makes the compile
 cache cheap. xgrammar was not taken: it needs triton and apache-tvm-ffi for the same job.
 
