@@ -2,6 +2,7 @@
 
 from raypipe.errors import InvalidInput
 from raypipe.inputs.sampling import SamplingParams
+from raypipe.inputs.structured import StructuredOutput
 from raypipe.pipeline import Pipeline
 
-__all__ = ["InvalidInput", "Pipeline", "SamplingParams"]
+__all__ = ["InvalidInput", "Pipeline", "SamplingParams", "StructuredOutput"]

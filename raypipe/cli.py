@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
 from raypipe.batch import BatchOptions
@@ -37,6 +38,13 @@ def _add_model(p: argparse.ArgumentParser, config: ModelConfig | None, *, autosc
                    help="how the load balancer weighs images (calibrated: fitted from measured encode times)")
 
 
+def _file_text(path: str) -> str:
+    try:
+        return pathlib.Path(path).read_text()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
+
+
 def replica_range(text: str) -> tuple[int, int]:
     """`N` or `MIN:MAX` -> (min, max)."""
     low, _, high = text.partition(":")
@@ -61,6 +69,8 @@ def _add_batch(sub) -> None:
     batch.add_argument("--path-column", default=BATCH["path_column"], help="manifest column with image paths or URIs")
     batch.add_argument("--id-column", default=BATCH["id_column"], help="manifest column with ids (default: the path)")
     batch.add_argument("--max-tokens", type=int, default=BATCH["max_tokens"])
+    batch.add_argument("--json-schema", type=_file_text, default=BATCH["json_schema"], metavar="FILE",
+                       help="generate: every row's text is JSON under this schema, or an error row")
     batch.add_argument("--pooling", choices=["mean", "none"], default=BATCH["pooling"],
                        help="embedding per image: the mean over its tokens, or the whole token matrix")
     batch.add_argument("--num-decoders", type=replica_range, default=BATCH["num_decoders"], metavar="N|MIN:MAX",
@@ -108,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--min-p", type=float, default=SAMPLING["min_p"])
     generate.add_argument("--repetition-penalty", type=float, default=SAMPLING["repetition_penalty"])
     generate.add_argument("--seed", type=int, default=SAMPLING["seed"])
+    generate.add_argument("--json-schema", type=_file_text, default=None, metavar="FILE",
+                          help="constrain the output to JSON under this schema")
     generate.add_argument("--num-scheduler-steps", type=int, default=ENGINE["num_scheduler_steps"])
 
     # The flags override the Serve config file's values; left out, the file's apply (no defaults here).

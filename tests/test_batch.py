@@ -26,6 +26,7 @@ from PIL import Image
 from raypipe.batch import BatchOptions, run_batch
 from raypipe.batch.inputs import kind_of
 from raypipe.config import ModelConfig
+from raypipe.errors import InvalidInput
 from raypipe.storage import S3Options, list_files, open_filesystem
 from raypipe.testing.sample_videos import cut_before_first_frame, index_frames, make_video
 
@@ -236,6 +237,32 @@ def test_manifest_prompts_generate_matches_pipeline(tmp_path, pipe, tiny_ckpt, v
         assert row["path"] == str(folder / name) and row["error"] is None
         assert row["prompt"] == prompts[i] and row["text"] == out_ref.text
         assert row["finish_reason"] == out_ref.finish_reason
+
+
+def test_generate_with_a_json_schema_gives_valid_json(tmp_path, pipe, tiny_ckpt):
+    import jsonschema
+
+    from raypipe import SamplingParams
+    from tests.structured_schemas import SCHEMAS
+
+    images = _images(4, seed=9)
+    for name, data in images.items():
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_bytes(data)
+    schema = SCHEMAS["nested"]
+    run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), task="generate", max_tokens=96,
+                           json_schema=json.dumps(schema), model=ModelConfig(str(tiny_ckpt))))
+    rows = {r["id"]: r for r in _read_output(str(tmp_path / "out"), None).to_pylist()}
+    names = sorted(images)
+    requests = [[{"role": "user", "content": [{"type": "image", "image": images[n]},
+                                              {"type": "text", "text": "Describe this image."}]}] for n in names]
+    expected = pipe.generate(requests, SamplingParams(max_tokens=96, structured={"json": schema}))
+    for name, want in zip(names, expected):
+        row = rows[name]
+        assert row["error"] is None and row["text"] == want.text and want.finish_reason == "stop"
+        jsonschema.validate(json.loads(row["text"]), schema)
+    with pytest.raises(InvalidInput, match="not valid JSON"):
+        BatchOptions(input="x", output="y", task="generate", json_schema="{nope")
 
 
 def test_local_folders_and_pooling_none(tmp_path, pipe, tiny_ckpt):

@@ -63,3 +63,20 @@ def test_generate_with_a_video(tmp_path, tiny_ckpt):
     groups = len(plan.indices) // config.temporal_patch_size
     planned = retained_count(groups, plan.height * plan.width // config.factor**2, 0.5)
     assert f"({planned} from 0 images and 1 videos)" in proc.stderr, proc.stderr
+
+
+def test_generate_with_a_json_schema(tmp_path, tiny_ckpt):
+    import json
+
+    import jsonschema
+
+    from tests.structured_schemas import SCHEMAS
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMAS["nested"]))
+    proc = run_cli("generate", "--model", str(tiny_ckpt), "--num-encoders", "1", "--prompt", "A user as JSON.",
+                   "--max-tokens", "96", "--temperature", "0", "--json-schema", str(schema_file))
+    assert proc.returncode == 0 and "finish_reason=stop" in proc.stderr, proc.stdout + proc.stderr
+    jsonschema.validate(json.loads(proc.stdout), SCHEMAS["nested"])
+    missing = run_cli("generate", "--prompt", "x", "--json-schema", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr

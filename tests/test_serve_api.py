@@ -460,9 +460,8 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
         "temprature": (_chat(temprature=0.5), "temprature"),
         "part-extra": (_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]),
                        "messages[0].content[0].cache"),
-        "json_object": (_chat(response_format={"type": "json_object"}), "response_format"),
         "json_schema": (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-                        "response_format"),
+                        "response_format.json_schema"),
         "tool_choice": (_chat(tool_choice="auto"), "tool_choice"),
         "parallel_tool_calls": (_chat(parallel_tool_calls=True), "parallel_tool_calls"),
         "detail-high": (_chat(messages=[{"role": "user", "content": [image_part]}]),
@@ -474,6 +473,46 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
         error = response.json().get("error", {})
         if response.status_code != 400 or error.get("param") != param or param.split(".")[-1] not in error["message"]:
             failures.append(f"{name}: {response.status_code} {response.text[:300]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_structured_outputs_through_the_openai_client(client, http):
+    import jsonschema
+
+    from tests.structured_schemas import BAD_SCHEMAS, SCHEMAS
+
+    schema = SCHEMAS["nested"]
+    kwargs = dict(model="tiny", messages=user("A user, as JSON."), max_tokens=96, temperature=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": schema, "strict": True}}
+    response = client.chat.completions.create(response_format=fmt, **kwargs)
+    text = response.choices[0].message.content
+    assert response.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    stream = client.chat.completions.create(response_format=fmt, stream=True, **kwargs)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    # vLLM's names give the same constraint the same tokens
+    for extra in ({"guided_json": schema}, {"structured_outputs": {"json": schema}}):
+        assert client.chat.completions.create(extra_body=extra, **kwargs).choices[0].message.content == text
+    choice = client.chat.completions.create(extra_body={"guided_choice": ["cat", "dog"]}, **{**kwargs, "temperature": 1})
+    assert choice.choices[0].message.content in ("cat", "dog")
+    regex = client.completions.create(model="tiny", prompt="Code:", max_tokens=20, extra_body={"guided_regex": "[A-Z]{3}"})
+    assert re.fullmatch("[A-Z]{3}", regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(response_format={"type": "json_object"}, **kwargs).choices[0]
+    assert obj.finish_reason == "length" or isinstance(json.loads(obj.message.content), dict)
+
+    failures = []
+    for name, (bad, words) in BAD_SCHEMAS.items():
+        for field in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}},
+                      {"guided_json": bad}):
+            reply = http.post("/v1/chat/completions", json=_chat(**field))
+            if reply.status_code != 400 or words not in reply.json()["error"]["message"]:
+                failures.append(f"{name}: {reply.status_code} {reply.text[:300]}")
+    reply = http.post("/v1/chat/completions", json=_chat(guided_regex="a(b"))
+    if reply.status_code != 400 or "unclosed group" not in reply.text:
+        failures.append(f"regex: {reply.status_code} {reply.text[:300]}")
+    reply = http.post("/v1/chat/completions", json=_chat(guided_regex="a+", guided_choice=["a"]))
+    if reply.status_code != 400 or reply.json()["error"]["param"] != "guided_choice":
+        failures.append(f"two constraints: {reply.status_code} {reply.text[:300]}")
     assert not failures, "\n".join(failures)
 
 

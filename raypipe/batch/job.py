@@ -24,6 +24,7 @@ import pyarrow as pa
 from raypipe.batch import output
 from raypipe.batch.inputs import list_inputs
 from raypipe.config import EngineConfig, ImageLimits, ModelConfig
+from raypipe.inputs.structured import StructuredOutput
 from raypipe.inputs.video import VideoLimits
 from raypipe.models.prompt import VideoOptions
 from raypipe.storage import S3Options, open_filesystem
@@ -51,6 +52,7 @@ class BatchOptions:
     path_column: str = "path"  # manifest column with image paths or URIs
     id_column: str = "id"  # manifest column with ids (default: the path)
     max_tokens: int = 32
+    json_schema: str | None = None  # generate: a JSON schema (its text) every row's output must follow
     pooling: Literal["mean", "none"] = "mean"
     num_decoders: tuple[int, int] = (1, 1)  # decode actor pool (min, max)
     batching: Literal["cost", "count"] = "cost"  # how encoder batches are formed
@@ -72,6 +74,8 @@ class BatchOptions:
         lo, hi = self.num_decoders
         if not 1 <= lo <= hi:
             raise ValueError(f"num_decoders must be N or MIN:MAX with 1 <= MIN <= MAX, got {self.num_decoders}")
+        if self.json_schema is not None:
+            StructuredOutput(json=self.json_schema)  # not JSON: refused before any work starts
         for name in ("rows_per_file", "read_batch", "batch_images", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -83,6 +87,8 @@ class BatchOptions:
             fields["pooling"] = self.pooling
         else:
             fields.update(prompt=self.prompt, prompt_column=self.prompt_column, max_tokens=self.max_tokens)
+            if self.json_schema is not None:  # absent otherwise, so outputs written before it existed still match
+                fields["json_schema"] = StructuredOutput(json=self.json_schema).json
         return fields
 
 
@@ -212,6 +218,7 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                                                        video=VideoOptions(options.video_limits,
                                                                           pruning_rate=config.video_pruning_rate),
                                                        max_tokens=options.max_tokens,
+                                                       json_schema=options.json_schema,
                                                        default_prompt=options.prompt),
                             **actor_options)
     return ds.map_batches(stages.write_rows, batch_format="pyarrow", batch_size=options.rows_per_file,

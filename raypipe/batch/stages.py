@@ -160,7 +160,7 @@ class GenerateStage:
     """A decode actor: one `LLMEngine`; every row of a call is one request, all decoded together."""
 
     def __init__(self, model: str, engine_config, image_limits: ImageLimits, video, max_tokens: int,
-                 default_prompt: str):
+                 default_prompt: str, json_schema: str | None = None):
         from raypipe.decode.engine import LLMEngine
         from raypipe.inputs.sampling import SamplingParams
         from raypipe.models.registry import resolve_model
@@ -170,7 +170,8 @@ class GenerateStage:
         self.vision = _vision_adapter(str(checkpoint))
         self.image_limits = image_limits
         self.video = video  # raypipe.models.prompt.VideoOptions: the EVS rate the prompt plans for
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        structured = {"json": json_schema} if json_schema is not None else None
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
         self.default_prompt = default_prompt
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -199,6 +200,9 @@ class GenerateStage:
             row.update(error=exc.code, error_message=exc.reason)
             return
         row.update(text=out.text, finish_reason=out.finish_reason)
+        if self.params.structured is not None and out.finish_reason != "stop":  # cut JSON is not JSON
+            row.update(error="incomplete_json", error_message=f"output ended by {out.finish_reason} before the JSON "
+                                                              "was complete (raise max_tokens)")
 
 
 def write_rows(batch: pa.Table, *, output: str, s3: S3Options | None, task: str, pooling: str,

@@ -42,6 +42,7 @@ import ray
 import torch
 
 from raypipe.decode.config import EngineConfig
+from raypipe.decode.grammar import GrammarCompiler
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
 from raypipe.decode.request import check_request, visual_rows
@@ -72,6 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.adapter.eos_token_ids)
         self._counters = dict(rounds=0, prefills=0, prefill_tokens=0, decode_steps=0, decode_row_steps=0,
                               max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0,
                               prefill_seconds=0.0, decode_seconds=0.0)
@@ -91,6 +93,8 @@ class LLMEngine:
     def check_request(self, prompt: PreparedPrompt | list[int], params: SamplingParams) -> None:
         """Raise `InvalidInput` if the engine would refuse this request (no work is started)."""
         check_request(prompt, params, language_adapter=self.adapter, max_model_len=self.config.max_model_len)
+        if params.structured is not None:
+            self.grammars.matcher(params.structured)  # compiles (and caches) it, or names what is wrong
 
     async def generate(self, request_id: str, prompt: PreparedPrompt | list[int], visual_embeds: Seq = (),
                        params: SamplingParams | None = None) -> AsyncIterator[RequestDelta]:
@@ -112,7 +116,9 @@ class LLMEngine:
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq = Sequence(request_id, ids, positions, rope_delta, embeds, params, deliver, generator)
+        # Compiled here, not on the engine thread (cached: ~1 ms the first time, a copy after).
+        matcher = await asyncio.to_thread(self.grammars.matcher, params.structured) if params.structured else None
+        seq = Sequence(request_id, ids, positions, rope_delta, embeds, params, deliver, generator, matcher)
         self._submit(seq)
         done = False
         try:

@@ -6,13 +6,15 @@ device tensors updated in place, so the step loop has no per-row Python. Each st
 
     raw logits -> log-probabilities (when asked; of the raw logits, vLLM's default)
     -> logit_bias -> repetition penalty -> presence/frequency penalties -> min_tokens mask
+    -> grammar mask (constrained rows only, `raypipe.decode.grammar`)
     -> greedy rows: argmax | other rows: temperature -> top-k -> top-p -> min-p -> sample
 
 transformers' order (SequenceBias, RepetitionPenalty, MinNewTokens, then the warpers), so greedy
 with any of these equals `generate()` with its processors. Rows are sampled with the
 exponential-race trick (argmax(p / E), E ~ Exp(1)), which needs no host sync. A row with a seed
 draws its noise from its own `torch.Generator`, so its tokens depend only on its own logits and
-seed, not on the batch.
+seed, not on the batch. A constrained row's matcher advances inside `sample`, once per step, so
+its mask depends only on its own tokens, whatever K or the batch.
 
 Output token counts are kept per sequence as a `(vocab,)` int32 tensor (`Sequence.token_counts`),
 built once; each round stacks them into one `(rows, vocab)` tensor and hands every sequence a view
@@ -25,6 +27,7 @@ import dataclasses
 
 import torch
 
+from raypipe.decode.grammar import GrammarRows
 from raypipe.decode.sequence import Sequence, TokenLogprob
 
 
@@ -50,6 +53,7 @@ class SamplingBatch:
     logprobs: int | None = None  # top-k width to record (max over rows); None: no row asked
     # per step: (sampled logprob (B,), top ids (B, k), top logprobs (B, k), sampled ids (B,)), on the device
     recorded: list[tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=list)
+    grammar: GrammarRows | None = None  # rows with a structured-output constraint; None when no row has one
 
     @classmethod
     def build(cls, seqs: list[Sequence], stop_ids: list[frozenset[int]], vocab_size: int,
@@ -99,6 +103,9 @@ class SamplingBatch:
                 batch.num_output = torch.tensor([len(s.output_ids) for s in seqs], device=device)
         if any(p.logprobs is not None for p in params):
             batch.logprobs = max(p.logprobs or 0 for p in params)
+        constrained = [row for row, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            batch.grammar = GrammarRows(constrained, [seqs[row].matcher for row in constrained], vocab_size, device)
         return batch
 
     def take_logprobs(self, seqs: list[Sequence]) -> list[list[TokenLogprob] | None]:
@@ -157,12 +164,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         batch.counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.int32))
     if batch.num_output is not None:
         batch.num_output += 1
+    if batch.grammar is not None:
+        batch.grammar.advance(tokens)
     return tokens
 
 
 def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Logit bias, penalties and the min_tokens mask (what greedy rows take the argmax of)."""
-    if batch.bias is None and batch.counts is None and batch.min_tokens is None:
+    """Logit bias, penalties, the min_tokens mask and the grammar mask (what greedy rows take the argmax of)."""
+    if batch.bias is None and batch.counts is None and batch.min_tokens is None and batch.grammar is None:
         return logits
     logits = logits.clone()
     if batch.bias is not None:
@@ -179,6 +188,8 @@ def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows, tokens, minimum = batch.min_tokens
         masked = batch.num_output[rows] < minimum
         logits[rows, tokens] = torch.where(masked, float("-inf"), logits[rows, tokens])
+    if batch.grammar is not None:
+        logits = batch.grammar.apply(logits)
     return logits
 
 

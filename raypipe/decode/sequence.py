@@ -75,6 +75,7 @@ class Sequence:
     params: SamplingParams
     deliver: Callable[[object], None]  # hands a RequestDelta or an exception to the caller's loop
     generator: torch.Generator | None = None
+    matcher: object | None = None  # llguidance matcher of SamplingParams.structured (raypipe.decode.grammar)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     row: int | None = None  # KV cache row while running
     finish_reason: str | None = None

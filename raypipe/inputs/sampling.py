@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from raypipe.errors import InvalidInput
+from raypipe.inputs.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
@@ -35,6 +36,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
     logprobs: int | None = None  # None: none; 0: the sampled token's log-probability; k: also the top k
+    structured: StructuredOutput | None = None  # JSON schema / regex / choice / grammar the output must follow
 
     def __post_init__(self):
         self.max_tokens = _int(self.max_tokens, "max_tokens", minimum=1)
@@ -97,6 +99,8 @@ class SamplingParams:
             self.logprobs = _int(self.logprobs, "logprobs", minimum=0)
             if self.logprobs > MAX_LOGPROBS:
                 _fail("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.structured is not None:
+            self.structured = StructuredOutput.of(self.structured)
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,7 @@ def run_generate(args) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                                seed=args.seed)
+                                seed=args.seed, structured={"json": args.json_schema} if args.json_schema else None)
         images = [pathlib.Path(path).read_bytes() for path in args.image]
         videos = [pathlib.Path(path).read_bytes() for path in args.video]
     except (InvalidInput, OSError) as exc:

@@ -10,6 +10,7 @@ the engine's default, except where OpenAI's default differs (temperature and top
 from __future__ import annotations
 
 from raypipe.inputs.sampling import SamplingParams
+from raypipe.inputs.structured import StructuredOutput
 from raypipe.serve.openai.schemas import ChatCompletionRequest, Common
 
 # Request fields that `SamplingParams` takes unchanged, under the same name.
@@ -26,6 +27,27 @@ def sampling_params(request: Common, max_tokens: int) -> SamplingParams:
     # Completions' integer `logprobs` never gets here: `refusals` turns it away.
     if isinstance(request, ChatCompletionRequest) and request.logprobs:
         kwargs["logprobs"] = request.top_logprobs or 0  # 0: the sampled token's own log-probability only
+    structured = structured_output(request)
+    if structured is not None:
+        kwargs["structured"] = structured
     return SamplingParams(max_tokens=max_tokens, seed=request.seed, stop=request.stop_list(),
                           temperature=1.0 if request.temperature is None else request.temperature,
                           top_p=1.0 if request.top_p is None else request.top_p, **kwargs)
+
+
+def structured_output(request: Common) -> StructuredOutput | None:
+    """The request's one output constraint (`refusals` turned away requests naming several)."""
+    if isinstance(request, ChatCompletionRequest) and request.response_format is not None:
+        form = request.response_format
+        if form.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if form.type == "json_schema":
+            return StructuredOutput(json=form.json_schema.schema_)
+    if request.structured_outputs is not None:
+        fields = request.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+        return StructuredOutput(**{key: value for key, value in fields.items() if key != "json_object" or value})
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(request, f"guided_{kind}")
+        if value is not None:
+            return StructuredOutput(**{kind: value})
+    return None

@@ -2,9 +2,10 @@
 fields whose behaviour this server lacks.
 
 What a client sends is either honoured or refused, never silently ignored (OpenAI's API and
-vLLM's server ignore some): a known OpenAI field the engine cannot honour (`n`, tools, `response_format`
-json modes, image `detail` low/high, completions' `logprobs`/`echo`/`best_of`/`suffix`) is a 400
-naming it (`unsupported_parameter`), unless it carries the value that means "not used".
+vLLM's server ignore some): a known OpenAI field the engine cannot honour (`n`, tools, image
+`detail` low/high, completions' `logprobs`/`echo`/`best_of`/`suffix`) is a 400 naming it
+(`unsupported_parameter`), unless it carries the value that means "not used". A request may carry
+one output constraint (`response_format` json modes, `structured_outputs` or one `guided_*` field).
 
 The rules run inside `parsing.parse_request`, in one fixed order (the first fault is the one
 named), before anything else looks at the request; they live apart from `conversion` so that
@@ -37,6 +38,22 @@ def _check_common(request: Common) -> None:
     for key in request.logit_bias or ():
         if not key.lstrip("-").isdigit():
             raise InvalidInput(f"logit_bias keys are token ids, got {key!r}", item="logit_bias", code="invalid_value")
+    _check_constraints(request)
+
+
+def _check_constraints(request: Common) -> None:
+    form = getattr(request, "response_format", None)
+    if form is not None and form.type == "json_schema" and (form.json_schema is None or form.json_schema.schema_ is None):
+        raise InvalidInput("response_format json_schema needs json_schema.schema", item="response_format.json_schema",
+                           code="missing_field")
+    named = [name for name, used in (
+        ("response_format", form is not None and form.type != "text"),
+        ("structured_outputs", request.structured_outputs is not None),
+        *((f"guided_{kind}", getattr(request, f"guided_{kind}") is not None)
+          for kind in ("json", "regex", "choice", "grammar"))) if used]
+    if len(named) > 1:
+        raise InvalidInput(f"at most one output constraint per request, got {', '.join(named)}", item=named[1],
+                           code="invalid_value")
 
 
 def _check_chat(request: ChatCompletionRequest) -> None:
@@ -54,8 +71,7 @@ def _check_chat(request: ChatCompletionRequest) -> None:
                                    item=f"messages[{m}].content[{p}].image_url.detail", code="unsupported_parameter")
     if request.top_logprobs and not request.logprobs:
         raise InvalidInput("top_logprobs needs logprobs=true", item="top_logprobs", code="invalid_value")
-    _refuse_used({"response_format": request.response_format is not None and request.response_format.type != "text",
-                  "tools": bool(request.tools), "tool_choice": request.tool_choice not in (None, "none"),
+    _refuse_used({"tools": bool(request.tools), "tool_choice": request.tool_choice not in (None, "none"),
                   "parallel_tool_calls": request.parallel_tool_calls is not None})
 
 

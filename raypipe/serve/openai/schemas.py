@@ -4,7 +4,9 @@ Strict mode makes `"max_tokens": "5"` a 400 rather than a silent coercion, and `
 makes an unknown or misspelled field a 400 naming it. Explicit `null` means "not set", as in
 OpenAI's API. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`), which benchmark tools send, are accepted under vLLM's names, and
-so are video parts (`video_url`) and per-request video sampling (`mm_processor_kwargs`).
+so are video parts (`video_url`) and per-request video sampling (`mm_processor_kwargs`). Structured
+outputs come as OpenAI's `response_format` (chat), vLLM's `structured_outputs` object (vLLM >= 0.12)
+or vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields.
 
 The models describe what a client may write; what this server refuses of it lives in `refusals`
 (except an empty prompt inside a one-element batch, refused where `single_prompt` takes it out),
@@ -87,9 +89,26 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+class JSONSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output follows the schema either way
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` request object (the fields this server's grammar engine takes)."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class Common(_Strict):
@@ -115,6 +134,11 @@ class Common(_Strict):
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
