@@ -1,32 +1,23 @@
 """LLaVA-OneVision over Ray: base views and tiles split evenly over encoder workers, packed per image,
 equal transformers' `get_image_features` (tower, projector, AnyRes packing) on the whole batch.
 
-One pool of three workers serves the 1-, 2- and 3-worker coordinators (its first k workers): starting
-a pool per worker count cost ~20 s of the family's test time on 2 cores."""
+The session's three workers (`llava_workers`) serve the 1-, 2- and 3-worker coordinators (the first k):
+starting a pool per worker count cost ~20 s of the family's test time on 2 cores."""
 
 import pytest
-import ray
 import torch
 
 from raypipe.encode.coordinator import Coordinator
-from raypipe.encode.pool import EncoderPool, WorkerOptions
+from raypipe.encode.pool import EncoderPool
 from raypipe.inputs.images import ImageLimits, load_images
 from raypipe.models.registry import vision_adapter
 from tests import llava_ov_reference as ref
 from tests.conftest import random_images
 
 
-@pytest.fixture(scope="module")
-def workers(ray_local, llava_ckpt):
-    started = EncoderPool.start(WorkerOptions(str(llava_ckpt), "float32", num_threads=1), 3).workers
-    yield started
-    for worker in started:
-        ray.kill(worker)
-
-
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
-def coordinator(request, workers, llava_ckpt):
-    return Coordinator(vision_adapter(llava_ckpt), EncoderPool(workers[:request.param]), cache_bytes=0)
+def coordinator(request, llava_workers, llava_ckpt):
+    return Coordinator(vision_adapter(llava_ckpt), EncoderPool(llava_workers[:request.param]), cache_bytes=0)
 
 
 @pytest.mark.parametrize("count", [1, 2, 5, 9])

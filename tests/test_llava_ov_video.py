@@ -15,7 +15,7 @@ from raypipe import SamplingParams
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.encode.coordinator import Coordinator
-from raypipe.encode.pool import EncoderPool, WorkerOptions
+from raypipe.encode.pool import EncoderPool
 from raypipe.errors import InvalidInput
 from raypipe.inputs.video import VideoLimits, VideoMetadata, VideoSampling, load_video
 from raypipe.models.prompt import VideoOptions, build_prompt
@@ -90,10 +90,8 @@ def test_refusals(llava_ckpt):
 
 
 @pytest.fixture(scope="module")
-def coordinator(ray_local, llava_ckpt):
-    pool = EncoderPool.start(WorkerOptions(str(llava_ckpt), "float32", num_threads=1), 2)
-    yield Coordinator(vision_adapter(llava_ckpt), pool, cache_bytes=0)
-    pool.shutdown()
+def coordinator(llava_workers, llava_ckpt):
+    return Coordinator(vision_adapter(llava_ckpt), EncoderPool(llava_workers[:2]), cache_bytes=0)
 
 
 @pytest.fixture(scope="module")
