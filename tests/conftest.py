@@ -92,6 +92,20 @@ def llava_ckpt():
 
 
 @pytest.fixture(scope="session")
+def llava_workers(ray_local, llava_ckpt):
+    """Three `tiny-llava-ov` encoder workers (1 thread each) for the family's coordinators over their first
+    1, 2 or 3: a pool per test module or worker count cost seconds each on 2 cores."""
+    import ray
+
+    from raypipe.encode.pool import EncoderPool, WorkerOptions
+
+    started = EncoderPool.start(WorkerOptions(str(llava_ckpt), "float32", num_threads=1), 3).workers
+    yield started
+    for worker in started:
+        ray.kill(worker)
+
+
+@pytest.fixture(scope="session")
 def llava_hf_model(llava_ckpt):
     """transformers' own LlavaOnevisionForConditionalGeneration: the LLaVA-OneVision reference."""
     from transformers import LlavaOnevisionForConditionalGeneration

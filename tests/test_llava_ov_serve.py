@@ -1,5 +1,6 @@
 """The OpenAI endpoint serving the LLaVA-OneVision preset: the official `openai` client gets transformers'
-own greedy answer (images sent as data: URLs, base views and tiles encoded on two workers)."""
+own greedy answer (images sent as data: URLs). One encoder worker: sharding over several is
+`test_llava_ov_encode`'s; each extra worker adds seconds to the Serve start-up."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def server(ray_local, llava_ckpt):
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": "tiny-llava-ov", "num_encoders": 2, "batch_window_s": 0.02,
+    serve.run(build_app({"model": "tiny-llava-ov", "num_encoders": 1, "batch_window_s": 0.02,
                          "engine": {"max_model_len": 1024, "max_num_seqs": 4}}),
               name="raypipe-llava-ov-test", route_prefix="/")
     yield f"http://127.0.0.1:{port}"

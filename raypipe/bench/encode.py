@@ -39,6 +39,9 @@ STRATEGIES = ("even split (count)", "greedy: patches", "greedy: attention", "gre
               "calibrated + improved", "oracle: greedy, in sample", "oracle: greedy, other pass")
 ORACLE_IN, ORACLE_OUT = STRATEGIES[5], STRATEGIES[6]
 UNIT_STRATEGIES = ("units greedy: patches", "units greedy: attention", "units: coordinator's partition")
+# --quick caps the units timed, not just the images: a fixed-size tower (LLaVA-OneVision, 384 px) makes
+# ~5 heavy units per image, so 24 images would take several minutes on 2 cores.
+QUICK_UNITS, QUICK_BATCH_UNITS = 48, 16
 
 
 def heavy_tailed_sizes(count: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -67,6 +70,12 @@ def makespan_ratio(shards: list[list[int]], seconds: list[float], lower_bound: f
 def greedy(sizes, n: int) -> list[list[int]]:
     order, counts, _ = get_load_balance_assignment(sizes, n)
     return split_by_counts(order, counts)
+
+
+def first_images(units: list[list], most_units: int) -> int:
+    """How many leading images (at least one) fit in `most_units` units; the mix is shuffled, so a prefix is a sample."""
+    total = np.cumsum([len(u) for u in units])
+    return max(1, int(np.searchsorted(total, most_units, side="right")))
 
 
 def calibrate(adapter, worker, items, seed: int = 1) -> CostCalibration:
@@ -142,6 +151,9 @@ def main(args) -> int:
     decoded = load_images([sample_image(h, w, seed=i) for i, (h, w) in enumerate(sizes)], limits)
     items = [adapter.make_item(d) for d in decoded]
     units = [adapter.units(item) for item in items]
+    if args.quick:
+        count = first_images(units, QUICK_UNITS)
+        sizes, decoded, units = sizes[:count], decoded[:count], units[:count]
     cores = os.cpu_count() or 1
     connect_ray()
 
@@ -154,13 +166,14 @@ def main(args) -> int:
     warmup_sizes = heavy_tailed_sizes(count // 2, seed=1)  # a different mix: fit on one, judge on the other
     warmup_units = [u for d in load_images([sample_image(h, w, seed=1000 + i) for i, (h, w) in enumerate(warmup_sizes)],
                                            limits) for u in adapter.units(adapter.make_item(d))]
+    warmup_units = warmup_units[: QUICK_UNITS // 2] if args.quick else warmup_units
     calibration = calibrate(adapter, probe, warmup_units)
     ray.kill(probe)
     quality = balancer_quality(adapter, units, seconds, (2, 4, 8), calibration, other_pass=first_pass)
     pass_noise = float(np.sqrt(np.mean(((np.array(first_pass) - seconds) / np.array(seconds)) ** 2)))
 
     # (b) and (c) on one batch: a slice of the mix so a run stays within minutes
-    batch = decoded[: 12 if args.quick else 24]
+    batch = decoded[: first_images(units, QUICK_BATCH_UNITS) if args.quick else 24]
     repeats = 3 if args.quick else 5
     torch.set_num_threads(cores)
     tower = adapter.load_tower(pick_device(), torch.float32)

@@ -4,7 +4,8 @@ transformers' `LlavaOnevisionForConditionalGeneration` runs its language model (
 layer full attention) on `inputs_embeds` with the image rows scattered over the `<image>` tokens
 and positions 0..L-1, whatever the images: the base adapter's `positions`, decode position =
 cache index. An image is one run of `<image>` tokens (base view, then the tile map with its
-newline rows), its length from the vision adapter's AnyRes geometry.
+newline rows), its length from the vision adapter's AnyRes geometry; a video is one run of `<video>`
+tokens (pooled frames, one newline row).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
 class LlavaOnevisionLanguageAdapter(LanguageAdapter):
     def __init__(self, checkpoint: str | pathlib.Path):
         super().__init__(checkpoint)
+        self.video_token_id = self.config.video_token_id
         self.vision = LlavaOnevisionVisionAdapter(self.checkpoint)
 
     def token_runs(self, grid: Sequence[int]) -> list[int]:

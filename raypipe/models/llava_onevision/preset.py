@@ -20,9 +20,9 @@ import pathlib
 from raypipe.models.presets import build_byte_tokenizer, chat_template, padded_vocab_size, save_preset
 
 IMAGE_TOKEN, VIDEO_TOKEN = "<image>", "<video>"
-# The released template puts `<image>\n` per image part; raypipe's prompt builder (and transformers'
-# processor) expand each `<image>` to the image's rows.
-LLAVA_OV_CHAT_TEMPLATE = chat_template(IMAGE_TOKEN + "\n")
+# The released template puts `<image>\n` per image part and `<video>\n` per video part; raypipe's prompt
+# builder (and transformers' processor) expand each to the item's rows.
+LLAVA_OV_CHAT_TEMPLATE = chat_template(IMAGE_TOKEN + "\n", video_part=VIDEO_TOKEN + "\n")
 
 
 def _pinpoints(tile: int, most: int) -> list[list[int]]:

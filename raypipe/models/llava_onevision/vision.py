@@ -10,6 +10,10 @@ A worker runs the tower up to the deepest selected layer, selects features (`vis
 projects them (`multi_modal_projector`). The base view's rows end with the `image_newline`
 vector, so the per-image assembly (`join_units` -> `anyres.pack`: tiles side by side, unpadded,
 shrunk past `anyres_max_N`, newline per row, base first) needs no weights where it runs.
+
+A video (`video.py`) is its sampled frames, each a unit of the same size and cost as a tile; a
+worker pools each frame's features 2x2, and frame 0 carries the video's one newline row, which
+`join_units` moves to the end. A video item's grid is `(frames,)`.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ import pathlib
 import numpy as np
 import torch
 
+from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual
-from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, check_cost_model
+from raypipe.inputs.video import PlanFrames, VideoSampling
+from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, VisualLayout, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
+from raypipe.models.llava_onevision import video
 from raypipe.models.llava_onevision.anyres import AnyRes
 from raypipe.models.vision_features import FeatureSelection
 
@@ -53,6 +60,7 @@ class LlavaOnevisionVisionAdapter(VisionAdapter):
         self.vision_config = self.config.vision_config
         self.hidden_size = self.config.text_config.hidden_size
         self.image_token_id = self.config.image_token_id
+        self.video_token_id = self.config.video_token_id
         self.selection = FeatureSelection.from_config(self.config)
         self.anyres = AnyRes.from_config(self.config)
         self.tile_tokens = self.selection.tokens_per_image(self.vision_config)
@@ -60,16 +68,36 @@ class LlavaOnevisionVisionAdapter(VisionAdapter):
             raise ValueError(f"{checkpoint}: AnyRes tiles need every patch token (strategy 'full'), "
                              f"not {self.selection.strategy!r}")  # transformers' packing raises too
         self.processor = load_image_processor(self.checkpoint)
+        self.video_processor = video.load_processor(self.checkpoint)
+        if (self.video_processor.size.height, self.video_processor.size.width) != (self.anyres.tile,) * 2:
+            raise ValueError(f"{checkpoint}: the video processor's size {self.video_processor.size} is not the "
+                             f"tower's {self.anyres.tile} px square")  # `apply_pooling` assumes it
 
     def make_item(self, image: DecodedVisual) -> VisionItem:
-        grid = self.anyres.grid(image.height, image.width)
-        return VisionItem(image.pixels, image.content_hash, grid, self.token_runs(grid)[0])
+        grid = (image.num_frames,) if image.kind == "video" else self.anyres.grid(image.height, image.width)
+        return VisionItem(image.pixels, image.content_hash, grid, self.token_runs(grid)[0], kind=image.kind)
 
     def token_runs(self, grid) -> list[int]:
+        if len(grid) == 1:  # a video's frames
+            return [video.num_tokens(grid[0], self.anyres.side)]
         return [self.anyres.num_tokens(tuple(grid), self.tile_tokens)]
 
+    def plan_frames(self, sampling: VideoSampling) -> PlanFrames:
+        return video.frame_planner(self.video_processor, sampling)
+
+    def layout(self, visual: DecodedVisual, item: VisionItem, pruning_rate: float = 0.0) -> VisualLayout:
+        if item.kind == "video" and pruning_rate > 0:
+            raise InvalidInput("EVS (video_pruning_rate) is not supported for LLaVA-OneVision videos",
+                               item="video_pruning_rate", code="invalid_video_pruning_rate")
+        return VisualLayout(item.kind, tuple(item.grid))
+
     def units(self, item: VisionItem) -> list[VisionItem]:
-        """The base view (unit 0: its rows plus the newline row), then the tiles row by row."""
+        """The base view (unit 0: its rows plus the newline row), then the tiles row by row; a video's frames
+        (frame 0 also carries the newline row)."""
+        if item.kind == "video":
+            pooled = video.pooled_side(self.anyres.side) ** 2
+            return [VisionItem(frame, f"{item.content_hash}:{k}", item.grid, pooled + (k == 0), k, kind="video")
+                    for k, frame in enumerate(item.pixels)]
         rows, cols, *_ = item.grid
         views = self.processor.get_image_patches(np.ascontiguousarray(np.moveaxis(item.pixels, -1, 0)),
                                                  [list(p) for p in self.anyres.pinpoints],
@@ -82,6 +110,8 @@ class LlavaOnevisionVisionAdapter(VisionAdapter):
                 for k, view in enumerate(views)]
 
     def join_units(self, item: VisionItem, parts: list[torch.Tensor]) -> torch.Tensor:
+        if item.kind == "video":  # frames back to back, then the one newline row
+            return torch.cat((parts[0][:-1], *parts[1:], parts[0][-1:]))
         base, newline = parts[0][:-1], parts[0][-1]
         return self.anyres.pack(item.grid, base, parts[1:], newline)
 
@@ -132,19 +162,32 @@ class LlavaOnevisionVisionTower(VisionTower):
         self.projector = projector.to(self.device).eval()
 
     def pixel_values(self, units: list[VisionItem]) -> torch.Tensor:
-        """The processor's own rescale and normalize, on views it already resized and cut."""
+        """The processors' own rescale and normalize, on views and frames they already resized (and cut)."""
         p = self.adapter.processor
-        views = [p.normalize(p.rescale(np.moveaxis(u.pixels, -1, 0), p.rescale_factor), p.image_mean, p.image_std)
-                 for u in units]
-        return torch.from_numpy(np.stack(views))
+        out = torch.empty(len(units), 3, self.adapter.anyres.tile, self.adapter.anyres.tile)
+        frames = [k for k, u in enumerate(units) if u.kind == "video"]
+        views = [k for k, u in enumerate(units) if u.kind != "video"]
+        if frames:
+            out[frames] = video.pixel_values([units[k].pixels for k in frames], self.adapter.video_processor)
+        if views:
+            out[views] = torch.from_numpy(np.stack([
+                p.normalize(p.rescale(np.moveaxis(units[k].pixels, -1, 0), p.rescale_factor), p.image_mean,
+                            p.image_std) for k in views]))
+        return out
 
     @torch.inference_mode()
     def encode(self, items: list[VisionItem]) -> list[torch.Tensor]:
-        """One tensor per unit: a tile's projected features; the base view's, then the newline row."""
+        """One tensor per unit: a tile's projected features, a frame's pooled 2x2; the base view's and frame 0's,
+        then the newline row."""
         if not items:
             return []
         pixels = self.pixel_values(items).to(self.device, self.dtype)
         hidden = self.tower(pixels, output_hidden_states=True).hidden_states
-        features = self.projector(self.adapter.selection.select(hidden, self.num_layers))
+        features = list(self.projector(self.adapter.selection.select(hidden, self.num_layers)))
+        frames = [k for k, u in enumerate(items) if u.kind == "video"]
+        if frames:
+            pooled = video.pool(torch.stack([features[k] for k in frames]), self.adapter.anyres.side)
+            for k, f in zip(frames, pooled):
+                features[k] = f
         return [torch.cat((f, self.newline[None])).cpu() if unit.unit_index == 0 else f.cpu()
                 for f, unit in zip(features, items)]

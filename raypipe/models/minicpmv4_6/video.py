@@ -11,9 +11,8 @@ What is transformers' own code here: `sample_frames` (which frames), `concat_fra
 canvas), `get_sliced_grid` / `find_best_resize` / `get_refine_size` (geometry), `resize_and_split_patches`
 (the overview and slices of a unit), `rescale_and_normalize` and `reshape_by_patch` (the tower's
 packed layout). Only two tensor kernels are replaced, by the torch kernels torchvision calls for
-these inputs (transformers runs them through torchvision, which does not load next to the CPU torch):
-bicubic antialiased resize of uint8 (native uint8 on CPU) and `(x - mean) / std`. The grouping of
-sub-second frames by second is transformers' inline code in `_preprocess`, re-done in `visual_units`.
+these inputs (`raypipe.models.video_kernels`): bicubic antialiased resize of uint8 and `(x - mean) / std`.
+The grouping of sub-second frames by second is transformers' inline code in `_preprocess`, re-done in `visual_units`.
 
 The frame plan keeps frames at their source size, in transformers' order (main frames, then
 sub-second frames): canvases are built from full-size frames before they are resized, so resizing
@@ -30,6 +29,7 @@ import torch
 
 from raypipe.errors import InvalidInput
 from raypipe.inputs.video import FramePlan, PlanFrames, VideoMetadata, VideoSampling
+from raypipe.models.video_kernels import TorchVideoKernels
 
 VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
 # Kept frames stay at source size until the coordinator cuts them into pieces: a plan whose frames would
@@ -38,26 +38,10 @@ MAX_KEPT_BYTES = 2 * 1024**3
 
 
 def _processor_class():
-    from transformers.image_utils import PILImageResampling
     from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
 
-    class MiniCPMV4_6VideoProcessorTorch(MiniCPMV4_6VideoProcessor):
-        def resize(self, video: torch.Tensor, size, resample=None, antialias: bool = True, **kwargs) -> torch.Tensor:
-            # torchvision's `resize(BICUBIC, antialias=True)` on uint8 CPU tensors interpolates the uint8 tensor
-            # itself (its native uint8 path); the same size is returned unchanged.
-            if resample not in (None, PILImageResampling.BICUBIC):
-                raise ValueError(f"only bicubic resampling is implemented without torchvision, got {resample!r}")
-            if (size.height, size.width) == tuple(video.shape[-2:]):
-                return video
-            flat = video.reshape(-1, *video.shape[-3:])
-            out = torch.nn.functional.interpolate(flat, size=(size.height, size.width), mode="bicubic",
-                                                  align_corners=False, antialias=antialias)
-            return out.reshape(*video.shape[:-2], size.height, size.width)
-
-        def normalize(self, video: torch.Tensor, mean, std, inplace: bool = False, **kwargs) -> torch.Tensor:
-            mean = torch.as_tensor(mean, dtype=video.dtype).view(-1, 1, 1)
-            std = torch.as_tensor(std, dtype=video.dtype).view(-1, 1, 1)
-            return (video - mean) / std
+    class MiniCPMV4_6VideoProcessorTorch(TorchVideoKernels, MiniCPMV4_6VideoProcessor):
+        pass
 
     return MiniCPMV4_6VideoProcessorTorch
 
