@@ -111,3 +111,13 @@ def llava_hf_model(llava_ckpt):
     from transformers import LlavaOnevisionForConditionalGeneration
 
     return LlavaOnevisionForConditionalGeneration.from_pretrained(llava_ckpt).eval()
+
+
+@pytest.fixture(scope="module")
+def minicpmv_video_reference():
+    """transformers' MiniCPM-V video processor runnable here: its torchvision kernels pointed at torch stand-ins."""
+    from tests import minicpmv_video_reference as vref
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        vref.install(monkeypatch)
+        yield

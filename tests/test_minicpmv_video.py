@@ -42,13 +42,6 @@ def _case_id(case) -> str:
 
 
 @pytest.fixture(scope="module")
-def patched():
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        vref.install(monkeypatch)
-        yield
-
-
-@pytest.fixture(scope="module")
 def tower(minicpmv_ckpt):
     return vision_adapter(minicpmv_ckpt).load_tower(torch.device("cpu"), torch.float32)
 
@@ -72,7 +65,7 @@ def _adapters(ckpt, config):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_plan_canvases_and_tensors_equal_transformers(patched, minicpmv_ckpt, tower, case):
+def test_plan_canvases_and_tensors_equal_transformers(minicpmv_video_reference, minicpmv_ckpt, tower, case):
     from transformers.video_utils import VideoMetadata as HFVideoMetadata
 
     frames, fps, height, width, config, max_frames = case
@@ -104,7 +97,7 @@ def test_plan_canvases_and_tensors_equal_transformers(patched, minicpmv_ckpt, to
 
 
 @pytest.mark.parametrize("with_image", [False, True], ids=["video", "image-video"])
-def test_prompt_equals_processor(patched, minicpmv_ckpt, with_image):
+def test_prompt_equals_processor(minicpmv_video_reference, minicpmv_ckpt, with_image):
     """The video's `<image_id>`, and each unit's `<image>` / `<slice>` runs of `<|video_pad|>`, as the processor
     puts them (an image and a video in one prompt each count from 0)."""
     lang, vision = language_adapter(minicpmv_ckpt), vision_adapter(minicpmv_ckpt)
@@ -183,7 +176,7 @@ def _video_features(hf_model, processed) -> torch.Tensor:
     return torch.cat(units)
 
 
-def test_sharded_video_equals_get_video_features(patched, pipe, hf_minicpmv, minicpmv_ckpt):
+def test_sharded_video_equals_get_video_features(minicpmv_video_reference, pipe, hf_minicpmv, minicpmv_ckpt):
     adapter = pipe.coordinator.adapter
     source = _source(15, 240, 320, seed=7)  # 1.5 s of sliced frames: 14 pieces
     (got,) = pipe.coordinator.encode([_video(source, 10.0, adapter)])
@@ -193,7 +186,7 @@ def test_sharded_video_equals_get_video_features(patched, pipe, hf_minicpmv, min
         assert sum(1 for shard in pipe.coordinator.last_report.assignment if 0 in shard) > 1
 
 
-def test_videos_mixed_with_images(patched, pipe, hf_minicpmv, minicpmv_ckpt):
+def test_videos_mixed_with_images(minicpmv_video_reference, pipe, hf_minicpmv, minicpmv_ckpt):
     adapter = pipe.coordinator.adapter
     reference = vref.processor(minicpmv_ckpt)
     images = random_images([(300, 500), (60, 50)], seed=4)

@@ -35,13 +35,6 @@ REQUESTS = [
 
 
 @pytest.fixture(scope="module")
-def patched():
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        vref.install(monkeypatch)
-        yield
-
-
-@pytest.fixture(scope="module")
 def engines(minicpmv_ckpt):
     made = {}
 
@@ -88,7 +81,7 @@ def _hf_generate(hf_model, inputs, eos: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cases(patched, minicpmv_ckpt, engines):
+def cases(minicpmv_video_reference, minicpmv_ckpt, engines):
     from transformers import MiniCPMV4_6ForConditionalGeneration
 
     hf_model = MiniCPMV4_6ForConditionalGeneration.from_pretrained(minicpmv_ckpt).eval()

@@ -35,13 +35,6 @@ def _all_frames(data: bytes) -> tuple[np.ndarray, float]:
 
 
 @pytest.fixture(scope="module")
-def patched():
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        vref.install(monkeypatch)
-        yield
-
-
-@pytest.fixture(scope="module")
 def hf_minicpmv(minicpmv_ckpt):
     from transformers import MiniCPMV4_6ForConditionalGeneration
 
@@ -63,7 +56,7 @@ def server(ray_local, minicpmv_ckpt):
     serve.shutdown()
 
 
-def test_video_url_streams_the_same_text_as_transformers(patched, server, minicpmv_ckpt, hf_minicpmv):
+def test_video_url_streams_the_same_text_as_transformers(minicpmv_video_reference, server, minicpmv_ckpt, hf_minicpmv):
     data = _encoded(2.5, 10, 96, 128, seed=3)
     messages = [{"role": "user", "content": [{"type": "text", "text": "Describe:"},
                                              {"type": "video_url", "video_url": {"url": data_url(data, "video/mp4")}}]}]
@@ -92,7 +85,7 @@ def test_video_url_streams_the_same_text_as_transformers(patched, server, minicp
     assert usage.prompt_tokens == inputs["input_ids"].shape[1] and usage.completion_tokens == len(want)
 
 
-def test_batch_job_over_a_folder_of_videos(patched, tmp_path, ray_local, minicpmv_ckpt, hf_minicpmv):
+def test_batch_job_over_a_folder_of_videos(minicpmv_video_reference, tmp_path, ray_local, minicpmv_ckpt, hf_minicpmv):
     from raypipe.batch import BatchOptions, run_batch
     from raypipe.config import ModelConfig
     from tests.test_batch import _read_output

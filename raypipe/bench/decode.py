@@ -174,8 +174,8 @@ def main(args) -> int:
     for c in CONCURRENCY:
         batch = prompts[:c]
         with torch.inference_mode():
-            _, seq_s = median_run(lambda: hf_sequential(hf, batch, max_tokens, eos), repeats)
-            static_out, static_s = median_run(lambda: hf_static_batch(hf, batch, max_tokens, eos, pad), repeats)
+            _, seq_s = median_run(lambda hf=hf: hf_sequential(hf, batch, max_tokens, eos), repeats)
+            static_out, static_s = median_run(lambda hf=hf: hf_static_batch(hf, batch, max_tokens, eos, pad), repeats)
         engine_out, engine_s = median_run(lambda: engine_run(engine, batch, max_tokens), repeats)
         eager_out, eager_s = median_run(lambda: engine_run(eager_engine, batch, max_tokens), repeats)
         tokens = sum(len(o) for o in engine_out)

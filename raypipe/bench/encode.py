@@ -178,7 +178,7 @@ def main(args) -> int:
     torch.set_num_threads(cores)
     tower = adapter.load_tower(pick_device(), torch.float32)
     batch_items = [unit for d in batch for unit in adapter.units(adapter.make_item(d))]
-    in_process = median_seconds(lambda: tower.encode(batch_items), repeats)
+    in_process = median_seconds(lambda tower=tower: tower.encode(batch_items), repeats)
     del tower
     timings = {}
     # (workers, torch threads each): 1 worker gets every core, as Pipeline gives it by default;
