@@ -32,6 +32,22 @@ def test_parses_text_and_image_parts():
     assert request.messages_for_template()[0]["content"][1]["image_url"]["url"].startswith("data:")
 
 
+def _tool(name="add", **function) -> dict:
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+BAD_TOOLS = [  # (tools, other fields, the param the 400 names)
+    ([_tool("add two")], {}, "tools[0].function.name"),  # OpenAI's name rule
+    ([{"type": "retrieval", "function": {"name": "add"}}], {}, "tools[0].type"),
+    ([_tool(parameters={"type": 5})], {}, "tools[0].function.parameters"),  # not a JSON schema
+    ([_tool(parameters={"type": "array"})], {}, "tools[0].function.parameters"),  # arguments are an object
+    ([_tool(), _tool()], {}, "tools[1].function.name"),  # duplicate
+    ([_tool()], {"tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice.function.name"),
+    (None, {"tool_choice": "required"}, "tool_choice"),  # nothing to call
+    ([_tool()], {"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+]
+
+
 @pytest.mark.parametrize("raw, code, param", [
     (b"{not json", "invalid_json", None),
     (body(max_tokens="5"), "invalid_type", "max_tokens"),  # strict: no silent coercion
@@ -39,7 +55,11 @@ def test_parses_text_and_image_parts():
     (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "missing_field",
      "messages[0].content[0].image_url.url"),
     (json.dumps({"messages": []}).encode(), "missing_field", "model"),
-    (body(n=2), "unsupported_parameter", "n"),
+    (body(n=129), "invalid_value", "n"),
+    *((body(tools=tools, **extra), "invalid_value", param) for tools, extra, param in BAD_TOOLS),
+    (body(messages=[{"role": "tool", "content": "3"}]), "missing_field", "messages[0].tool_call_id"),
+    (body(messages=[{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "add", "arguments": "[1, 2]"}}]}]), "invalid_value", "messages[0].tool_calls[0].function.arguments"),
     (body(stop=["a", "b", "c", "d", "e"]), "invalid_value", "stop"),
 ])
 def test_bad_requests_name_the_field(raw, code, param):
