@@ -621,6 +621,9 @@ def test_n_choices_greedy_seeded_streamed_and_with_tools(client):
     assert [streamed[i]["finish"] for i in range(3)] == [c.finish_reason for c in sampled.choices]
     assert chunks[-1].usage == sampled.usage
 
+    text = client.completions.create(model="tiny", prompt="Hi", n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in text.choices] == [0, 1] and text.choices[0].text == text.choices[1].text
+
     forced = client.chat.completions.create(n=2, tools=[ADD], tool_choice="required", parallel_tool_calls=False,
                                             **{**kwargs, "max_tokens": 120, "temperature": 1.0, "seed": 3})
     assert [c.finish_reason for c in forced.choices] == ["tool_calls"] * 2
