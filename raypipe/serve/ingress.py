@@ -1,11 +1,12 @@
 """`Ingress` deployment: the OpenAI-compatible HTTP front door.
 
 Per chat request: authorize -> bounded body -> schema -> model name -> (thread) decode images and
-videos (only the frames sampling keeps), resized to what the vision tower consumes, and apply the chat template (text too long for the
-context is refused before tokenizing) -> limits -> encoder group (image embeddings as
-`ObjectRef`s, never fetched here) -> one decoder stream per choice (`n`) -> JSON body or SSE chunks. The first generated
-delta is awaited before a streaming response starts, so failures up to and including prefill still
-get a proper 4xx. `/v1/completions` is the same without images or chat template.
+videos (only the frames sampling keeps), resized to what the vision tower consumes, and apply the
+chat template (text too long for the context is refused before tokenizing) -> limits -> encoder
+group (image embeddings as `ObjectRef`s, never fetched here) -> one decoder stream per choice (`n`)
+-> JSON body or SSE chunks. The first generated delta is awaited before a streaming response
+starts, so failures up to and including prefill still get a proper 4xx. `/v1/completions` is the
+same without images or chat template.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string.
