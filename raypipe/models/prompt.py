@@ -199,6 +199,8 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     texts: list[str] = []
 
     def mark(text: str) -> str:
+        if not text:  # templates test content for truth (an assistant turn holding only tool calls)
+            return text
         texts.append(text)
         return f"\ue000{nonce}{len(texts) - 1}\ue001"
 
