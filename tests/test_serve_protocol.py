@@ -82,6 +82,19 @@ def test_sampling_params_carry_what_the_request_set():
     assert sampling_params(parse_request(body(logprobs=True)), max_tokens=1).logprobs == 0  # the sampled token only
 
 
+def test_tool_choice_decides_parsing_and_constraint():
+    def parsed(**fields):
+        request = parse_request(body(tools=[_tool(), _tool("sub")], **fields))
+        return request.tool_names(), sampling_params(request, max_tokens=9).structured
+
+    assert parsed(tool_choice="none") == (None, None)  # tools listed in the prompt, output left alone
+    assert parsed() == parsed(tool_choice="auto") == ({"add", "sub"}, None)  # parsed, not constrained
+    _, required = parsed(tool_choice="required")
+    _, named = parsed(tool_choice={"type": "function", "function": {"name": "sub"}}, parallel_tool_calls=False)
+    assert '"add"' in required.grammar and '"sub"' in required.grammar and '("\\n" call)*' in required.grammar
+    assert '"add"' not in named.grammar and '"sub"' in named.grammar and "call)*" not in named.grammar
+
+
 @pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
 def test_empty_prompts_are_refused(prompt):
     raw = json.dumps({"model": "tiny", "prompt": prompt}).encode()
