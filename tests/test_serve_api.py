@@ -554,8 +554,9 @@ def test_forced_tool_calls_follow_the_tools_schemas(client):
         assert call.id.startswith("call_") and call.type == "function"
         assert tool_choice == "required" or call.function.name == "add"
         jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name]["function"]["parameters"])
-        [streamed] = _streamed_choices(client.chat.completions.create(tool_choice=tool_choice, stream=True,
-                                                                      **kwargs)).values()
+        chunks = list(client.chat.completions.create(tool_choice=tool_choice, stream=True, **kwargs))
+        assert not any(c.choices[0].delta.content == "" for c in chunks[1:])  # held-back text sends no chunks
+        [streamed] = _streamed_choices(chunks).values()
         assert streamed["finish"] == "tool_calls" and streamed["content"] == (choice.message.content or "")
         [again] = streamed["calls"].values()
         assert again["id"].startswith("call_")

@@ -136,7 +136,9 @@ class CompletionStream:
             yield choice.index, {"role": "assistant", "content": ""}, None, None
         calls = ToolCallStream(self.tool_names) if self._parses_tools else None
         async for text, entries in self._pieces(choice):
-            yield choice.index, {key: calls.feed(text) if calls else text}, None, entries
+            text = calls.feed(text) if calls else text
+            if text or entries:  # held-back text sends nothing yet
+                yield choice.index, {key: text}, None, entries
         finish = choice.finish_reason
         if calls is not None:
             rest, found = calls.finish()
