@@ -32,6 +32,22 @@ def test_parses_text_and_image_parts():
     assert request.messages_for_template()[0]["content"][1]["image_url"]["url"].startswith("data:")
 
 
+def _tool(name="add", **function) -> dict:
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+BAD_TOOLS = [  # (tools, other fields, the param the 400 names)
+    ([_tool("add two")], {}, "tools[0].function.name"),  # OpenAI's name rule
+    ([{"type": "retrieval", "function": {"name": "add"}}], {}, "tools[0].type"),
+    ([_tool(parameters={"type": 5})], {}, "tools[0].function.parameters"),  # not a JSON schema
+    ([_tool(parameters={"type": "array"})], {}, "tools[0].function.parameters"),  # arguments are an object
+    ([_tool(), _tool()], {}, "tools[1].function.name"),  # duplicate
+    ([_tool()], {"tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice.function.name"),
+    (None, {"tool_choice": "required"}, "tool_choice"),  # nothing to call
+    ([_tool()], {"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+]
+
+
 @pytest.mark.parametrize("raw, code, param", [
     (b"{not json", "invalid_json", None),
     (body(max_tokens="5"), "invalid_type", "max_tokens"),  # strict: no silent coercion
@@ -39,7 +55,11 @@ def test_parses_text_and_image_parts():
     (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "missing_field",
      "messages[0].content[0].image_url.url"),
     (json.dumps({"messages": []}).encode(), "missing_field", "model"),
-    (body(n=2), "unsupported_parameter", "n"),
+    (body(n=129), "invalid_value", "n"),
+    *((body(tools=tools, **extra), "invalid_value", param) for tools, extra, param in BAD_TOOLS),
+    (body(messages=[{"role": "tool", "content": "3"}]), "missing_field", "messages[0].tool_call_id"),
+    (body(messages=[{"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "add", "arguments": "[1, 2]"}}]}]), "invalid_value", "messages[0].tool_calls[0].function.arguments"),
     (body(stop=["a", "b", "c", "d", "e"]), "invalid_value", "stop"),
 ])
 def test_bad_requests_name_the_field(raw, code, param):
@@ -60,6 +80,19 @@ def test_sampling_params_carry_what_the_request_set():
     assert (params.min_tokens, params.ignore_eos, params.stop_token_ids, params.logit_bias) == (2, True, [3], {5: 10.0})
     assert (params.logprobs, params.stop, params.seed) == (2, ["x"], 7)
     assert sampling_params(parse_request(body(logprobs=True)), max_tokens=1).logprobs == 0  # the sampled token only
+
+
+def test_tool_choice_decides_parsing_and_constraint():
+    def parsed(**fields):
+        request = parse_request(body(tools=[_tool(), _tool("sub")], **fields))
+        return request.tool_names(), sampling_params(request, max_tokens=9).structured
+
+    assert parsed(tool_choice="none") == (None, None)  # tools listed in the prompt, output left alone
+    assert parsed() == parsed(tool_choice="auto") == ({"add", "sub"}, None)  # parsed, not constrained
+    _, required = parsed(tool_choice="required")
+    _, named = parsed(tool_choice={"type": "function", "function": {"name": "sub"}}, parallel_tool_calls=False)
+    assert '"add"' in required.grammar and '"sub"' in required.grammar and '("\\n" call)*' in required.grammar
+    assert '"add"' not in named.grammar and '"sub"' in named.grammar and "call)*" not in named.grammar
 
 
 @pytest.mark.parametrize("prompt", ["", [], [""], [[]]])

@@ -65,29 +65,56 @@ def build_byte_tokenizer(special_tokens: list[str], chat_template: str, *, eos: 
     return tokenizer
 
 
-def chat_template(image_part: str, default_system: str | None = None, video_part: str | None = None) -> str:
-    """A Qwen-style chat template that renders text parts, `image_part` for each image part and
-    `video_part` for each video part (families that take videos).
+# Qwen2.5's words for tools in the system turn and for the call format it answers in.
+_TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+          "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+          "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+          "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+          "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+          "<args-json-object>}\n</tool_call>")
 
-    `default_system`: a system turn put first when the conversation has none (Qwen2.5-VL's)."""
+
+def chat_template(image_part: str, default_system: str | None = None, video_part: str | None = None) -> str:
+    """A Qwen2.5-style chat template that renders text parts, `image_part` for each image part and
+    `video_part` for each video part (families that take videos), and tools as Qwen2.5's does: the
+    tools listed in the system turn, an assistant's calls as `<tool_call>` blocks, tool results as
+    `<tool_response>` blocks in one user turn.
+
+    `default_system`: a system turn put first when the conversation has none (Qwen2.5-VL's); with
+    tools and no system turn, one holding the tools is put first either way."""
     video = ("{% elif part['type'] in ('video', 'video_url') %}" + video_part) if video_part else ""
+    content = ("{% if message['content'] is string %}{{ message['content'] }}"
+               "{% else %}{% for part in message['content'] %}"
+               "{% if part['type'] in ('image', 'image_url') %}" + image_part
+               + video
+               + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+               "{% endfor %}{% endif %}")
+    tools_alone = _TOOLS if default_system else _TOOLS.lstrip()
     system = ("{% if loop.first and message['role'] != 'system' %}"
-              f"<|im_start|>system\n{default_system}<|im_end|>\n"
-              "{% endif %}") if default_system else ""
-    return (
+              + (f"<|im_start|>system\n{default_system}{{% if tools %}}{_TOOLS}{{% endif %}}<|im_end|>\n"
+                 if default_system else f"{{% if tools %}}<|im_start|>system\n{tools_alone}<|im_end|>\n{{% endif %}}")
+              + "{% endif %}")
+    calls = ("{% for call in message['tool_calls'] or [] %}"
+             "{% if message['content'] or not loop.first %}\n{% endif %}"
+             "<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+             "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}")
+    template = (
         "{% for message in messages %}"
         + system
-        + "<|im_start|>{{ message['role'] }}\n"
-        "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for part in message['content'] %}"
-        "{% if part['type'] in ('image', 'image_url') %}" + image_part
-        + video
-        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-        "{% endfor %}{% endif %}"
-        "<|im_end|>\n"
+        + "{% if message['role'] == 'tool' %}"
+        "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+        "\n<tool_response>\n" + content + "\n</tool_response>"
+        "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+        "{% else %}"
+        "<|im_start|>{{ message['role'] }}\n" + content
+        + "{% if loop.first and message['role'] == 'system' and tools %}" + _TOOLS + "{% endif %}"
+        + calls
+        + "<|im_end|>\n"
+        "{% endif %}"
         "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+    return template.replace("%}\n", "%}{{ '\\n' }}")  # transformers renders with trim_blocks: it drops those
 
 
 def padded_vocab_size(tokenizer) -> int:

@@ -20,6 +20,7 @@ model family's prompt builder goes through them).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import uuid
 from collections.abc import Collection, Sequence
@@ -73,13 +74,14 @@ class PreparedPrompt:
 def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
                  image_limits: ImageLimits = ImageLimits(), *, video: VideoOptions = VideoOptions(),
                  max_text_chars: int | None = None, max_video_tokens: int | None = None,
-                 resize_images: bool = True) -> PreparedPrompt:
+                 resize_images: bool = True, tools: list[dict] | None = None) -> PreparedPrompt:
     """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it;
     `max_video_tokens` (the context length) refuses a video whose planned frames need more tokens
     than that from its header, before any frame is decoded.
 
     `resize_images=False` keeps images at full resolution (the encoder worker's processor resizes
-    them): only for measuring what resizing here saves (`raypipe bench serve-load`).
+    them): only for measuring what resizing here saves (`raypipe bench serve-load`). `tools`: OpenAI
+    function tools, which the chat template lists (see `chat_template_ids`).
     """
     loaders = _loaders(vision_adapter, image_limits, video, resize_images, max_video_tokens)
     if isinstance(request, dict) and "prompt_token_ids" in request:
@@ -92,7 +94,7 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     if max_text_chars is not None:
         check_text_chars(sum(len(text) for text in _texts(template_messages)), max_text_chars)
     visuals = _load_all(raw_visuals, loaders)
-    ids = chat_template_ids(tokenizer, template_messages)
+    ids = chat_template_ids(tokenizer, template_messages, tools)
     return _expand(ids, visuals, tokenizer, vision_adapter, video.pruning_rate, allow_expanded=False)
 
 
@@ -179,7 +181,7 @@ def plain_text_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Render `messages` with the tokenizer's chat template; only the template's own markers are control tokens.
 
     Each supplied text is swapped for a unique marker before rendering, so the template's markers
@@ -188,19 +190,40 @@ def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
     (template text and supplied text together, so merges across their boundary are unchanged) is
     tokenized with control-token parsing off. Without look-alikes the ids equal
     `apply_chat_template(..., tokenize=True)`.
+
+    Tools and assistant tool calls are supplied text too, which templates write as JSON
+    (`| tojson`): every string in a function's name, description, parameters and call arguments
+    (keys included) is marked as its JSON-escaped text; the structure the template reads is kept.
     """
     nonce = uuid.uuid4().hex
     texts: list[str] = []
 
     def mark(text: str) -> str:
+        if not text:  # templates test content for truth (an assistant turn holding only tool calls)
+            return text
         texts.append(text)
         return f"\ue000{nonce}{len(texts) - 1}\ue001"
 
+    def mark_json(value):
+        if isinstance(value, str):
+            return mark(json.dumps(value, ensure_ascii=False)[1:-1])
+        if isinstance(value, dict):
+            return {mark_json(key): mark_json(item) for key, item in value.items()}
+        return [mark_json(item) for item in value] if isinstance(value, list) else value
+
+    def mark_function(function: dict) -> dict:
+        return {key: mark_json(value) if key in ("name", "description", "parameters", "arguments") else value
+                for key, value in function.items()}
+
     marked = [{**m, "content": mark(m["content"]) if isinstance(m["content"], str) else
-               [{**p, "text": mark(p["text"])} if p.get("type") == "text" else p for p in m["content"]]}
+               [{**p, "text": mark(p["text"])} if p.get("type") == "text" else p for p in m["content"]],
+               **({"tool_calls": [{**call, "function": mark_function(call["function"])} for call in m["tool_calls"]]}
+                  if m.get("tool_calls") else {})}
               for m in messages]
+    marked_tools = [{**tool, "function": mark_function(tool["function"])} for tool in tools] if tools else None
     try:
-        rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(marked, tools=marked_tools, add_generation_prompt=True,
+                                                 tokenize=False)
     except Exception as exc:  # jinja errors on shapes the template does not know
         raise InvalidInput(f"chat template failed: {exc}", item="messages", code="invalid_request") from None
     control = _control_token_pattern(tokenizer)
@@ -247,8 +270,9 @@ def _split_visuals(messages: list) -> tuple[list[dict], list]:
             raise InvalidInput("each message must be an object with a string 'role'", item=f"messages[{m}]",
                                code="invalid_request")
         content = message.get("content")
+        calls = {key: message[key] for key in ("tool_calls", "tool_call_id") if message.get(key) is not None}
         if isinstance(content, str):
-            rendered.append({"role": message["role"], "content": content})
+            rendered.append({"role": message["role"], "content": content, **calls})
             continue
         if not isinstance(content, list):
             raise InvalidInput("content must be a string or a list of parts", item=f"messages[{m}].content",
@@ -267,7 +291,7 @@ def _split_visuals(messages: list) -> tuple[list[dict], list]:
             else:
                 raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url', "
                                    "'image', 'video_url' or 'video'", item=where, code="invalid_request")
-        rendered.append({"role": message["role"], "content": parts})
+        rendered.append({"role": message["role"], "content": parts, **calls})
     return rendered, visuals
 
 

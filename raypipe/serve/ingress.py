@@ -1,15 +1,17 @@
 """`Ingress` deployment: the OpenAI-compatible HTTP front door.
 
 Per chat request: authorize -> bounded body -> schema -> model name -> (thread) decode images and
-videos (only the frames sampling keeps), resized to what the vision tower consumes, and apply the chat template (text too long for the
-context is refused before tokenizing) -> limits -> encoder group (image embeddings as
-`ObjectRef`s, never fetched here) -> decoder stream -> JSON body or SSE chunks. The first generated
-delta is awaited before a streaming response starts, so failures up to and including prefill still
-get a proper 4xx. `/v1/completions` is the same without images or chat template.
+videos (only the frames sampling keeps), resized to what the vision tower consumes, and apply the
+chat template (text too long for the context is refused before tokenizing) -> limits -> encoder
+group (image embeddings as `ObjectRef`s, never fetched here) -> one decoder stream per choice (`n`)
+-> JSON body or SSE chunks. The first generated delta is awaited before a streaming response
+starts, so failures up to and including prefill still get a proper 4xx. `/v1/completions` is the
+same without images or chat template.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string.
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -82,10 +84,10 @@ class Ingress:
             visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
             request_id = completion_id()
             # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
-            deltas = self.decoder.options(stream=True).generate.remote(
-                request_id, prompt.without_pixels(), visual_refs, params)
+            deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n)
             stream = CompletionStream("chat", request_id, self.served_model_name, self.fingerprint, deltas,
-                                      prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text)
+                                      prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text,
+                                      chat.tool_names())
             await stream.start()
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return self._error(CHAT, exc)
@@ -100,13 +102,22 @@ class Ingress:
             self._check_model(completion.model)
             prompt, params = await self._prepare_completion(completion)
             request_id = completion_id("cmpl")
-            deltas = self.decoder.options(stream=True).generate.remote(request_id, prompt, [], params)
+            deltas = self._generate(request_id, prompt, [], params, completion.n)
             stream = CompletionStream("text", request_id, self.served_model_name, self.fingerprint, deltas,
                                       len(prompt), arrival, completion.include_usage)
             await stream.start()
         except Exception as exc:  # noqa: BLE001
             return self._error(COMPLETIONS, exc)
         return await self._respond(COMPLETIONS, stream, bool(completion.stream))
+
+    def _generate(self, request_id: str, prompt, visual_refs: list, params: SamplingParams, n: int | None) -> list:
+        """One decoder stream per choice: n independent sequences, each prefilled on its own (the engine has no
+        prefix cache to share a prompt through); choice i of a seeded request samples with seed + i, so it
+        equals a request of its own with that seed."""
+        n = n or 1
+        return [self.decoder.options(stream=True).generate.remote(
+            request_id if n == 1 else f"{request_id}-{i}", prompt, visual_refs,
+            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)) for i in range(n)]
 
     async def _respond(self, endpoint: str, stream: CompletionStream, streaming: bool) -> Response:
         if streaming:
@@ -201,7 +212,8 @@ class Ingress:
         prompt = await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
                                          self.vision_adapter, self.image_limits, video=self._video_options(chat),
                                          max_text_chars=model_len * self.chars_per_token,
-                                         max_video_tokens=model_len, resize_images=self.resize_images)
+                                         max_video_tokens=model_len, resize_images=self.resize_images,
+                                         tools=chat.template_tools())
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
         return prompt, sampling_params(chat, max_tokens)
 

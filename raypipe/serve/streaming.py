@@ -1,10 +1,17 @@
-"""One request's stream of decoder deltas, turned into an OpenAI response body or SSE chunks.
+"""One request's streams of decoder deltas (one per choice), turned into an OpenAI response body or SSE chunks.
 
-SSE order (as OpenAI sends it): for chat a first chunk with the assistant role, one chunk per
-non-empty text delta (or per delta with logprobs), a chunk with `finish_reason` and an empty delta,
-with `include_usage` one more chunk with empty `choices` and the usage, then `data: [DONE]`. If the
-client goes away, the decoder call is cancelled, which aborts the engine request and frees its
-slot. If the decoder dies mid-stream, an error event (503, retryable) precedes `[DONE]`.
+SSE order per choice (as OpenAI sends it): for chat a first chunk with the assistant role, one
+chunk per non-empty text delta (or per delta with logprobs), a chunk with `finish_reason` and an
+empty delta; with n > 1 the choices' chunks interleave as they come, each with its `index`. Then,
+with `include_usage`, one chunk with empty `choices` and the usage of all choices, then
+`data: [DONE]`. If the client goes away, the decoder calls are cancelled, which aborts the engine
+requests and frees their slots. If a decoder dies mid-stream, an error event (503, retryable)
+precedes `[DONE]`.
+
+With tools (chat, `tool_choice` not "none"), each choice's text goes through
+`openai.tools`: calls become `message.tool_calls` (finish reason "tool_calls"); streamed, text
+that may be a call is held back and the calls go out when the choice ends, each as a chunk with
+its id and function name, then one with its arguments (OpenAI's delta shape).
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from collections.abc import AsyncIterator
 
 from raypipe.serve.errors import ApiError
 from raypipe.serve.metrics import ServeMetrics
-from raypipe.serve.openai.bodies import chunk_body, completion_body, usage
+from raypipe.serve.openai.bodies import choice_body, chunk_body, completion_body, usage
+from raypipe.serve.openai.tools import ToolCallStream, parse_tool_calls
 
 
 def openai_finish_reason(reason: str) -> str:
@@ -24,38 +32,62 @@ def openai_finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-class CompletionStream:
-    """`kind` is "chat" or "text" (see `openai.bodies.completion_body`); `token_text(id)` renders logprob tokens."""
+class _Choice:
+    """One choice's decoder deltas, with its own token count and finish reason."""
 
-    def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas, prompt_tokens: int,
-                 arrival: float, include_usage: bool, token_text=None):
-        self.kind, self.request_id, self.model, self.fingerprint = kind, request_id, model, fingerprint
-        self.deltas, self.token_text = deltas, token_text
-        self.prompt_tokens, self.arrival, self.include_usage = prompt_tokens, arrival, include_usage
-        self.created = int(time.time())
+    def __init__(self, index: int, deltas):
+        self.index, self.deltas = index, deltas
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self.first = None
+
+
+class CompletionStream:
+    """`kind` is "chat" or "text" (see `openai.bodies`); `deltas` one decoder stream per choice;
+    `token_text(id)` renders logprob tokens; `tool_names` (chat) the functions whose calls are parsed."""
+
+    def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas: list, prompt_tokens: int,
+                 arrival: float, include_usage: bool, token_text=None, tool_names: set[str] | None = None):
+        self.kind, self.request_id, self.model, self.fingerprint = kind, request_id, model, fingerprint
+        self.choices = [_Choice(index, stream) for index, stream in enumerate(deltas)]
+        self.token_text, self.tool_names = token_text, tool_names
+        self.prompt_tokens, self.arrival, self.include_usage = prompt_tokens, arrival, include_usage
+        self.created = int(time.time())
         self.first_token_at: float | None = None
-        self._first = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(choice.completion_tokens for choice in self.choices)
 
     async def start(self) -> None:
-        """Wait for the first delta (after prefill): errors before it can still become a 4xx response."""
-        self._first = await self.deltas.__anext__()
+        """Wait for every choice's first delta (after prefill): errors before it can still become a 4xx response."""
+        try:
+            firsts = await asyncio.gather(*(choice.deltas.__anext__() for choice in self.choices))
+        except BaseException:
+            self._cancel_unfinished()
+            raise
+        for choice, first in zip(self.choices, firsts):
+            choice.first = first
         self.first_token_at = time.monotonic()
 
-    async def _pieces(self) -> AsyncIterator[tuple[str, list | None]]:
-        """(text, OpenAI logprob entries or None) per delta that carries either."""
-        delta = self._first
+    def _cancel_unfinished(self) -> None:
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                choice.deltas.cancel()  # stop the decoder's generator: it aborts the engine request
+
+    async def _pieces(self, choice: _Choice) -> AsyncIterator[tuple[str, list | None]]:
+        """(text, OpenAI logprob entries or None) per delta of `choice` that carries either."""
+        delta = choice.first
         while True:
-            self.completion_tokens += len(delta.token_ids)
+            choice.completion_tokens += len(delta.token_ids)
             if delta.finish_reason is not None:
-                self.finish_reason = openai_finish_reason(delta.finish_reason)
+                choice.finish_reason = openai_finish_reason(delta.finish_reason)
             entries = self._logprob_entries(getattr(delta, "logprobs", None))
             if delta.text or entries:
                 yield delta.text, entries
-            if self.finish_reason is not None:
+            if choice.finish_reason is not None:
                 return
-            delta = await self.deltas.__anext__()
+            delta = await choice.deltas.__anext__()
 
     def _logprob_entries(self, logprobs) -> list | None:
         if not logprobs or self.token_text is None:
@@ -68,37 +100,76 @@ class CompletionStream:
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                 for lp in logprobs]
 
+    @property
+    def _parses_tools(self) -> bool:
+        return self.kind == "chat" and bool(self.tool_names)
+
     async def collect(self) -> dict:
+        try:
+            choices = await asyncio.gather(*(self._collect(choice) for choice in self.choices))
+        finally:
+            self._cancel_unfinished()
+        return completion_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, choices,
+                               self.prompt_tokens, self.completion_tokens)
+
+    async def _collect(self, choice: _Choice) -> dict:
         texts, entries = [], None
-        async for text, piece_entries in self._pieces():
+        async for text, piece_entries in self._pieces(choice):
             texts.append(text)
             if piece_entries is not None:
                 entries = (entries or []) + piece_entries
         logprobs = {"content": entries, "refusal": None} if entries is not None else None
-        return completion_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, "".join(texts),
-                               self.finish_reason, self.prompt_tokens, self.completion_tokens, logprobs)
+        text = "".join(texts)
+        parsed = parse_tool_calls(text, self.tool_names) if self._parses_tools else None
+        if parsed is not None:
+            return choice_body(self.kind, choice.index, parsed[0], "tool_calls", logprobs, parsed[1])
+        return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs)
 
     def record(self, metrics: ServeMetrics, endpoint: str) -> None:
         metrics.record_success(endpoint, self.arrival, self.first_token_at, time.monotonic(), self.prompt_tokens,
                                self.completion_tokens)
 
+    async def _choice_chunks(self, choice: _Choice) -> AsyncIterator[tuple[int, dict, str | None, list | None]]:
+        """(choice index, delta, finish reason, logprob entries) per chunk of `choice`."""
+        key = "content" if self.kind == "chat" else "text"
+        if self.kind == "chat":
+            yield choice.index, {"role": "assistant", "content": ""}, None, None
+        calls = ToolCallStream(self.tool_names) if self._parses_tools else None
+        async for text, entries in self._pieces(choice):
+            text = calls.feed(text) if calls else text
+            if text or entries:  # held-back text sends nothing yet
+                yield choice.index, {key: text}, None, entries
+        finish = choice.finish_reason
+        if calls is not None:
+            rest, found = calls.finish()
+            if rest:
+                yield choice.index, {key: rest}, None, None
+            for k, call in enumerate(found):
+                function = call["function"]
+                yield choice.index, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                     "function": {"name": function["name"], "arguments": ""}}]}, \
+                    None, None
+                yield choice.index, {"tool_calls": [{"index": k, "function": {"arguments": function["arguments"]}}]}, \
+                    None, None
+            finish = "tool_calls" if found else finish
+        yield choice.index, {} if self.kind == "chat" else {"text": ""}, finish, None
+
     async def sse(self, metrics: ServeMetrics, endpoint: str) -> AsyncIterator[str]:
         def event(body: dict) -> str:
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
-        def chunk(delta, finish=None, usage_value=None, entries=None) -> str:
+        def chunk(delta, finish=None, index=0, usage_value=None, entries=None) -> str:
             logprobs = {"content": entries, "refusal": None} if entries is not None else None
             return event(chunk_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, delta,
-                                    finish, logprobs=logprobs, with_usage_field=self.include_usage,
+                                    finish, index=index, logprobs=logprobs, with_usage_field=self.include_usage,
                                     usage_value=usage_value))
 
-        key = "content" if self.kind == "chat" else "text"
+        # One choice is read directly: interleaving costs a task per chunk.
+        pieces = (self._choice_chunks(self.choices[0]) if len(self.choices) == 1
+                  else _interleave([self._choice_chunks(choice) for choice in self.choices]))
         try:
-            if self.kind == "chat":
-                yield chunk({"role": "assistant", "content": ""})
-            async for text, entries in self._pieces():
-                yield chunk({key: text}, entries=entries)
-            yield chunk({} if self.kind == "chat" else {"text": ""}, self.finish_reason)
+            async for index, delta, finish, entries in pieces:
+                yield chunk(delta, finish, index, entries=entries)
             if self.include_usage:
                 yield chunk(None, usage_value=usage(self.prompt_tokens, self.completion_tokens))
             yield "data: [DONE]\n\n"
@@ -112,5 +183,24 @@ class CompletionStream:
             yield event(error.body())
             yield "data: [DONE]\n\n"
         finally:
-            if self.finish_reason is None:
-                self.deltas.cancel()  # stop the decoder's generator: it aborts the engine request
+            await pieces.aclose()
+            self._cancel_unfinished()
+
+
+async def _interleave(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Items of all `streams` as they come; each stream's own order is kept."""
+    pending = {asyncio.ensure_future(stream.__anext__()): stream for stream in streams}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                stream = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(stream.__anext__())] = stream
+                yield item
+    finally:
+        for task in pending:
+            task.cancel()

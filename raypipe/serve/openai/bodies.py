@@ -28,29 +28,39 @@ def model_card(model: str, max_model_len: int, created: int) -> dict:
     return {"id": model, "object": "model", "created": created, "owned_by": "raypipe", "max_model_len": max_model_len}
 
 
-def completion_body(kind: str, request_id: str, model: str, fingerprint: str, created: int, text: str,
-                    finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                    logprobs: dict | None = None) -> dict:
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if kind == "chat"
-              else {"index": 0, "text": text})
+def choice_body(kind: str, index: int, text: str, finish_reason: str, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """One choice of a completion; with `tool_calls` (chat), `text` is the content before them, None if none."""
+    if kind == "chat":
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": index, "message": message}
+    else:
+        choice = {"index": index, "text": text}
+    return {**choice, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(kind: str, request_id: str, model: str, fingerprint: str, created: int, choices: list[dict],
+                    prompt_tokens: int, completion_tokens: int) -> dict:
     return {"id": request_id, "object": _OBJECT[kind][0], "created": created, "model": model,
-            "system_fingerprint": fingerprint,
-            "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "system_fingerprint": fingerprint, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk_body(kind: str, request_id: str, model: str, fingerprint: str, created: int, delta: dict | None,
-               finish_reason: str | None = None, *, logprobs: dict | None = None, with_usage_field: bool = False,
-               usage_value: dict | None = None) -> dict:
-    """One stream chunk. `delta=None` makes the usage-only chunk (no choices); for "text", `delta` is `{"text": ...}`."""
+               finish_reason: str | None = None, *, index: int = 0, logprobs: dict | None = None,
+               with_usage_field: bool = False, usage_value: dict | None = None) -> dict:
+    """One stream chunk of choice `index`. `delta=None` makes the usage-only chunk (no choices); for "text",
+    `delta` is `{"text": ...}`."""
     body = {"id": request_id, "object": _OBJECT[kind][1], "created": created, "model": model,
             "system_fingerprint": fingerprint}
     if delta is None:
         body["choices"] = []
     elif kind == "chat":
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
-        body["choices"] = [{"index": 0, "text": delta.get("text", ""), "logprobs": logprobs,
+        body["choices"] = [{"index": index, "text": delta.get("text", ""), "logprobs": logprobs,
                             "finish_reason": finish_reason}]
     if with_usage_field:  # with include_usage, every chunk carries `usage` (null until the last)
         body["usage"] = usage_value

@@ -12,6 +12,7 @@ from __future__ import annotations
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.inputs.structured import StructuredOutput
 from raypipe.serve.openai.schemas import ChatCompletionRequest, Common
+from raypipe.serve.openai.tools import tool_call_grammar
 
 # Request fields that `SamplingParams` takes unchanged, under the same name.
 _SAME = ("ignore_eos", "stop_token_ids", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -37,6 +38,9 @@ def sampling_params(request: Common, max_tokens: int) -> SamplingParams:
 
 def structured_output(request: Common) -> StructuredOutput | None:
     """The request's one output constraint (`refusals` turned away requests naming several)."""
+    forced = request.forced_tools() if isinstance(request, ChatCompletionRequest) else None
+    if forced:  # OpenAI's default allows parallel calls
+        return StructuredOutput(grammar=tool_call_grammar(forced, parallel=request.parallel_tool_calls is not False))
     if isinstance(request, ChatCompletionRequest) and request.response_format is not None:
         form = request.response_format
         if form.type == "json_object":

@@ -14,7 +14,7 @@ from raypipe.serve.openai.refusals import check_supported
 from raypipe.serve.openai.schemas import ChatCompletionRequest, Common
 
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
-                 "literal_error", "finite_number"}
+                 "literal_error", "finite_number", "string_pattern_mismatch"}
 
 
 def parse_request(body: bytes, model: type[Common] = ChatCompletionRequest) -> Common:

@@ -2,10 +2,13 @@
 fields whose behaviour this server lacks.
 
 What a client sends is either honoured or refused, never silently ignored (OpenAI's API and
-vLLM's server ignore some): a known OpenAI field the engine cannot honour (`n`, tools, image
-`detail` low/high, completions' `logprobs`/`echo`/`best_of`/`suffix`) is a 400 naming it
+vLLM's server ignore some): a known OpenAI field the engine cannot honour (image `detail` low/high,
+completions' `logprobs`/`echo`/`best_of`/`suffix`) is a 400 naming it
 (`unsupported_parameter`), unless it carries the value that means "not used". A request may carry
-one output constraint (`response_format` json modes, `structured_outputs` or one `guided_*` field).
+one output constraint (`response_format` json modes, `structured_outputs`, one `guided_*` field, or
+a `tool_choice` that forces calls). Tools are checked here as far as the request alone tells: a
+parameters schema that is no JSON schema, a duplicate or unknown function name, call arguments that
+are no JSON object; whether a schema compiles is the grammar engine's to say.
 
 The rules run inside `parsing.parse_request`, in one fixed order (the first fault is the one
 named), before anything else looks at the request; they live apart from `conversion` so that
@@ -14,6 +17,10 @@ Every other sampling control the schema accepts is a `SamplingParams` field, so 
 """
 
 from __future__ import annotations
+
+import json
+
+import jsonschema
 
 from raypipe.errors import InvalidInput
 from raypipe.serve.openai.schemas import ChatCompletionRequest, Common, CompletionRequest, ImageURL, ImageURLPart
@@ -31,8 +38,6 @@ def check_supported(request: Common) -> None:
 
 
 def _check_common(request: Common) -> None:
-    if request.n not in (None, 1):  # one choice per request
-        _unsupported("n")
     if isinstance(request.stop, list) and len(request.stop) > MAX_STOP:
         raise InvalidInput(f"at most {MAX_STOP} stop sequences are allowed", item="stop", code="invalid_value")
     for key in request.logit_bias or ():
@@ -50,7 +55,8 @@ def _check_constraints(request: Common) -> None:
         ("response_format", form is not None and form.type != "text"),
         ("structured_outputs", request.structured_outputs is not None),
         *((f"guided_{kind}", getattr(request, f"guided_{kind}") is not None)
-          for kind in ("json", "regex", "choice", "grammar"))) if used]
+          for kind in ("json", "regex", "choice", "grammar")),
+        ("tool_choice", getattr(request, "tool_choice", None) not in (None, "none", "auto"))) if used]
     if len(named) > 1:
         raise InvalidInput(f"at most one output constraint per request, got {', '.join(named)}", item=named[1],
                            code="invalid_value")
@@ -61,9 +67,13 @@ def _check_chat(request: ChatCompletionRequest) -> None:
         if message.content is None and message.role != "assistant":
             raise InvalidInput(f"content is required for role {message.role!r}", item=f"messages[{m}].content",
                                code="missing_field")
-        if message.tool_calls:
-            raise InvalidInput("tool calls are not supported by this server", item=f"messages[{m}].tool_calls",
-                               code="unsupported_parameter")
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidInput("a tool message needs the tool_call_id it answers", item=f"messages[{m}].tool_call_id",
+                               code="missing_field")
+        for c, call in enumerate(message.tool_calls or ()):
+            if not isinstance(_json_or_none(call.function.arguments), dict):
+                raise InvalidInput("tool call arguments must be a JSON object",
+                                   item=f"messages[{m}].tool_calls[{c}].function.arguments", code="invalid_value")
         for p, part in enumerate(message.content if isinstance(message.content, list) else []):
             if isinstance(part, ImageURLPart) and isinstance(part.image_url, ImageURL) \
                     and part.image_url.detail not in (None, "auto"):
@@ -71,8 +81,39 @@ def _check_chat(request: ChatCompletionRequest) -> None:
                                    item=f"messages[{m}].content[{p}].image_url.detail", code="unsupported_parameter")
     if request.top_logprobs and not request.logprobs:
         raise InvalidInput("top_logprobs needs logprobs=true", item="top_logprobs", code="invalid_value")
-    _refuse_used({"tools": bool(request.tools), "tool_choice": request.tool_choice not in (None, "none"),
-                  "parallel_tool_calls": request.parallel_tool_calls is not None})
+    _check_tools(request)
+
+
+def _check_tools(request: ChatCompletionRequest) -> None:
+    names = set()
+    for t, tool in enumerate(request.tools or ()):
+        function = tool.function
+        if function.name in names:
+            raise InvalidInput(f"duplicate function name {function.name!r}", item=f"tools[{t}].function.name",
+                               code="invalid_value")
+        names.add(function.name)
+        schema = function.arguments_schema
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise InvalidInput(f"parameters is not a valid JSON schema: {exc.message}",
+                               item=f"tools[{t}].function.parameters", code="invalid_value") from None
+        if schema.get("type", "object") != "object":
+            raise InvalidInput("parameters must describe a JSON object (type 'object')",
+                               item=f"tools[{t}].function.parameters", code="invalid_value")
+    choice = request.tool_choice
+    if choice not in (None, "none", "auto") and not request.tools:
+        raise InvalidInput("tool_choice needs tools", item="tool_choice", code="invalid_value")
+    if choice is not None and not isinstance(choice, str) and choice.function.name not in names:
+        raise InvalidInput(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                           item="tool_choice.function.name", code="invalid_value")
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _check_completion(request: CompletionRequest) -> None:

@@ -15,7 +15,8 @@ and what it asks of the engine in `conversion`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -76,13 +77,50 @@ class MMProcessorKwargs(_Strict):
     video_pruning_rate: float | None = Field(default=None, ge=0.0, lt=1.0)
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None  # null only for assistant turns
     name: str | None = None
     # What OpenAI's own client echoes back in an assistant turn.
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None  # in a tool turn: the call it answers
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; none: no arguments
+    strict: bool | None = None  # forced calls follow the schema either way
+
+    @property
+    def arguments_schema(self) -> dict:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Strict):
@@ -123,7 +161,7 @@ class Common(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=128)  # OpenAI's limit; choices are independent sequences
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -161,14 +199,31 @@ class ChatCompletionRequest(Common):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # tools given: "auto"
     parallel_tool_calls: bool | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def tool_names(self) -> set[str] | None:
+        """The functions whose calls the output is parsed for; None: the output is all content."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return {tool.function.name for tool in self.tools}
+
+    def forced_tools(self) -> dict[str, dict] | None:
+        """Name -> arguments schema of the functions generation is constrained to call (`required` or named)."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        named = None if self.tool_choice == "required" else self.tool_choice.function.name
+        return {tool.function.name: tool.function.arguments_schema for tool in self.tools
+                if named in (None, tool.function.name)}
+
+    def template_tools(self) -> list[dict] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def image_urls(self) -> list[str]:
         return self._urls(ImageURLPart)
@@ -184,17 +239,26 @@ class ChatCompletionRequest(Common):
         """Plain dicts in the shape `raypipe.models.prompt.build_prompt` and chat templates expect.
 
         `developer` is OpenAI's newer name for `system` (chat templates know only `system`); an
-        assistant turn with `content: null` is an empty one.
+        assistant turn with `content: null` is an empty one. Tool calls carry their arguments as an
+        object, as chat templates expect (`refusals` checked that they parse).
         """
         out = []
         for message in self.messages:
+            extra = {}
+            if message.tool_calls:
+                extra["tool_calls"] = [{"type": "function", "function": {
+                    "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                    for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                extra["tool_call_id"] = message.tool_call_id
             content = message.content
             if content is None:
                 content = ""
             elif isinstance(content, list):
                 content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
                            else {"type": part.type, part.type: {"url": part.url}} for part in content]
-            out.append({"role": "system" if message.role == "developer" else message.role, "content": content})
+            out.append({"role": "system" if message.role == "developer" else message.role, "content": content,
+                        **extra})
         return out
 
 
