@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
-PRESET_VERSION = "v5"  # part of the cache folder name: bump when any family's preset changes
+PRESET_VERSION = "v6"  # part of the cache folder name: bump when any family's preset changes
 
 
 def default_cache_dir() -> pathlib.Path:
