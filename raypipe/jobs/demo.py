@@ -42,7 +42,7 @@ def run_demo(args) -> int:
         t3 = time.perf_counter()
         flat = iter(tower.encode([unit for item_units in units for unit in item_units]))
         in_process = time.perf_counter() - t3
-        reference = [torch.cat([next(flat) for _ in item_units]) for item_units in units]
+        reference = [adapter.join_units(item, [next(flat) for _ in item_units]) for item, item_units in zip(items, units)]
         exact = all(torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-4) for a, b in zip(embeddings, reference))
         print(f"\nsharded embeddings equal the single-process vision tower: {'yes' if exact else 'NO'} "
               f"(atol=1e-5, rtol=1e-4; {len(images)} images)")
