@@ -46,7 +46,8 @@ def engine_round(engine: LLMEngine, rows: int, tokens: int, structured: Structur
 def sampler_side(tokenizer, rows: int, structured: StructuredOutput, steps: int = 200) -> dict:
     """apply + advance alone for `rows` constrained rows over `tokenizer`'s vocabulary."""
     vocab = len(tokenizer)
-    matchers = [GrammarCompiler(tokenizer, vocab, (tokenizer.eos_token_id,)).matcher(structured) for _ in range(rows)]
+    compiler = GrammarCompiler(tokenizer, vocab, (tokenizer.eos_token_id,), timeout_s=EngineConfig.grammar_compile_timeout_s)
+    matchers = [compiler.matcher(structured) for _ in range(rows)]
     grammar = GrammarRows(list(range(rows)), matchers, vocab, torch.device("cpu"))
     logits = torch.randn(rows, vocab)
     start = time.perf_counter()
