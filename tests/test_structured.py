@@ -22,8 +22,8 @@ from raypipe.decode.engine import LLMEngine
 from raypipe.decode.grammar import GrammarCompiler, grammar_text
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.models.registry import vision_adapter
+from raypipe.testing.structured_schemas import BAD_SCHEMAS, SCHEMAS
 from tests import decode_reference as ref
-from tests.structured_schemas import BAD_SCHEMAS, SCHEMAS
 
 MAX_TOKENS = 96  # every schema in SCHEMAS fits with room to spare at byte-level tokens
 
