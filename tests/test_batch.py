@@ -243,7 +243,7 @@ def test_generate_with_a_json_schema_gives_valid_json(tmp_path, pipe, tiny_ckpt)
     import jsonschema
 
     from raypipe import SamplingParams
-    from tests.structured_schemas import SCHEMAS
+    from raypipe.testing.structured_schemas import SCHEMAS
 
     images = _images(4, seed=9)
     for name, data in images.items():

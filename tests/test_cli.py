@@ -70,7 +70,7 @@ def test_generate_with_a_json_schema(tmp_path, tiny_ckpt):
 
     import jsonschema
 
-    from tests.structured_schemas import SCHEMAS
+    from raypipe.testing.structured_schemas import SCHEMAS
 
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMAS["nested"]))

@@ -478,7 +478,7 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
 def test_structured_outputs_through_the_openai_client(client, http):
     import jsonschema
 
-    from tests.structured_schemas import BAD_SCHEMAS, SCHEMAS
+    from raypipe.testing.structured_schemas import BAD_SCHEMAS, SCHEMAS
 
     schema = SCHEMAS["nested"]
     kwargs = dict(model="tiny", messages=user("A user, as JSON."), max_tokens=96, temperature=0)
@@ -513,6 +513,26 @@ def test_structured_outputs_through_the_openai_client(client, http):
     if reply.status_code != 400 or reply.json()["error"]["param"] != "guided_choice":
         failures.append(f"two constraints: {reply.status_code} {reply.text[:300]}")
     assert not failures, "\n".join(failures)
+
+
+def test_openai_parse_with_a_pydantic_model(client):
+    """`client.chat.completions.parse(response_format=Model)` (the client sends the model's strict JSON schema):
+    the reply parses into an instance of the model, bounded fields within their bounds."""
+    from typing import Literal
+
+    import pydantic
+
+    class Pet(pydantic.BaseModel):
+        kind: Literal["cat", "dog"]
+        age: int = pydantic.Field(ge=0, le=20)
+        vaccinated: bool
+
+    completion = client.chat.completions.parse(model="tiny", messages=user("A pet, as JSON."), response_format=Pet,
+                                               max_tokens=96, temperature=0)
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop" and message.refusal is None
+    assert isinstance(message.parsed, Pet) and 0 <= message.parsed.age <= 20
+    assert Pet.model_validate_json(message.content) == message.parsed
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {

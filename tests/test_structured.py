@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import jsonschema
 import llguidance
@@ -21,8 +22,8 @@ from raypipe.decode.engine import LLMEngine
 from raypipe.decode.grammar import GrammarCompiler, grammar_text
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.models.registry import vision_adapter
+from raypipe.testing.structured_schemas import BAD_SCHEMAS, SCHEMAS
 from tests import decode_reference as ref
-from tests.structured_schemas import BAD_SCHEMAS, SCHEMAS
 
 MAX_TOKENS = 96  # every schema in SCHEMAS fits with room to spare at byte-level tokens
 
@@ -159,7 +160,8 @@ def test_malformed_constraints_are_refused(engines, prompt, value, words):
 
 
 def test_each_distinct_constraint_compiles_once(engines, monkeypatch):
-    compiler = GrammarCompiler(engines[1].tokenizer, engines[1].runner.vocab_size, engines[1].adapter.eos_token_ids)
+    engine = engines[1]
+    compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, engine.adapter.eos_token_ids, timeout_s=5.0)
     brace = engines[1].tokenizer.encode("{")[0]
     compiled = []
     original = compiler._compile
@@ -175,3 +177,33 @@ def test_unconstrained_batches_carry_no_grammar(engines, prompt):
     engine = engines[1]
     seq = type("S", (), {"params": SamplingParams(), "matcher": None, "output_ids": [], "generator": None})()
     assert SamplingBatch.build([seq], [frozenset()], engine.runner.vocab_size, engine.device).grammar is None
+
+
+def test_a_schema_over_the_compile_time_limit_is_refused_and_the_engine_goes_on(engines, tiny_ckpt, prompt):
+    """8000 required properties take ~0.6 s to compile here; at a 0.05 s limit the request is refused at once
+    (sent again: without a second compile), and a normal request sent with it, and one after, are untouched."""
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 50}}}$"}
+                                             for i in range(8000)}, "required": [f"p{i}" for i in range(8000)]}
+    expected = asyncio.run(engines[8].generate_output("ref", prompt, params=_params(SCHEMAS["flat"])))
+    engine = LLMEngine(tiny_ckpt, EngineConfig(max_num_seqs=8, max_model_len=384, num_scheduler_steps=8,
+                                               grammar_compile_timeout_s=0.05))
+
+    async def both():
+        return await asyncio.gather(engine.generate_output("slow", prompt, params=_params(slow)),
+                                    engine.generate_output("normal", prompt, params=_params(SCHEMAS["flat"])),
+                                    return_exceptions=True)
+
+    try:
+        for _ in range(2):
+            start = time.perf_counter()
+            refused, normal = asyncio.run(both())
+            assert time.perf_counter() - start < 0.5
+            assert isinstance(refused, InvalidInput) and refused.code == "grammar_too_complex"
+            assert refused.item == "sampling_params.structured.json" and "0.05 s" in str(refused)
+            assert normal.token_ids == expected.token_ids and _check(normal, SCHEMAS["flat"])
+        with pytest.raises(InvalidInput, match="did not compile within"):
+            engine.check_request(prompt, _params(slow))
+        after = asyncio.run(engine.generate_output("after", prompt, params=_params(SCHEMAS["flat"])))
+        assert after.token_ids == expected.token_ids
+    finally:
+        engine.shutdown()

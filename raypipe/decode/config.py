@@ -24,6 +24,10 @@ class EngineConfig:
     compiled_decode: bool | None = None
     decode_batch_buckets: tuple[int, ...] | None = None  # None: compiled_step's defaults up to max_num_seqs
     decode_kv_buckets: tuple[int, ...] | None = None  # None: doubling from 256 up to max_model_len
+    # Wall-clock seconds a request's structured-output constraint may take to compile (a normal schema takes
+    # ~1 ms); one that overruns is refused with `InvalidInput` code "grammar_too_complex" (HTTP 400).
+    # llguidance's own fuel limits (`LLParserLimits` defaults) bound the work; this bounds the wait.
+    grammar_compile_timeout_s: float = 2.0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting"):
@@ -37,6 +41,8 @@ class EngineConfig:
             if self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                                  f"({self.max_model_len}), or a long prompt could never be scheduled")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"EngineConfig.grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
 

@@ -73,7 +73,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
-        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.adapter.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.adapter.eos_token_ids,
+                                        timeout_s=self.config.grammar_compile_timeout_s)
         self._counters = dict(rounds=0, prefills=0, prefill_tokens=0, decode_steps=0, decode_row_steps=0,
                               max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0,
                               prefill_seconds=0.0, decode_seconds=0.0)

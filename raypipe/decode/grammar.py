@@ -14,7 +14,11 @@ weak model can emit whitespace until `max_tokens`. A finished grammar allows onl
 failed matcher too, so a row that overran its stop inside a K-step round keeps a valid mask.
 
 Per request, `GrammarCompiler.matcher` deep-copies a cached compiled matcher (compiled once per
-distinct constraint, on the caller's thread: `LLMEngine.generate` runs it in a worker thread).
+distinct constraint, in a thread of its own that the caller waits on for at most `timeout_s`:
+`LLMEngine.generate` waits from a worker thread, never the engine thread). llguidance drops the GIL while it
+builds a matcher, so a compile that overruns goes on in the background without slowing the engine; its
+constraint is then refused at once (code "grammar_too_complex") until it falls out of the cache, so
+resending a pathological schema does not start another compile.
 Per step, `GrammarRows` fills the bitmask of the constrained rows only, applies it to their logits
 as one vectorized `where`, and after sampling advances each row's matcher by its token. That needs
 the sampled ids of those rows on the host every step; on the CPU they are there anyway, on CUDA it is
@@ -24,6 +28,7 @@ one small sync per step in rounds that hold a constrained row.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import threading
 
@@ -36,6 +41,7 @@ from raypipe.errors import InvalidInput
 from raypipe.inputs.structured import StructuredOutput
 
 CACHE_SIZE = 256  # distinct compiled constraints kept
+TOO_COMPLEX = object()  # cached in place of a matcher: this constraint's compile overran the time limit
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
@@ -54,30 +60,66 @@ def grammar_text(structured: StructuredOutput) -> str:
     return matcher.grammar_from_lark(structured.grammar)
 
 
+def _item(structured: StructuredOutput) -> str:
+    """The request field an error about `structured` names."""
+    return f"sampling_params.structured.{structured.kind}"
+
+
 class GrammarCompiler:
     """Compiled constraints for one tokenizer; thread-safe."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], *, timeout_s: float):
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
-        self._cache: collections.OrderedDict[StructuredOutput, llguidance.LLMatcher] = collections.OrderedDict()
+        self.timeout_s = timeout_s
+        # A compiled matcher, or TOO_COMPLEX for a constraint whose compile overran `timeout_s`.
+        self._cache: collections.OrderedDict[StructuredOutput, llguidance.LLMatcher | object] = \
+            collections.OrderedDict()
         self._lock = threading.Lock()
 
     def matcher(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        """A fresh matcher for `structured`; `InvalidInput` naming the problem if it does not compile."""
+        """A fresh matcher for `structured`; `InvalidInput` naming the problem if it does not compile in time."""
         with self._lock:
             compiled = self._cache.get(structured)
             if compiled is not None:
                 self._cache.move_to_end(structured)
-                return compiled.deep_copy()
-        compiled = self._compile(structured)
+        if compiled is TOO_COMPLEX:
+            raise self._too_complex(structured)
+        if compiled is not None:
+            return compiled.deep_copy()
+        compiled = self._compile_within_limit(structured)
         with self._lock:
             self._cache[structured] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled.deep_copy()
 
+    def _compile_within_limit(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+        """`_compile` in a thread of its own (an overrun one must not hold a pool worker), waited on.
+
+        Not a daemon thread: one still inside llguidance when the interpreter exits segfaults it; llguidance's
+        fuel limits bound how long exit waits for it."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def compile_into_future() -> None:
+            try:
+                future.set_result(self._compile(structured))
+            except BaseException as exc:  # handed to the waiting caller
+                future.set_exception(exc)
+
+        threading.Thread(target=compile_into_future, name="raypipe-grammar-compile").start()
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            with self._lock:
+                self._cache[structured] = TOO_COMPLEX
+            raise self._too_complex(structured) from None
+
+    def _too_complex(self, structured: StructuredOutput) -> InvalidInput:
+        return InvalidInput(f"{structured.kind} did not compile within {self.timeout_s:g} s; simplify it",
+                            item=_item(structured), code="grammar_too_complex")
+
     def _compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        item = f"sampling_params.structured.{structured.kind}"
+        item = _item(structured)
         try:
             grammar = grammar_text(structured)
         except (ValueError, RuntimeError) as exc:  # a schema llguidance cannot read at all

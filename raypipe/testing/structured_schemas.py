@@ -1,4 +1,5 @@
-"""JSON schemas the structured-output tests run: bounded in size so a random-weight model finishes them."""
+"""JSON schemas the structured-output tests and `raypipe bench structured` run: bounded in size so a random-weight
+model finishes them."""
 
 SCHEMAS = {
     "flat": {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
