@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 
@@ -36,6 +37,12 @@ def _add_model(p: argparse.ArgumentParser, config: ModelConfig | None, *, autosc
                    help="GPU share per encoder actor (default: 1 if the cluster has GPUs or its autoscaler publishes GPU node types, else 0)")
     p.add_argument("--cost-model", choices=COST_MODELS, default=default("cost_model"),
                    help="how the load balancer weighs images (calibrated: fitted from measured encode times)")
+    if config is not None:  # `raypipe serve` takes it from the Serve config's `encoder_budgets: {enabled: ...}`
+        budgets = config.encoder_budgets
+        p.add_argument("--no-encoder-budgets", dest="encoder_budgets", action="store_const", default=budgets,
+                       const=dataclasses.replace(budgets, enabled=False),
+                       help="encode each shard eagerly: no forwards at fixed token budgets, no compiled forwards "
+                            "or CUDA graphs")
 
 
 def _file_text(path: str) -> str:
