@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help="checkpoint to benchmark (default: each benchmark's own)")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
+    bench.add_argument("--budgets", action="store_true",
+                       help="encode: the vision tower eager vs packed at token budgets (compiled on CPU, "
+                            "CUDA graphs on GPU), 1 and 8 images per request")
     bench.add_argument("--requests", type=int, default=None,
                        help="serve-load: requests per run (default 100; 20 with --quick)")
     bench.add_argument("--side", type=int, default=None,
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         import importlib
 
-        return importlib.import_module(f"raypipe.bench.{args.target.replace('-', '_')}").main(args)
+        name = "encode_budgets" if args.target == "encode" and args.budgets else args.target.replace("-", "_")
+        return importlib.import_module(f"raypipe.bench.{name}").main(args)
     return 2
 
 

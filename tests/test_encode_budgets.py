@@ -31,6 +31,21 @@ def test_pack_smallest_first_into_power_of_two_budgets():
         TokenBudgets(max_tokens=100)
 
 
+def test_one_switch_turns_budgets_off_everywhere(qwen):
+    from raypipe.cli import build_parser
+    from raypipe.config import model_config_from_args
+    from raypipe.jobs.batch import options_from_args
+    from raypipe.serve.app import AppArgs
+
+    off = TokenBudgets(enabled=False)
+    assert BudgetedForwards.for_tower(qwen[1], off) is None  # the worker then runs its eager forwards
+    assert BudgetedForwards.for_tower(qwen[1], TokenBudgets()) is not None
+    assert model_config_from_args(build_parser().parse_args(["demo", "--no-encoder-budgets"])).encoder_budgets == off
+    batch = build_parser().parse_args(["batch", "--input", "in", "--output", "out", "--no-encoder-budgets"])
+    assert options_from_args(batch).model.encoder_budgets == off
+    assert AppArgs.model_validate({"encoder_budgets": {"enabled": False}}).as_model_config().encoder_budgets == off
+
+
 @pytest.fixture(scope="module")
 def qwen(tiny_ckpt):
     adapter = vision_adapter(tiny_ckpt)

@@ -81,9 +81,11 @@ class BudgetedForwards:
         return out
 
     def _launch(self, prepared: PreparedForward) -> torch.Tensor:
-        on_device = prepared.to(self.tower.device, self.tower.dtype)
         graph = self.graphs.get(prepared.budget)
-        return graph.replay(on_device) if graph else self.run(on_device.tensors, on_device.scalars)
+        if graph:  # copies the CPU tensors straight into its buffers (and dtype)
+            return graph.replay(prepared)
+        on_device = prepared.to(self.tower.device, self.tower.dtype)
+        return self.run(on_device.tensors, on_device.scalars)
 
     @staticmethod
     def _collect(indices: list[int], prepared: PreparedForward, output: torch.Tensor, out: list) -> None:
