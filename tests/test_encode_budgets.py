@@ -1,6 +1,7 @@
 """Encoder forwards at token budgets: packed, padded forwards on metadata prepared outside the tower give
-each unit exactly the rows of transformers' own tower, for mixes that fill, underfill and exceed the
-largest budget; torch.compile on equals off; CUDA graphs (GPU only) equal eager forwards."""
+each unit exactly the rows of transformers' own tower (Qwen2.5-VL images and video chunks, MiniCPM-V
+overviews and slices), for mixes that fill, underfill and exceed the largest budget; torch.compile on
+equals off; CUDA graphs (GPU only) equal eager forwards."""
 
 from __future__ import annotations
 
@@ -111,3 +112,33 @@ def test_cuda_graphs_equal_eager_forwards(tiny_ckpt):
     items = _items(adapter, random_images(MIX, seed=7))
     for ours, theirs in zip(graphed.encode(items), tower.encode(items), strict=True):
         torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2)  # bf16
+
+
+@pytest.fixture(scope="module")
+def hf_minicpmv(minicpmv_ckpt):
+    from transformers import MiniCPMV4_6ForConditionalGeneration
+
+    return MiniCPMV4_6ForConditionalGeneration.from_pretrained(minicpmv_ckpt).eval()
+
+
+# The tiny preset's overviews and slices are 240 or 256 patches.
+@pytest.mark.parametrize("budgets", [TokenBudgets(min_tokens=64, max_tokens=128), TokenBudgets(max_tokens=512),
+                                     TokenBudgets(max_tokens=4096)], ids=["all-above", "pairs", "fill"])
+def test_minicpmv_packed_equals_transformers(minicpmv_ckpt, hf_minicpmv, budgets):
+    """NaViT-packed overviews and slices, padded with units of their own."""
+    from tests import minicpmv_reference as ref
+
+    adapter = vision_adapter(minicpmv_ckpt)
+    tower = adapter.load_tower(torch.device("cpu"), torch.float32)
+    images = random_images(ref.SIZES[:5], seed=15)
+    units = [adapter.units(item) for item in _items(adapter, images)]
+    forwards = BudgetedForwards(tower, budgets)
+    got = forwards.encode([u for image in units for u in image])
+    start = 0
+    for image_units, want in zip(units, ref.image_embeddings(hf_minicpmv, minicpmv_ckpt, images), strict=True):
+        ours = torch.cat(got[start:start + len(image_units)])
+        start += len(image_units)
+        torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-4)
+    above = budgets.max_tokens < 240
+    assert (forwards.stats["eager_units"] > 0) == above
+    assert (forwards.stats["packed_forwards"] > 0 and forwards.stats["padding_tokens"] > 0) == (not above)

@@ -16,13 +16,12 @@ budgeted forwards are reported as such.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import numpy as np
 import torch
 
-from raypipe.bench.common import print_table, write_json
+from raypipe.bench.common import emit, print_table
 from raypipe.bench.encode import heavy_tailed_sizes
 from raypipe.encode.budget_forwards import BudgetedForwards
 from raypipe.encode.budgets import TokenBudgets
@@ -75,8 +74,7 @@ def main(args) -> int:
               "threads": torch.get_num_threads(), "rows": []}
     if not tower.packs_to_budgets:
         result["note"] = f"{type(tower).__name__} has no budgeted forwards"
-        _report(result, args)
-        return 0
+        return emit(args, "encode_budgets", result, _describe)
     count = 16 if args.quick else 48
     decoded = load_images([sample_image(h, w, seed=i) for i, (h, w) in enumerate(heavy_tailed_sizes(count))],
                           ImageLimits(max_pixels=16_000_000))
@@ -91,15 +89,10 @@ def main(args) -> int:
                 "mode": mode, "images_per_request": per_request, "images_per_s": count * repeats / sum(seconds),
                 "median_ms": float(np.median(seconds)) * 1e3, "p99_ms": float(np.percentile(seconds, 99)) * 1e3,
                 "warmup_s": warmup, "stats": dict(stats) if stats else None})
-    _report(result, args)
-    return 0
+    return emit(args, "encode_budgets", result, _describe)
 
 
-def _report(result: dict, args) -> None:
-    out = write_json(args.out, "encode_budgets", result)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
+def _describe(result: dict, path) -> None:
     if "note" in result:
         print(f"model {result['model']}: {result['note']}")
         return
@@ -115,4 +108,4 @@ def _report(result: dict, args) -> None:
                 "heavy-tailed mix, per request", ["mode", "images/req", "images/s", "median ms", "p99 ms",
                                                   "eager/mode median", "eager/mode p99", "warm-up s", "graphs MiB"],
                 rows)
-    print(f"results: {out}")
+    print(f"results: {path}")
