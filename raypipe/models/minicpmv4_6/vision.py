@@ -29,14 +29,7 @@ import torch
 from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual
 from raypipe.inputs.video import PlanFrames, VideoSampling
-from raypipe.models.base import (
-    PreparedForward,
-    VisionAdapter,
-    VisionItem,
-    VisionTower,
-    VisualLayout,
-    check_cost_model,
-)
+from raypipe.models.base import PreparedForward, VisionAdapter, VisionItem, VisionTower, VisualLayout, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 from raypipe.models.minicpmv4_6 import tower_metadata, video
 
