@@ -80,8 +80,9 @@ class PreparedForward:
     rows: list[int]  # output rows of each unit, in order; the padding's rows follow them
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "PreparedForward":
-        """On `device`, floating tensors in `dtype` (index tensors keep theirs)."""
-        moved = {k: t.to(device, dtype if t.is_floating_point() else t.dtype, non_blocking=True)
+        """On `device`, `pixel_values` in the tower's `dtype`; the metadata keeps its own (rotary
+        cos/sin stay fp32, as the eager tower computes them)."""
+        moved = {k: t.to(device, dtype if k == "pixel_values" else t.dtype, non_blocking=True)
                  for k, t in self.tensors.items()}
         return PreparedForward(self.budget, moved, self.scalars, self.rows)
 
