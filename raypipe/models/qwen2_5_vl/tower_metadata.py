@@ -40,7 +40,6 @@ class TowerMetadata:
     cu_window_seqlens: torch.Tensor  # int32 run boundaries of window-attention blocks
     max_seqlen: int | None  # longest runs: read by flash attention only (None under sdpa)
     max_window_seqlen: int | None
-    rows: int  # merged output rows of the real patches (the padding's follow them)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in TENSORS}
@@ -84,8 +83,7 @@ def prepare(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor, budget: i
         cu_seqlens, cu_window = (torch.cat((cu, cu[-1:].expand(slots - len(cu)))) for cu in (cu_seqlens, cu_window))
         max_seqlen = max_window = budget if max_seqlen is not None else None
     return TowerMetadata(pixel_values, cos, sin, window_index, torch.argsort(window_index),
-                         cu_seqlens.to(torch.int32), cu_window.to(torch.int32), max_seqlen, max_window,
-                         patches // merge_unit)
+                         cu_seqlens.to(torch.int32), cu_window.to(torch.int32), max_seqlen, max_window)
 
 
 def forward(model, pixel_values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window_index: torch.Tensor,
