@@ -9,7 +9,8 @@ encoded as one worker encodes a shard, by each mode in turn, in-process on one d
 
 Per mode: images/s over the whole mix, per-request latency (median, p99), and the ratios to eager;
 for compiled forwards and graphs also the one-off compile or capture time and the graphs' memory.
-Every request is run once before timing (compiles happen there). Families whose tower has no
+Every request is run once by each mode before timing (compiles happen there); then the modes take
+turns on each request, so the load of a shared machine falls on all of them alike. Families whose tower has no
 budgeted forwards are reported as such.
 """
 
@@ -45,18 +46,23 @@ def _modes(tower, device: torch.device) -> dict:
     return modes
 
 
-def _time(encode, requests, repeats: int) -> tuple[list[float], float]:
-    """Per-request seconds over `repeats` passes (after one warm-up pass), and the warm-up's seconds."""
+def _seconds(encode, request) -> float:
     start = time.perf_counter()
-    for request in requests:
-        encode(request)
-    warmup = time.perf_counter() - start
-    seconds = []
+    encode(request)
+    return time.perf_counter() - start
+
+
+def _time(modes: dict, requests, repeats: int) -> tuple[dict, dict]:
+    """Per mode: per-request seconds over `repeats` passes, and the seconds of its warm-up pass.
+
+    The modes take turns on every request (round robin), so a slow phase of a shared machine
+    slows every mode alike instead of whichever mode it happened to hit."""
+    warmup = {mode: sum(_seconds(encode, r) for r in requests) for mode, (encode, _) in modes.items()}
+    seconds = {mode: [] for mode in modes}
     for _ in range(repeats):
         for request in requests:
-            start = time.perf_counter()
-            encode(request)
-            seconds.append(time.perf_counter() - start)
+            for mode, (encode, _) in modes.items():
+                seconds[mode].append(_seconds(encode, request))
     return seconds, warmup
 
 
@@ -80,15 +86,16 @@ def main(args) -> int:
                           ImageLimits(max_pixels=16_000_000))
     units = [adapter.units(adapter.make_item(d)) for d in decoded]
     repeats = 1 if args.quick else 3
-    for mode, (encode, stats) in _modes(tower, device).items():
-        for per_request in REQUEST_SIZES:
-            requests = [[u for image in units[i:i + per_request] for u in image]
-                        for i in range(0, count, per_request)]
-            seconds, warmup = _time(encode, requests, repeats)
+    modes = _modes(tower, device)
+    for per_request in REQUEST_SIZES:
+        requests = [[u for image in units[i:i + per_request] for u in image] for i in range(0, count, per_request)]
+        seconds, warmup = _time(modes, requests, repeats)
+        for mode, (_, stats) in modes.items():
             result["rows"].append({
-                "mode": mode, "images_per_request": per_request, "images_per_s": count * repeats / sum(seconds),
-                "median_ms": float(np.median(seconds)) * 1e3, "p99_ms": float(np.percentile(seconds, 99)) * 1e3,
-                "warmup_s": warmup, "stats": dict(stats) if stats else None})
+                "mode": mode, "images_per_request": per_request, "images_per_s": count * repeats / sum(seconds[mode]),
+                "median_ms": float(np.median(seconds[mode])) * 1e3,
+                "p99_ms": float(np.percentile(seconds[mode], 99)) * 1e3,
+                "warmup_s": warmup[mode], "stats": dict(stats) if stats else None})
     return emit(args, "encode_budgets", result, _describe)
 
 
