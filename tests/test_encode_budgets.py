@@ -40,7 +40,9 @@ def test_one_switch_turns_budgets_off_everywhere(qwen):
 
     off = TokenBudgets(enabled=False)
     assert BudgetedForwards.for_tower(qwen[1], off) is None  # the worker then runs its eager forwards
-    assert BudgetedForwards.for_tower(qwen[1], TokenBudgets()) is not None
+    assert BudgetedForwards.for_tower(qwen[1], TokenBudgets(enabled=True)) is not None
+    assert BudgetedForwards.for_tower(qwen[1], TokenBudgets()) is None  # default: CUDA only (qwen[1] is on the CPU)
+    assert TokenBudgets().on_for(torch.device("cuda")) and not TokenBudgets().on_for(torch.device("cpu"))
     assert model_config_from_args(build_parser().parse_args(["demo", "--no-encoder-budgets"])).encoder_budgets == off
     batch = build_parser().parse_args(["batch", "--input", "in", "--output", "out", "--no-encoder-budgets"])
     assert options_from_args(batch).model.encoder_budgets == off

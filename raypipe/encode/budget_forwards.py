@@ -54,8 +54,8 @@ class BudgetedForwards:
 
     @classmethod
     def for_tower(cls, tower: VisionTower, budgets: TokenBudgets) -> "BudgetedForwards | None":
-        """None where budgets are off or the tower has no budgeted forwards (the worker runs it eagerly)."""
-        return cls(tower, budgets) if budgets.enabled and tower.packs_to_budgets else None
+        """None where budgets are off (for this device) or the tower has no budgeted forwards (the worker runs it eagerly)."""
+        return cls(tower, budgets) if budgets.on_for(tower.device) and tower.packs_to_budgets else None
 
     @torch.inference_mode()
     def encode(self, items: list[VisionItem]) -> list[torch.Tensor]:
