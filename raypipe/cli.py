@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 
@@ -36,6 +37,12 @@ def _add_model(p: argparse.ArgumentParser, config: ModelConfig | None, *, autosc
                    help="GPU share per encoder actor (default: 1 if the cluster has GPUs or its autoscaler publishes GPU node types, else 0)")
     p.add_argument("--cost-model", choices=COST_MODELS, default=default("cost_model"),
                    help="how the load balancer weighs images (calibrated: fitted from measured encode times)")
+    if config is not None:  # `raypipe serve` takes it from the Serve config's `encoder_budgets: {enabled: ...}`
+        budgets = config.encoder_budgets
+        p.add_argument("--no-encoder-budgets", dest="encoder_budgets", action="store_const", default=budgets,
+                       const=dataclasses.replace(budgets, enabled=False),
+                       help="encode each shard eagerly: no forwards at fixed token budgets, no compiled forwards "
+                            "or CUDA graphs")
 
 
 def _file_text(path: str) -> str:
@@ -143,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help="checkpoint to benchmark (default: each benchmark's own)")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
+    bench.add_argument("--budgets", action="store_true",
+                       help="encode: the vision tower eager vs packed at token budgets (compiled on CPU, "
+                            "CUDA graphs on GPU), 1 and 8 images per request")
     bench.add_argument("--requests", type=int, default=None,
                        help="serve-load: requests per run (default 100; 20 with --quick)")
     bench.add_argument("--side", type=int, default=None,
@@ -176,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         import importlib
 
-        return importlib.import_module(f"raypipe.bench.{args.target.replace('-', '_')}").main(args)
+        name = "encode_budgets" if args.target == "encode" and args.budgets else args.target.replace("-", "_")
+        return importlib.import_module(f"raypipe.bench.{name}").main(args)
     return 2
 
 

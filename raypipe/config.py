@@ -4,6 +4,8 @@
   balancer weighs images, the embedding cache, dtypes.
 - `EngineConfig` (`raypipe.decode.config`): the decode engine's limits.
 - `ImageLimits` (`raypipe.inputs.images`): what an input image may be.
+- `TokenBudgets` (`raypipe.encode.budgets`, inside `ModelConfig`): the encoder's forwards at fixed
+  token budgets, with their one on/off switch.
 
 Each front end builds these objects once and hands them down, instead of re-listing the same knobs
 as keyword arguments at every layer. A default is written only in its dataclass: CLI flags and
@@ -17,11 +19,12 @@ import dataclasses
 import os
 
 from raypipe.decode.config import EngineConfig
+from raypipe.encode.budgets import TokenBudgets
 from raypipe.inputs.images import ImageLimits
 from raypipe.models import evs
 from raypipe.models.base import check_cost_model
 
-__all__ = ["EngineConfig", "ImageLimits", "ModelConfig", "defaults", "model_config_from_args"]
+__all__ = ["EngineConfig", "ImageLimits", "ModelConfig", "TokenBudgets", "defaults", "model_config_from_args"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,6 +39,7 @@ class ModelConfig:
     encoder_threads: int | None = None  # torch threads per CPU encoder; None: cores split evenly
     decode_gpus: float | None = None  # GPU share of the decode engine; None: like encoder_gpus
     video_pruning_rate: float = 0.0  # EVS: fraction of each video's tokens dropped (raypipe.models.evs); 0: off
+    encoder_budgets: TokenBudgets = TokenBudgets()  # encoder forwards at fixed token budgets; .enabled: the switch
 
     def __post_init__(self):
         object.__setattr__(self, "model", os.fspath(self.model))

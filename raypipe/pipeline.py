@@ -36,7 +36,8 @@ def start_encoders(config: ModelConfig, checkpoint: pathlib.Path, adapter: Visio
     """`config.num_encoders` encoder workers, loaded, and the coordinator over them (Pipeline and
     Serve's EncoderGroup)."""
     options = WorkerOptions.for_cluster(model_for_actors(config.model, checkpoint), config.num_encoders,
-                                        gpus=config.encoder_gpus, dtype=config.dtype, threads=config.encoder_threads)
+                                        gpus=config.encoder_gpus, dtype=config.dtype, threads=config.encoder_threads,
+                                        budgets=config.encoder_budgets)
     return Coordinator(adapter, EncoderPool.start(options, config.num_encoders), cost_model=config.cost_model,
                        cache_bytes=config.cache_bytes)
 

@@ -23,7 +23,7 @@ ALLOWED = {
     "face": {"pipeline", "inputs", "errors"},  # raypipe/__init__.py
     "batch": {"config", "encode", "decode", "models", "inputs", "runtime", "storage", "errors"},
     "pipeline": {"config", "encode", "decode", "models", "inputs", "runtime", "errors"},
-    "config": {"decode", "models", "inputs", "errors"},
+    "config": {"decode", "encode", "models", "inputs", "errors"},
     "encode": {"models", "inputs", "runtime", "errors"},
     "decode": {"models", "inputs", "runtime", "errors"},
     "models": {"inputs", "storage", "errors"},

@@ -24,7 +24,7 @@ import pytest
 
 from raypipe.batch import BatchOptions
 from raypipe.cli import build_parser
-from raypipe.config import EngineConfig, ModelConfig
+from raypipe.config import EngineConfig, ModelConfig, TokenBudgets
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.serve.kuberay import load_serve_config
 from raypipe.serve.limits import ServeLimits
@@ -91,7 +91,7 @@ def test_config_yaml_args_are_the_code_defaults():
 
     [app] = load_serve_config()["applications"]
     code = {name: field.default for name, field in AppArgs.model_fields.items()}
-    nested = {"engine": defaults(EngineConfig), "limits": defaults(ServeLimits)}
+    nested = {"engine": defaults(EngineConfig), "limits": defaults(ServeLimits), "encoder_budgets": defaults(TokenBudgets)}
     differ = set()
     for key, value in app["args"].items():
         if key in nested:

@@ -191,7 +191,7 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
               if options.batching == "cost" else None)
     lo, hi = config.encoder_range
     worker = WorkerOptions.for_cluster(model, hi, gpus=config.encoder_gpus, dtype=config.dtype,
-                                       threads=config.encoder_threads)
+                                       threads=config.encoder_threads, budgets=config.encoder_budgets)
     # Actors ask for no CPU (an actor holds its CPU slot for life: on 2 cores a third would never start);
     # Ray restarts a dead actor and re-runs its calls: a row is written only by write_rows.
     actor_options = dict(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -205,7 +205,8 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                         num_cpus=0.5, max_retries=3)  # half a CPU: fits Ray Data's per-stage budget on 2 cores
     ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1,
                         compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
-                        fn_constructor_kwargs=dict(model=model, dtype=worker.dtype, num_threads=worker.num_threads),
+                        fn_constructor_kwargs=dict(model=model, dtype=worker.dtype, num_threads=worker.num_threads,
+                                                           budgets=worker.budgets),
                         num_gpus=worker.num_gpus, **actor_options)
     if options.task == "generate":
         decode_gpus = config.decode_gpus if config.decode_gpus is not None else worker.num_gpus

@@ -33,6 +33,7 @@ import torch
 from raypipe.batch import packing
 from raypipe.batch.inputs import kind_of
 from raypipe.batch.output import write_part
+from raypipe.encode.budgets import TokenBudgets
 from raypipe.errors import InvalidInput
 from raypipe.inputs.images import ImageLimits, load_image
 from raypipe.inputs.media import DecodedVisual
@@ -131,12 +132,12 @@ def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, vid
 class EncodeStage:
     """An encoder actor: one `EncoderWorker` in-process, encoding one pack per call."""
 
-    def __init__(self, model: str, dtype: str, num_threads: int | None):
+    def __init__(self, model: str, dtype: str, num_threads: int | None, budgets: TokenBudgets):
         from raypipe.encode.pool import WorkerOptions
 
         # Built as the online pool builds its actors; Ray Data's actor pool owns the lifecycle here
         # (its GPU share is the map stage's `num_gpus`).
-        self.worker = WorkerOptions(model, dtype, num_threads).build()
+        self.worker = WorkerOptions(model, dtype, num_threads, budgets=budgets).build()
 
     def __call__(self, packs: pa.Table) -> pa.Table:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()

@@ -45,6 +45,16 @@ def write_json(out_dir: str, name: str, result: dict) -> pathlib.Path:
     return target
 
 
+def emit(args, name: str, result: dict, describe: Callable[[dict, pathlib.Path], None]) -> int:
+    """Write `result` as `<args.out>/<name>.json`, then print it as JSON (`--json`) or `describe` it; exit status 0."""
+    path = write_json(args.out, name, result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        describe(result, path)
+    return 0
+
+
 class Sampler:
     """Records `(time.monotonic(), *self.sample())` every `period_s` in a daemon thread."""
 

@@ -22,14 +22,13 @@ All on the `small` preset (realistic shape, random weights) unless --model says 
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 import ray
 import torch
 
-from raypipe.bench.common import median_seconds, print_table, write_json
+from raypipe.bench.common import emit, median_seconds, print_table
 from raypipe.encode.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
 from raypipe.encode.calibration import CostCalibration
 from raypipe.encode.partition import partition
@@ -196,15 +195,10 @@ def main(args) -> int:
         "one_worker_one_thread_s": timings[1, 1], "ray_overhead_ratio": one / in_process,
         "two_vs_one_speedup": one / two, "two_vs_one_thread_speedup": timings[1, 1] / two, "cores": cores,
     }
-    _report(result, args)
-    return 0
+    return emit(args, "encode", result, _describe)
 
 
-def _report(result: dict, args) -> None:
-    out = write_json(args.out, "encode", result)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
+def _describe(result: dict, out) -> None:
     secs = result["measured_seconds"]
     print(f"model {result['model']}: {result['images']} images ({result['units']} units), measured encode time per unit "
           f"min {min(secs) * 1e3:.1f} ms, median {np.median(secs) * 1e3:.1f} ms, max {max(secs) * 1e3:.0f} ms, "
@@ -233,7 +227,7 @@ def _report(result: dict, args) -> None:
     print(f"\nRay overhead (1 worker / in-process): {result['ray_overhead_ratio']:.3f}  (target <= 1.10)")
     print(f"2 workers vs 1 worker speed-up:       {result['two_vs_one_speedup']:.2f}x (target >= 1.6, "
           f"{result['cores']} cores; vs a 1-thread worker: {result['two_vs_one_thread_speedup']:.2f}x)")
-    plot = _plot(result, args.out)
+    plot = _plot(result, out.parent)
     print(f"results: {out}" + (f", plot: {plot}" if plot else ""))
 
 

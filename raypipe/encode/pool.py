@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from raypipe.encode.budgets import TokenBudgets
 from raypipe.encode.worker import EncoderWorker, RemoteEncoderWorker
 from raypipe.runtime.ray_cluster import default_encoder_gpus
 
@@ -38,25 +39,26 @@ class WorkerOptions:
     dtype: str
     num_threads: int | None  # torch threads on CPU
     num_gpus: float = 0.0  # GPU share of an actor (fractions pack several per GPU); batch's stage asks Ray Data
+    budgets: TokenBudgets = TokenBudgets()  # `ModelConfig.encoder_budgets`
 
     @classmethod
     def for_cluster(cls, model: str, num_workers: int, *, gpus: float | None, dtype: str,
-                    threads: int | None) -> "WorkerOptions":
+                    threads: int | None, budgets: TokenBudgets) -> "WorkerOptions":
         """Defaults from the cluster: a whole GPU each where GPUs exist (else CPU), and on CPU the
         machine's cores split evenly over `num_workers`."""
         return cls(model, dtype, threads or max(1, (os.cpu_count() or 1) // num_workers),
-                   default_encoder_gpus() if gpus is None else gpus)
+                   default_encoder_gpus() if gpus is None else gpus, budgets)
 
     def build(self) -> EncoderWorker:
         """A worker in this process (the batch job's actors, whose lifecycle Ray Data owns)."""
-        return EncoderWorker(self.model, dtype=self.dtype, num_threads=self.num_threads)
+        return EncoderWorker(self.model, dtype=self.dtype, num_threads=self.num_threads, budgets=self.budgets)
 
     def start(self):
         """A worker actor (loading starts now; its first answered call means it is loaded)."""
         # num_cpus=0: an actor with num_cpus=1 holds that CPU for its life, so on a 2-core machine a
         # third such actor would wait forever: workers ask for none and set their torch threads.
         return RemoteEncoderWorker.options(num_cpus=0, num_gpus=self.num_gpus).remote(
-            self.model, dtype=self.dtype, num_threads=self.num_threads)
+            self.model, dtype=self.dtype, num_threads=self.num_threads, budgets=self.budgets)
 
 
 class EncoderPool:

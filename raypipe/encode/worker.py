@@ -7,9 +7,11 @@ On a CPU the workers share cores with the decode engine, and they yield to it (`
 decode step advances every running request, an encode only the one request waiting for it. Under
 `raypipe bench serve` load this gave ~10% more requests/s and a shorter time to first token.
 
-A shard may hold a long video's worth of chunks: it is encoded in forwards of at most
-`MAX_PATCHES_PER_FORWARD` patches each, so activation memory follows that bound, not the shard's size
-(units themselves are bounded: images by the processor's pixel limit, video chunks by their size).
+A shard runs in forwards of fixed token budgets where the tower supports them and budgets are on
+(`budgets.py`, `budget_forwards.py`: metadata prepared outside the forward, compiled forwards or CUDA
+graphs per budget). Otherwise it is encoded eagerly in forwards of at most `MAX_PATCHES_PER_FORWARD`
+patches each, so activation memory follows that bound, not the shard's size (units themselves are
+bounded: images by the processor's pixel limit, video chunks by their size).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 import ray
 import torch
 
+from raypipe.encode.budget_forwards import BudgetedForwards
+from raypipe.encode.budgets import TokenBudgets
 from raypipe.models.base import VisionItem
 from raypipe.models.registry import vision_adapter
 from raypipe.runtime.device import pick_device, resolve_dtype
@@ -29,7 +33,8 @@ MAX_PATCHES_PER_FORWARD = 65536  # ~16 of Qwen2.5-VL's largest images, or 64 448
 
 
 class EncoderWorker:
-    def __init__(self, checkpoint: str, *, dtype: str = "auto", num_threads: int | None = None):
+    def __init__(self, checkpoint: str, *, dtype: str = "auto", num_threads: int | None = None,
+                 budgets: TokenBudgets = TokenBudgets()):
         self.device = pick_device()
         if self.device.type == "cpu":
             os.nice(CPU_NICE)
@@ -38,6 +43,7 @@ class EncoderWorker:
         self.dtype = resolve_dtype(dtype, self.device)
         self.adapter = vision_adapter(checkpoint)
         self.tower = self.adapter.load_tower(self.device, self.dtype)
+        self.budgeted = BudgetedForwards.for_tower(self.tower, budgets)  # None: eager forwards
         self.items_encoded = 0
         # The coordinator's cost calibration is kept per device kind.
         self.device_kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -50,19 +56,20 @@ class EncoderWorker:
     def info(self) -> dict:
         return {"pid": os.getpid(), "device": str(self.device), "dtype": str(self.dtype),
                 "threads": torch.get_num_threads(), "node": ray.get_runtime_context().get_node_id(),
-                "items_encoded": self.items_encoded}
+                "items_encoded": self.items_encoded, "budgets": self.budgeted.stats if self.budgeted else None}
 
     def encode(self, items: list[VisionItem]):
         """Returns `(*embeddings, receipt)`: call with `num_returns=len(items) + 1`."""
         start = time.perf_counter()
-        embeddings = [e for group in self._forward_groups(items) for e in self.tower.encode(group)]
+        embeddings = (self.budgeted.encode(items) if self.budgeted else
+                      [e for group in self._forward_groups(items) for e in self.tower.encode(group)])
         self.items_encoded += len(items)
         receipt = {"pid": os.getpid(), "items": len(items), "seconds": time.perf_counter() - start,
                    "device": self.device_kind}
         return (*embeddings, receipt)
 
     def _forward_groups(self, items: list[VisionItem]) -> list[list[VisionItem]]:
-        """Consecutive runs of `items` of at most `MAX_PATCHES_PER_FORWARD` patches (one item at least)."""
+        """Eager forwards: consecutive runs of `items` of at most `MAX_PATCHES_PER_FORWARD` patches (one item at least)."""
         groups: list[list[VisionItem]] = []
         patches = 0.0
         for item in items:

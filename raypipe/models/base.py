@@ -66,14 +66,58 @@ class VisualLayout:
     pruning_rate: float = 0.0  # video: EVS, the fraction of its tokens dropped after encoding (0: none)
 
 
+@dataclasses.dataclass(slots=True)
+class PreparedForward:
+    """One tower forward padded to a token budget, its metadata computed (`VisionTower.prepare`).
+
+    `tensors` have fixed shapes per budget (with `static`, even the segment boundaries), so a compiled
+    forward or a CUDA graph captured for that budget replays on them; `scalars` are what the
+    forward takes besides (maximum run lengths)."""
+
+    budget: int
+    tensors: dict[str, torch.Tensor]
+    scalars: dict[str, int]
+    rows: list[int]  # output rows of each unit, in order; the padding's rows follow them
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> "PreparedForward":
+        """On `device`, `pixel_values` in the tower's `dtype`; the metadata keeps its own (rotary
+        cos/sin stay fp32, as the eager tower computes them)."""
+        moved = {k: t.to(device, dtype if k == "pixel_values" else t.dtype, non_blocking=True)
+                 for k, t in self.tensors.items()}
+        return PreparedForward(self.budget, moved, self.scalars, self.rows)
+
+    def split(self, output: torch.Tensor) -> list[torch.Tensor]:
+        """Each unit's rows of the forward's `output`, cut back out (the padding's dropped)."""
+        return list(torch.split(output[:sum(self.rows)], self.rows))
+
+
 class VisionTower(abc.ABC):
-    """A loaded vision encoder on one device."""
+    """A loaded vision encoder on one device.
+
+    A tower that can run forwards padded to token budgets (`raypipe.encode.budgets`) sets
+    `packs_to_budgets` and implements `budget_tokens`, `prepare` (metadata, on the CPU) and
+    `forward_prepared` (tensor work only); the others are run by `encode` alone."""
 
     device: torch.device
+    dtype: torch.dtype
+    packs_to_budgets: bool = False
+    graph_capturable: bool = False  # `forward_prepared` on static metadata can be captured in a CUDA graph
 
     @abc.abstractmethod
     def encode(self, items: list[VisionItem]) -> list[torch.Tensor]:
         """One `(item.num_tokens, hidden)` CPU tensor per item, in the order given."""
+
+    def budget_tokens(self, item: VisionItem) -> int:
+        """The sequence length `item` takes in one forward of this tower."""
+        raise NotImplementedError(f"{type(self).__name__} has no budgeted forwards")
+
+    def prepare(self, items: list[VisionItem], budget: int, static: bool = False) -> PreparedForward:
+        """`items` processed and packed into one forward of `budget` tokens, with all of its metadata."""
+        raise NotImplementedError(f"{type(self).__name__} has no budgeted forwards")
+
+    def forward_prepared(self, tensors: dict[str, torch.Tensor], scalars: dict[str, int]) -> torch.Tensor:
+        """The tensor work of a prepared forward: every row, padding's last (`PreparedForward.split` cuts)."""
+        raise NotImplementedError(f"{type(self).__name__} has no budgeted forwards")
 
 
 class PlaceholderTokens:

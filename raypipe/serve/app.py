@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 from ray.serve import Application
 
-from raypipe.config import ModelConfig, defaults
+from raypipe.config import ModelConfig, TokenBudgets, defaults
 from raypipe.serve.decoder import Decoder
 from raypipe.serve.encoder_group import EncoderGroup
 from raypipe.serve.ingress import Ingress
@@ -22,7 +22,7 @@ from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
 IMPORT_PATH = "raypipe.serve.app:build_app"
 MODEL = defaults(ModelConfig)  # the model and encoder fields' defaults: written in ModelConfig only
 MODEL_FIELDS = ("model", "num_encoders", "encoder_gpus", "cost_model", "cache_bytes",
-                "video_pruning_rate")  # those AppArgs takes
+                "video_pruning_rate", "encoder_budgets")  # those AppArgs takes
 
 
 class AppArgs(BaseModel):
@@ -36,6 +36,7 @@ class AppArgs(BaseModel):
     cost_model: Literal["patches", "attention", "calibrated"] = MODEL["cost_model"]
     cache_bytes: int = MODEL["cache_bytes"]  # embedding cache per EncoderGroup replica
     video_pruning_rate: float = MODEL["video_pruning_rate"]  # EVS default; requests override it in mm_processor_kwargs
+    encoder_budgets: TokenBudgets = MODEL["encoder_budgets"]  # raypipe.encode.budgets.TokenBudgets fields (enabled: the switch)
     batch_window_s: float = 0.005  # how long the encoder group waits to gather concurrent requests' images
     max_batch_images: int = 64
     engine: dict = {}  # raypipe.decode.config.EngineConfig fields (max_num_seqs, max_model_len, ...)

@@ -29,9 +29,9 @@ import torch
 from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual
 from raypipe.inputs.video import PlanFrames, VideoSampling
-from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, VisualLayout, check_cost_model
+from raypipe.models.base import PreparedForward, VisionAdapter, VisionItem, VisionTower, VisualLayout, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
-from raypipe.models.minicpmv4_6 import video
+from raypipe.models.minicpmv4_6 import tower_metadata, video
 
 TOWER_PREFIXES = ("model.vision_tower.",)
 MERGER_PREFIXES = ("model.merger.",)
@@ -232,6 +232,8 @@ class _Packed:
 
 
 class MiniCPMV4_6VisionTower(VisionTower):
+    packs_to_budgets = True  # metadata outside the forward: `tower_metadata.py` (sdpa: no CUDA graphs)
+
     def __init__(self, adapter: MiniCPMV4_6VisionAdapter, device: torch.device, dtype: torch.dtype):
         from transformers.initialization import no_init_weights
         from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import MiniCPMV4_6Merger, MiniCPMV4_6VisionModel
@@ -274,3 +276,19 @@ class MiniCPMV4_6VisionTower(VisionTower):
                             use_vit_merger=self.use_vit_merger).last_hidden_state
         features = self.merger(hidden, sizes // 2 if self.use_vit_merger else sizes)
         return [f.cpu() for f in features]
+
+    def budget_tokens(self, item: VisionItem) -> int:
+        """Patches through the tower: a unit's h * w."""
+        h, w = item.grid
+        return h * w
+
+    def prepare(self, items: list[VisionItem], budget: int, static: bool = False) -> PreparedForward:
+        packed = self.pack(items)
+        meta = tower_metadata.prepare(self.tower, self.merger, packed.pixel_values, packed.target_sizes,
+                                      self.use_vit_merger, budget)
+        return PreparedForward(budget, meta.tensors(), {"max_seqlen": meta.max_seqlen,
+                                                        "max_merged_seqlen": meta.max_merged_seqlen},
+                               [item.num_tokens for item in items])
+
+    def forward_prepared(self, tensors: dict[str, torch.Tensor], scalars: dict[str, int]) -> torch.Tensor:
+        return tower_metadata.forward(self.tower, self.merger, self.use_vit_merger, tensors, **scalars)

@@ -20,6 +20,7 @@ from raypipe.inputs.media import DecodedVisual, pixel_hash
 from raypipe.inputs.video import PlanFrames, VideoSampling
 from raypipe.models.base import (
     ADAPTER_COST_MODELS,
+    PreparedForward,
     VisionAdapter,
     VisionItem,
     VisionTower,
@@ -27,6 +28,7 @@ from raypipe.models.base import (
     check_cost_model,
 )
 from raypipe.models.checkpoint import load_module_weights, load_tensors
+from raypipe.models.qwen2_5_vl import tower_metadata
 from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner, process_video
 
 VISION_PREFIXES = ("visual.", "model.visual.")
@@ -165,14 +167,24 @@ def _attention_flops_model(vc):
 
 
 class Qwen2_5_VLVisionTower(VisionTower):
+    packs_to_budgets = True  # metadata outside the forward: `tower_metadata.py`
+
     def __init__(self, adapter: Qwen2_5_VLVisionAdapter, device: torch.device, dtype: torch.dtype):
         from transformers.initialization import no_init_weights
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+        from transformers.utils import is_flash_attn_2_available
 
         self.adapter = adapter
         self.device = torch.device(device)
+        # Variable-length flash attention reads the run boundaries from device memory, so a CUDA graph
+        # replays for any geometry; sdpa splits the runs on the host and cannot be captured.
+        flash = (self.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+                 and is_flash_attn_2_available())
+        attention = "flash_attention_2" if flash else "sdpa"
+        self.graph_capturable = attention == "flash_attention_2"
         with no_init_weights():  # weights come from the checkpoint; skip the random init
-            model = Qwen2_5_VisionTransformerPretrainedModel._from_config(adapter.vision_config, dtype=dtype)
+            model = Qwen2_5_VisionTransformerPretrainedModel._from_config(adapter.vision_config, dtype=dtype,
+                                                                          attn_implementation=attention)
         state = load_tensors(adapter.checkpoint, VISION_PREFIXES, dtype=dtype)
         load_module_weights(model, state, what=f"{adapter.checkpoint} vision tower")
         self.model = model.to(self.device).eval()
@@ -183,6 +195,29 @@ class Qwen2_5_VLVisionTower(VisionTower):
         """One forward over a shard mixing images and video chunks: pixel rows and grids in shard order."""
         if not items:
             return []
+        pixel_values, grid_thw = self._pixels(items)
+        embeddings = self.model(pixel_values.to(self.device, self.dtype),
+                                grid_thw=grid_thw.to(self.device)).pooler_output
+        sizes = [item.num_tokens for item in items]
+        return [chunk.cpu() for chunk in torch.split(embeddings, sizes)]
+
+    def budget_tokens(self, item: VisionItem) -> int:
+        """Patches through the tower: t * h * w."""
+        t, h, w = item.grid
+        return t * h * w
+
+    def prepare(self, items: list[VisionItem], budget: int, static: bool = False) -> PreparedForward:
+        pixel_values, grid_thw = self._pixels(items)
+        meta = tower_metadata.prepare(self.model, pixel_values, grid_thw, budget, static)
+        return PreparedForward(budget, meta.tensors(), {"max_seqlen": meta.max_seqlen,
+                                                        "max_window_seqlen": meta.max_window_seqlen},
+                               [item.num_tokens for item in items])
+
+    def forward_prepared(self, tensors: dict[str, torch.Tensor], scalars: dict[str, int]) -> torch.Tensor:
+        return tower_metadata.forward(self.model, **tensors, **scalars)
+
+    def _pixels(self, items: list[VisionItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel rows, grid_thw) of images and video chunks, in the order given, on the CPU."""
         rows, grids = [], []
         image_parts = iter(self._process_images([item.pixels for item in items if item.kind != "video"]))
         for item in items:
@@ -192,11 +227,9 @@ class Qwen2_5_VLVisionTower(VisionTower):
                 raise RuntimeError(f"{item.kind} processor produced grid {grid}, predicted {item.grid}")
             rows.append(pixels)
             grids.append(grid)
-        pixel_values = torch.cat(rows).to(self.device, self.dtype)
-        grid_thw = torch.tensor(grids, dtype=torch.long, device=self.device)
-        embeddings = self.model(pixel_values, grid_thw=grid_thw).pooler_output
-        sizes = [item.num_tokens for item in items]
-        return [chunk.cpu() for chunk in torch.split(embeddings, sizes)]
+        vc = self.adapter.vision_config
+        pixel_values = torch.cat(rows) if rows else torch.zeros(0, vc.in_channels * vc.temporal_patch_size * vc.patch_size**2)
+        return pixel_values, torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
 
     def _process_images(self, images: list[np.ndarray]) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """(pixel rows, grid) per image, through the checkpoint's own image processor."""
