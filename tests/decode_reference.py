@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import numpy as np
@@ -82,3 +83,19 @@ def engine_pool(ckpt, **defaults):
     finally:
         for engine in made.values():
             engine.shutdown()
+
+
+def staggered(engine, cases, max_tokens: list[int], tag: str, gap_s: float = 0.004) -> list:
+    """`RequestOutput`s of `cases` (prompt, embeddings, ...) submitted `gap_s` apart, so later ones
+    arrive while earlier ones are mid-generation, each greedy with its `max_tokens`."""
+    from raypipe import SamplingParams
+
+    async def one(i):
+        await asyncio.sleep(gap_s * i)
+        prompt, embeds = cases[i][0], cases[i][1]
+        return await engine.generate_output(f"{tag}-{i}", prompt, embeds, SamplingParams(max_tokens=max_tokens[i]))
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(len(cases))))
+
+    return asyncio.run(all_of_them())
