@@ -85,15 +85,14 @@ def engine_pool(ckpt, **defaults):
             engine.shutdown()
 
 
-def staggered(engine, cases, max_tokens: list[int], tag: str, gap_s: float = 0.004) -> list:
+def staggered(engine, cases, params: list, tag: str, gap_s: float = 0.004) -> list:
     """`RequestOutput`s of `cases` (prompt, embeddings, ...) submitted `gap_s` apart, so later ones
-    arrive while earlier ones are mid-generation, each greedy with its `max_tokens`."""
-    from raypipe import SamplingParams
+    arrive while earlier ones are mid-generation, each with its `SamplingParams`."""
 
     async def one(i):
         await asyncio.sleep(gap_s * i)
         prompt, embeds = cases[i][0], cases[i][1]
-        return await engine.generate_output(f"{tag}-{i}", prompt, embeds, SamplingParams(max_tokens=max_tokens[i]))
+        return await engine.generate_output(f"{tag}-{i}", prompt, embeds, params[i])
 
     async def all_of_them():
         return await asyncio.gather(*(one(i) for i in range(len(cases))))

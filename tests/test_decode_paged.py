@@ -126,7 +126,7 @@ def test_preempted_sequences_resume_with_the_same_tokens(engines, hf_model, tiny
                                        for i in range(len(ref.REQUESTS)))]
     longest = max(len(p.prompt_token_ids) for p, _, _ in cases) + 24
     engine = engines(k, kv_cache_memory=bytes_for(engines(1), 2 * longest))
-    outs = ref.staggered(engine, cases, [24] * len(cases), f"preempt-{k}")
+    outs = ref.staggered(engine, cases, [SamplingParams(max_tokens=24)] * len(cases), f"preempt-{k}")
     for i, out in enumerate(outs):
         assert out.token_ids == cases[i][2], f"request {i}"
     stats = engine.stats()
