@@ -188,3 +188,17 @@ def test_engine_config_refuses_bad_kv_settings():
         with pytest.raises(ValueError):
             EngineConfig(**bad)
     EngineConfig(max_model_len=4096, max_num_batched_tokens=512)  # a budget below max_model_len is fine now
+
+
+def test_kv_stats_reach_the_metrics_endpoint(engines):
+    from raypipe.serve.metrics import ServeMetrics
+
+    stats = engines(8).stats()
+    text = ServeMetrics().render(None, stats).decode()
+    for key, name in (("kv_blocks_total", "raypipe_kv_blocks_total"), ("kv_blocks_used", "raypipe_kv_blocks_used"),
+                      ("kv_blocks_cached", "raypipe_kv_blocks_cached"), ("kv_cache_tokens", "raypipe_kv_cache_tokens"),
+                      ("prefix_cache_hit_rate", "raypipe_prefix_cache_hit_rate"),
+                      ("preemptions", "raypipe_decode_preemptions"),
+                      ("chunked_prefills", "raypipe_decode_chunked_prefills")):
+        assert f"{name} {float(stats[key])}" in text, name
+    assert stats["kv_blocks_total"] * BLOCK == stats["kv_cache_tokens"] and stats["kv_blocks_cached"] > 0
