@@ -193,7 +193,9 @@ def test_engine_config_refuses_bad_kv_settings():
 def test_kv_stats_reach_the_metrics_endpoint(engines):
     from raypipe.serve.metrics import ServeMetrics
 
-    stats = engines(8).stats()
+    engine = engines(8)
+    run(engine.generate_output("for-metrics", list(range(3 * BLOCK)), [], SamplingParams(max_tokens=4)))
+    stats = engine.stats()
     text = ServeMetrics().render(None, stats).decode()
     for key, name in (("kv_blocks_total", "raypipe_kv_blocks_total"), ("kv_blocks_used", "raypipe_kv_blocks_used"),
                       ("kv_blocks_cached", "raypipe_kv_blocks_cached"), ("kv_cache_tokens", "raypipe_kv_cache_tokens"),
