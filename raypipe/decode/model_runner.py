@@ -47,7 +47,7 @@ class ModelRunner:
         if kv_cache_memory is None:
             if self.device.type == "cuda":  # after the weights are loaded
                 kv_cache_memory = int(torch.cuda.mem_get_info(self.device)[0] * kv_cache_free_memory_fraction)
-            else:  # what the slot cache reserved: max_num_seqs rows of max_model_len
+            else:  # what the pre-paging slot cache reserved: max_num_seqs rows of max_model_len
                 kv_cache_memory = max_num_seqs * max_model_len * self.bytes_per_token
         self.cache = KVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                              num_blocks=pool_blocks(kv_cache_memory, self.bytes_per_token, block_size),
