@@ -6,8 +6,9 @@
     same bytes it ran `budget / (max_model_len x bytes per token)` rows; it is gone, so its run is
     the same engine capped at that many sequences (each then always fits, as in a slot cache).
     Prompts are token ids: an image's tokens take the same K/V as text tokens.
-(b) One decode step (forward + logits) at equal batch and KV length: paged (gather through block
-    tables) vs a contiguous per-row cache, to show what paging costs per step.
+(b) A round of K=8 eager decode steps (forward + logits) at equal batch and KV length: paged (the
+    rows' blocks gathered once for the round, as the engine does) vs a contiguous per-row cache,
+    per step; and one paged step that gathers on its own (as the static-shape step does).
 (c) A 5-turn chat about one image (the image re-sent, the conversation growing): prompt tokens
     computed and time to first token per turn, prefix caching on vs off (medians over
     conversations, each with its own image; the embeddings are random rows of the right shape,
@@ -35,6 +36,7 @@ MAX_MODEL_LEN = 4096
 SLOT_ROWS = 4  # the slot cache's rows at max_model_len: this sets the shared KV budget
 STEP_BATCHES = (1, 8, 32)
 STEP_KV_LEN = 1024
+ROUND_STEPS = 8
 TURNS = 5
 TEXT_TOKENS = 256  # the presets' byte tokens: ids below this are plain text, never a placeholder
 
@@ -89,32 +91,41 @@ class ContiguousCache(Cache):
         return self.kv_len
 
 
-def step_times(runner, text_config, batch: int, kv_len: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of one eager decode step at `batch` rows: paged, then contiguous."""
+def step_times(runner, text_config, batch: int, kv_len: int, repeats: int) -> tuple[float, float, float]:
+    """Median seconds per eager decode step at `batch` rows: paged in a round of `ROUND_STEPS`,
+    contiguous in a round of as many, and paged alone (gathering for itself)."""
     from raypipe.decode.cache_kinds import additive
 
     tokens = torch.zeros(batch, dtype=torch.long)
     positions = torch.full((3, batch, 1), kv_len - 1, dtype=torch.long)
     write_index = torch.full((batch,), kv_len - 1, dtype=torch.long)
-    tables = spread_block_tables(runner.cache, batch, kv_len)
-    contiguous = ContiguousCache(text_config, batch, kv_len, runner.dtype)
+    tables = spread_block_tables(runner.cache, batch, kv_len + ROUND_STEPS)
+    contiguous = ContiguousCache(text_config, batch, kv_len + ROUND_STEPS, runner.dtype)
     contiguous.write_index, contiguous.kv_len = write_index, kv_len
     mask = {"full_attention": additive((torch.arange(kv_len)[None, :] <= write_index[:, None])[:, None, None],
                                        runner.dtype)}
 
-    @torch.inference_mode()
-    def paged():
+    def paged_step():
         runner.cache.prepare_decode(batch, write_index, kv_len, tables)
         hidden = runner.model(runner.model.embed(tokens[:, None]), positions, runner.cache.masks(runner.dtype),
                               runner.cache)
         return runner.model.logits(hidden[:, -1])
 
     @torch.inference_mode()
-    def plain():
-        hidden = runner.model(runner.model.embed(tokens[:, None]), positions, mask, contiguous)
-        return runner.model.logits(hidden[:, -1])
+    def paged_round():
+        runner.cache.begin_decode_round(tables)
+        for _ in range(ROUND_STEPS):
+            paged_step()
+        runner.cache.end_decode_round()
 
-    return median_seconds(paged, repeats), median_seconds(plain, repeats)
+    @torch.inference_mode()
+    def contiguous_round():
+        for _ in range(ROUND_STEPS):
+            hidden = runner.model(runner.model.embed(tokens[:, None]), positions, mask, contiguous)
+            runner.model.logits(hidden[:, -1])
+
+    return (median_seconds(paged_round, repeats) / ROUND_STEPS, median_seconds(contiguous_round, repeats) / ROUND_STEPS,
+            median_seconds(torch.inference_mode()(paged_step), repeats))
 
 
 def chat_turns(engine, vision, image: np.ndarray, seed: int, max_tokens: int, questions: list[str]) -> list[dict]:
@@ -187,9 +198,10 @@ def main(args) -> int:
     step_engine = LLMEngine(checkpoint, EngineConfig(max_num_seqs=max(STEP_BATCHES), max_model_len=max_len))
     step_rows, result["step"] = [], {}
     for b in STEP_BATCHES[:2] if quick else STEP_BATCHES:
-        paged_s, plain_s = step_times(step_engine.runner, text, b, STEP_KV_LEN, 5 if quick else 20)
-        result["step"][b] = {"paged_ms": paged_s * 1e3, "contiguous_ms": plain_s * 1e3, "ratio": paged_s / plain_s}
-        step_rows.append([b, STEP_KV_LEN, paged_s * 1e3, plain_s * 1e3, paged_s / plain_s])
+        paged_s, plain_s, alone_s = step_times(step_engine.runner, text, b, STEP_KV_LEN, 3 if quick else 10)
+        result["step"][b] = {"paged_ms": paged_s * 1e3, "contiguous_ms": plain_s * 1e3, "ratio": paged_s / plain_s,
+                             "paged_gather_per_step_ms": alone_s * 1e3}
+        step_rows.append([b, STEP_KV_LEN, paged_s * 1e3, plain_s * 1e3, paged_s / plain_s, alone_s * 1e3])
     step_engine.shutdown()
 
     # (c) multi-turn chat with one image, prefix caching on vs off
@@ -225,8 +237,8 @@ def main(args) -> int:
                 f"{max(o for _, o in mix)}, {checkpoint.name}",
                 ["cache", "max running", "mean decode batch", "tokens", "tok/s", "preemptions"], mix_rows)
     print(f"paged / slot rows: {result['concurrency_ratio']:.2f}x sequences, {result['tok_s_ratio']:.2f}x tok/s")
-    print_table("(b) one eager decode step (forward + logits), median ms", ["batch", "KV length", "paged",
-                                                                            "contiguous", "paged / contiguous"],
+    print_table(f"(b) eager decode step (forward + logits) in a round of {ROUND_STEPS}, median ms per step",
+                ["batch", "KV length", "paged", "contiguous", "paged / contiguous", "paged, gather per step"],
                 step_rows)
     print_table(f"(c) {TURNS}-turn chat, one {side}x{side} image, {max_tokens} tokens per answer, median of "
                 f"{conversations} conversation(s)", ["turn", "prompt tokens", "computed (off)", "computed (on)",

@@ -39,7 +39,8 @@ class WritePattern:
     `width`; `starts` are tokens each row already has cached, 0 for a fresh prompt).
     Decode: rows `rows` (always `0..n-1`) each write one token at `write_index[row]`.
     Paged layers write the token slots `write_slots` (prefill: the `real` tokens, row-major) and read
-    `read_slots`, each row's keys `0..kv_len-1` (not needed by a prefill without a past).
+    the blocks `read_blocks`, each row's first `kv_len / block_size` table entries, row-major (so
+    `kv_len` is a whole number of blocks; not needed by a prefill without a past).
     """
 
     rows: slice = dataclasses.field(default_factory=lambda: slice(0, 0))
@@ -50,7 +51,8 @@ class WritePattern:
     write_index: torch.Tensor | None = None  # decode only
     row_ids: torch.Tensor | None = None  # decode only: arange(n), for indexed writes
     write_slots: torch.Tensor | None = None
-    read_slots: torch.Tensor | None = None
+    read_blocks: torch.Tensor | None = None
+    in_round: bool = False  # decode: paged layers attend over the round's gathered rows (kv_cache.py)
     kv_len: int = 0  # keys an attention layer attends over in this forward
 
     @property

@@ -14,7 +14,7 @@ Why padding is harmless:
 - Padding rows have block tables of the null block only (`block_pool.NULL_BLOCK`): they write and
   read nothing any sequence owns. Their logits are dropped.
 - Block tables are padded with the null block up to the bucket's KV length, so the token slots a
-  step writes and reads (`WritePattern.write_slots` / `read_slots`) have the bucket's static shape;
+  step writes and the blocks it reads (`WritePattern.write_slots` / `read_blocks`) have the bucket's static shape;
   they are recomputed from the step's tables and copied into the bucket's buffers, like the mask.
 
 Only for caches where every layer is paged full attention; anything else (linear attention state,
@@ -142,7 +142,7 @@ class _Bucket:
         pattern = self.cache.pattern
         fresh = self.cache.decode_pattern(len(self.tokens), self.write_index, self.kv_len, self.tables)
         pattern.write_slots.copy_(fresh.write_slots)
-        pattern.read_slots.copy_(fresh.read_slots)
+        pattern.read_blocks.copy_(fresh.read_blocks)
         for name, mask in self.cache.masks(self.step.cache.dtype).items():
             self.mask[name].copy_(mask)
         if not self.step.use_cuda_graphs:

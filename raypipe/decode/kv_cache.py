@@ -70,6 +70,7 @@ class KVCache(Cache):
         self.device = limits.device
         self.dtype = dtype
         self.pattern = WritePattern()
+        self.in_round = False  # between begin_decode_round and end_decode_round
 
     @property
     def padded_prefill_exact(self) -> bool:
@@ -97,35 +98,49 @@ class KVCache(Cache):
         """Rows `first_row..+len(lengths)` compute positions `starts[b]..starts[b]+lengths[b]-1`
         (right-padded to the longest), writing through their block `tables`."""
         width = max(lengths)
-        kv_len = max(s + n for s, n in zip(starts, lengths))
+        kv_blocks = -(-max(s + n for s, n in zip(starts, lengths)) // self.block_size)
         starts_t = torch.tensor(starts, device=self.device)
         lengths_t = torch.tensor(lengths, device=self.device)
-        table = block_tables(tables, -(-(max(starts) + width) // self.block_size), self.device)
+        table = block_tables(tables, max(kv_blocks, -(-(max(starts) + width) // self.block_size)), self.device)
         query = starts_t[:, None] + torch.arange(width, device=self.device)[None, :]
         real = torch.arange(width, device=self.device)[None, :] < lengths_t[:, None]
         has_past = any(starts)
-        read = None
-        if has_past:
-            keys = torch.arange(kv_len, device=self.device).expand(len(starts), kv_len)
-            read = token_slots(table, keys, self.block_size).reshape(-1)
         self.pattern = WritePattern(rows=slice(first_row, first_row + len(lengths)), lengths=lengths_t,
                                     starts=starts_t, has_past=has_past, real=real,
-                                    write_slots=token_slots(table, query, self.block_size)[real], read_slots=read,
-                                    kv_len=kv_len if has_past else width)
+                                    write_slots=token_slots(table, query, self.block_size)[real],
+                                    read_blocks=table[:, :kv_blocks].reshape(-1) if has_past else None,
+                                    kv_len=kv_blocks * self.block_size if has_past else width)
 
     def prepare_decode(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor) -> None:
-        """Rows `0..num_rows-1` each write one token at their own `write_index[row]`; `tables` are their
-        block tables `(num_rows, >= kv_len / block_size)`, padded with the null block."""
+        """Rows `0..num_rows-1` each write one token at their own `write_index[row]` and attend over their
+        first `kv_len` positions, rounded up to whole blocks; `tables` are their block tables
+        `(num_rows, >= kv_len / block_size)`, padded with the null block."""
         self.pattern = self.decode_pattern(num_rows, write_index, kv_len, tables, self.pattern.row_ids)
 
     def decode_pattern(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor,
                        row_ids: torch.Tensor | None = None) -> WritePattern:
         if row_ids is None or row_ids.numel() != num_rows:
             row_ids = torch.arange(num_rows, device=self.device)
-        keys = torch.arange(kv_len, device=self.device).expand(num_rows, kv_len)
-        return WritePattern(rows=slice(0, num_rows), write_index=write_index, row_ids=row_ids, kv_len=kv_len,
+        kv_blocks = -(-kv_len // self.block_size)
+        return WritePattern(rows=slice(0, num_rows), write_index=write_index, row_ids=row_ids,
+                            kv_len=kv_blocks * self.block_size,
                             write_slots=token_slots(tables, write_index[:, None], self.block_size)[:, 0],
-                            read_slots=token_slots(tables, keys, self.block_size).reshape(-1))
+                            read_blocks=None if self.in_round else tables[:, :kv_blocks].reshape(-1),
+                            in_round=self.in_round)
+
+    def begin_decode_round(self, tables: torch.Tensor) -> None:
+        """The decode rows' K/V (blocks `tables`, `(rows, blocks)`) gathered once for a round of eager
+        steps, which then append to them (see paged_attention.py); until `end_decode_round`."""
+        for layer in self.caches:
+            if isinstance(layer, PagedAttentionLayer):
+                layer.begin_round(tables)
+        self.in_round = True
+
+    def end_decode_round(self) -> None:
+        for layer in self.caches:
+            if isinstance(layer, PagedAttentionLayer):
+                layer.end_round()
+        self.in_round = False
 
     def masks(self, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
         """The attention mask of the prepared forward for each layer type present."""

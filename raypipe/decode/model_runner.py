@@ -121,15 +121,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], batch: SamplingBatch, steps: int, on_step: StepCallback) -> int:
-        """Up to `steps` decode steps for the running batch `seqs` (row i = seqs[i]); steps run."""
+        """Up to `steps` decode steps for the running batch `seqs` (row i = seqs[i]); steps run.
+
+        Eager steps attend over the rows' K/V gathered once for the round (`KVCache.begin_decode_round`);
+        the static-shape step gathers per step (its buffers must keep their shapes and addresses)."""
+        longest = max(s.cache_len for s in seqs)
+        tables = block_tables([s.block_table for s in seqs],
+                              -(-(min(longest + steps - 1, self.max_model_len - 1) + 1) // self.cache.block_size),
+                              self.device)
+        eager = self.static_step is None
+        if eager:
+            self.cache.begin_decode_round(tables)
+        try:
+            return self._decode_steps(seqs, batch, steps, on_step, tables)
+        finally:
+            if eager:
+                self.cache.end_decode_round()
+
+    def _decode_steps(self, seqs: list[Sequence], batch: SamplingBatch, steps: int, on_step: StepCallback,
+                      tables: torch.Tensor) -> int:
         n = len(seqs)
         tokens = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
         cache_len = torch.tensor([s.cache_len for s in seqs], device=self.device)
         rope_delta = torch.tensor([s.rope_delta for s in seqs], device=self.device)
         longest = max(s.cache_len for s in seqs)
-        tables = block_tables([s.block_table for s in seqs],
-                              -(-(min(longest + steps - 1, self.max_model_len - 1) + 1) // self.cache.block_size),
-                              self.device)
         pending: list[tuple[int, torch.cuda.Event]] = []
         for step in range(steps):
             # Rows already past the model length keep running until the round ends (their

@@ -3,17 +3,24 @@
 Each full-attention layer owns keys and values of shape `(num_blocks, block_size, kv_heads,
 head_dim)`: token-major inside a block, so the flat view `(num_blocks * block_size, kv_heads,
 head_dim)` is indexed by token slot (`block_id * block_size + offset`). The cache computes, once per
-forward and for every layer alike, the slots this forward writes and the slots each row reads
-(`WritePattern.write_slots` / `read_slots`, from the rows' block tables).
+forward and for every layer alike, the token slots this forward writes and the blocks each row
+reads (`WritePattern.write_slots` / `read_blocks`, from the rows' block tables).
 
-A forward writes its new K/V with one `index_copy_` and reads each row's keys `0..kv_len-1` in
-position order with one `index_select`, viewed as `(rows, kv_heads, kv_len, head_dim)`: from there
-the masks and transformers' attention functions (SDPA, eager) run exactly as over contiguous rows,
-which keeps greedy output equal to `generate()`. Why a gather and not a paged kernel: on a CPU no
-maintained paged-attention kernel exists for this torch, and the gather's cost is one copy of the
-keys a step attends over, next to attention that reads them anyway (`raypipe bench kv` measures it
-against a contiguous cache). Columns past a row's own length read whatever their slots hold (the
-null block for table padding) and are masked.
+A forward writes its new K/V with one `index_copy_` and reads each row's blocks in table order with
+one `index_select` over whole blocks (`block_size x kv_heads x head_dim` contiguous elements each:
+a gather by token slot moved 512-byte pieces and cost three times the step at batch 32), viewed as
+`(rows, kv_heads, kv_len, head_dim)`: from there the masks and transformers' attention functions
+(SDPA, eager) run exactly as over contiguous rows, which keeps greedy output equal to `generate()`.
+Why a gather and not a paged kernel: on a CPU no maintained paged-attention kernel exists for this
+torch, and the gather is one copy of the keys a step attends over, next to attention that reads
+them anyway (`raypipe bench kv` measures it against a contiguous cache). Columns past a row's own
+length read whatever their blocks hold (the null block for table padding) and are masked.
+
+A decode round of K eager steps gathers its rows' blocks once (`begin_round`: one row-major copy
+per layer, `(rows, round length, kv_heads, head_dim)`), then every step appends its token to those
+rows as well as to the pool and attends over a prefix view of them: a gather per step copied every
+row's whole K/V each step, which at batch 32 cost more than the rest of the step on a CPU. The
+rows are dropped when the round ends; the pool stays the only K/V that outlives a round.
 
 A prefill with no cached past (every row starts at token 0) attends over its own fresh K/V, as
 before paging; a prefill that continues a cached prefix or an earlier chunk reads through the table.
@@ -35,6 +42,7 @@ class PagedAttentionLayer(LayerCache):
         shape = (limits.num_blocks, limits.block_size, self.heads, head_dim)
         self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
+        self.round: tuple[torch.Tensor, torch.Tensor] | None = None  # this decode round's rows (K, V)
 
     @staticmethod
     def bytes_per_token(text_config, dtype: torch.dtype) -> int:
@@ -56,10 +64,24 @@ class PagedAttentionLayer(LayerCache):
         else:
             keys.index_copy_(0, pattern.write_slots, key_states[:, :, 0])
             values.index_copy_(0, pattern.write_slots, value_states[:, :, 0])
-        rows = key_states.shape[0]
-        shape = (rows, pattern.kv_len, self.heads, self.head_dim)
-        return (keys.index_select(0, pattern.read_slots).view(shape).transpose(1, 2),
-                values.index_select(0, pattern.read_slots).view(shape).transpose(1, 2))
+            if pattern.in_round:
+                round_keys, round_values = self.round
+                round_keys[pattern.row_ids, pattern.write_index] = key_states[:, :, 0]
+                round_values[pattern.row_ids, pattern.write_index] = value_states[:, :, 0]
+                return (round_keys[:, : pattern.kv_len].transpose(1, 2),
+                        round_values[:, : pattern.kv_len].transpose(1, 2))
+        shape = (key_states.shape[0], pattern.kv_len, self.heads, self.head_dim)
+        return (self.keys.index_select(0, pattern.read_blocks).view(shape).transpose(1, 2),
+                self.values.index_select(0, pattern.read_blocks).view(shape).transpose(1, 2))
+
+    def begin_round(self, tables: torch.Tensor) -> None:
+        """Gather the K/V of the blocks in `tables` `(rows, blocks)` into this round's rows."""
+        shape = (tables.shape[0], -1, self.heads, self.head_dim)
+        blocks = tables.reshape(-1)
+        self.round = (self.keys.index_select(0, blocks).view(shape), self.values.index_select(0, blocks).view(shape))
+
+    def end_round(self) -> None:
+        self.round = None
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         pass  # a sequence's K/V follow its block table, not its batch row
