@@ -95,15 +95,8 @@ def test_staggered_requests_join_a_running_batch(engines, cases, k):
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_preempted_sequences_resume_with_the_same_tokens(engines, cases, k):
-    """Four copies of a request at once, full-attention K/V in a pool of two prompts' blocks and one
-    more: two are admitted, and as they grow the newer one is preempted; on resume its sliding-window rings are
-    recomputed from its tokens so far."""
-    prompt, embeds, want = cases[1]
-    blocks = -(-len(prompt.prompt_token_ids) // 8)
-    engine = engines(k, kv_cache_memory=engines(1).runner.bytes_per_token * 8 * (2 * blocks + 1), block_size=8)
-    stats = engine.stats()
-    assert stats["prefix_caching"] is False and stats["chunked_prefill"] is False
-    outs = decode_ref.staggered(engine, [cases[1]] * 4, [SamplingParams(max_tokens=MAX_NEW)] * 4, f"preempt-{k}", gap_s=0.0)
-    assert [out.token_ids for out in outs] == [want] * 4
-    stats = engine.stats()
+    """On resume a preempted sequence's sliding-window rings are recomputed from its tokens so far."""
+    outs, stats = decode_ref.preempted_copies(engines, k, cases[1], SamplingParams(max_tokens=MAX_NEW))
+    assert [out.token_ids for out in outs] == [cases[1][2]] * 4
     assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0 and stats["running"] == 0
+    assert stats["prefix_caching"] is False and stats["chunked_prefill"] is False

@@ -106,10 +106,7 @@ def step_times(runner, batch: int, kv_len: int, repeats: int) -> tuple[float, fl
 
     @torch.inference_mode()
     def eager():
-        runner.cache.prepare_decode(batch, write_index, kv_len, tables)
-        hidden = runner.model(runner.model.embed(tokens[:, None]), positions, runner.cache.masks(runner.dtype),
-                              runner.cache)
-        return runner.model.logits(hidden[:, -1])
+        return eager_step(runner, tokens, positions, write_index, kv_len, tables)
 
     @torch.inference_mode()
     def compiled():
@@ -118,6 +115,14 @@ def step_times(runner, batch: int, kv_len: int, repeats: int) -> tuple[float, fl
     if runner.static_step is None:  # the cache has layer kinds the static step cannot run (engine says why)
         return median_seconds(eager, repeats), float("nan")
     return median_seconds(eager, repeats), median_seconds(compiled, repeats)
+
+
+def eager_step(runner, tokens, positions, write_index, kv_len: int, tables) -> torch.Tensor:
+    """One eager decode step's forward + logits over the runner's paged cache."""
+    runner.cache.prepare_decode(len(tokens), write_index, kv_len, tables)
+    hidden = runner.model(runner.model.embed(tokens[:, None]), positions, runner.cache.masks(runner.dtype),
+                          runner.cache)
+    return runner.model.logits(hidden[:, -1])
 
 
 def spread_block_tables(cache, batch: int, kv_len: int) -> torch.Tensor:

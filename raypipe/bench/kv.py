@@ -30,7 +30,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from raypipe.bench.common import median_seconds, print_table, write_json
-from raypipe.bench.decode import spread_block_tables
+from raypipe.bench.decode import eager_step, spread_block_tables
 
 MAX_MODEL_LEN = 4096
 SLOT_ROWS = 4  # the slot cache's rows at max_model_len: this sets the shared KV budget
@@ -106,10 +106,7 @@ def step_times(runner, text_config, batch: int, kv_len: int, repeats: int) -> tu
                                        runner.dtype)}
 
     def paged_step():
-        runner.cache.prepare_decode(batch, write_index, kv_len, tables)
-        hidden = runner.model(runner.model.embed(tokens[:, None]), positions, runner.cache.masks(runner.dtype),
-                              runner.cache)
-        return runner.model.logits(hidden[:, -1])
+        return eager_step(runner, tokens, positions, write_index, kv_len, tables)
 
     @torch.inference_mode()
     def paged_round():

@@ -15,16 +15,18 @@ Prefill and decode overlap because, on a CPU, each is a stream of GEMMs that can
 its own; run one after the other, a round took prefill + decode time and profiling showed prefill
 at ~40% of the engine's time. While both run, the engine's torch threads are split between them:
 two forwards each asking for every core put twice as many OpenMP threads as cores on the machine,
-and every parallel op then waits at its barrier for a descheduled thread. They touch disjoint cache
-rows and join at the round boundary, so rows are only moved (finished ones released) while nothing
-runs. Joining requests enter the decode batch one round later; their outputs do not change.
+and every parallel op then waits at its barrier for a descheduled thread. They write disjoint rows
+and blocks (a prefill may read cached prefix blocks, which nobody writes) and join at the round
+boundary, so rows are only moved and blocks only taken or given back while nothing runs. Joining
+requests enter the decode batch one round later; their outputs do not change.
 
 Callers `await` deltas from `generate()`; validation happens in the caller's task before a
 request is queued, so a bad request fails alone. The engine needs no Ray actor around it: image
 embeddings may be tensors or Ray `ObjectRef`s (awaited in `generate`).
 
 Work is bounded: at most `max_num_seqs + max_num_waiting` requests are in the engine, one more is
-refused with `QueueFull` (retryable). Aborts name a `Sequence`, not an id, so an abort that arrives
+refused with `QueueFull` (retryable); a request whose prompt plus `max_tokens` could outgrow the
+whole KV cache is refused with `InvalidInput` (`kv_cache_too_small`). Aborts name a `Sequence`, not an id, so an abort that arrives
 after its request ended cannot hit a new request reusing the id; `shutdown()` fails every request
 still in the engine with `EngineClosed`.
 """
