@@ -72,7 +72,7 @@ class ModelRunner:
         return reason
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch) -> list[int]:
+    def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
         """Compute the chunks of `seqs` (consecutive rows from `seqs[0].row` where the bounded cache
         kinds have rows); first sampled ids of `sampled` (those whose prompt this completes, the rows
         of `batch`)."""
