@@ -121,16 +121,23 @@ def bytes_for(engine: LLMEngine, tokens: int) -> int:
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_preempted_sequences_resume_with_the_same_tokens(engines, hf_model, tiny_ckpt, vision, k):
-    """A pool of ~2 requests' worth for 8 staggered ones: the newest are preempted, recomputed later."""
-    cases = [(p, e, w) for p, e, w in (case(engines(1), hf_model, tiny_ckpt, vision, ref.request(i), 24)
-                                       for i in range(len(ref.REQUESTS)))]
+    """Four copies of a request at once in a pool of two prompts' blocks and one more: the newer of the
+    two admitted is preempted as they grow, and recomputed later (its cached blocks come back from the
+    prefix cache). Then 8 different requests, staggered, through a pool of about two of them."""
+    cases = [case(engines(1), hf_model, tiny_ckpt, vision, ref.request(i), 24) for i in range(len(ref.REQUESTS))]
+    params = SamplingParams(max_tokens=24)
+    longest_output = max(cases, key=lambda c: len(c[2]))
+    assert len(longest_output[2]) >= 2 * BLOCK  # it grows by two blocks or more: the pool cannot hold two
+    outs, stats = ref.preempted_copies(engines, k, longest_output, params, block_size=BLOCK)
+    assert [out.token_ids for out in outs] == [longest_output[2]] * 4
+    assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0
+
     longest = max(len(p.prompt_token_ids) for p, _, _ in cases) + 24
     engine = engines(k, kv_cache_memory=bytes_for(engines(1), 2 * longest))
-    outs = ref.staggered(engine, cases, [SamplingParams(max_tokens=24)] * len(cases), f"preempt-{k}")
+    outs = ref.staggered(engine, cases, [params] * len(cases), f"preempt-{k}")
     for i, out in enumerate(outs):
         assert out.token_ids == cases[i][2], f"request {i}"
     stats = engine.stats()
-    assert stats["preemptions"] > 0
     assert stats["kv_blocks_used"] == 0 and stats["running"] == stats["waiting"] == 0
 
 
