@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and ratios")
     bench.add_argument("target", choices=["encode", "decode", "detok", "serve", "serve-load", "batch", "cluster",
-                                                 "cluster-batch", "step3", "video", "structured"],
+                                                 "cluster-batch", "step3", "video", "structured", "kv"],
                        help="serve-load: large images before/after ingress resizing, /health under load and "
                             "after every encoder worker is killed; cluster / cluster-batch: Serve / a batch "
                             "job autoscaling on a fake multi-node cluster")

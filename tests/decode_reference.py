@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import numpy as np
@@ -82,3 +83,29 @@ def engine_pool(ckpt, **defaults):
     finally:
         for engine in made.values():
             engine.shutdown()
+
+
+def staggered(engine, cases, params: list, tag: str, gap_s: float = 0.004) -> list:
+    """`RequestOutput`s of `cases` (prompt, embeddings, ...) submitted `gap_s` apart, so later ones
+    arrive while earlier ones are mid-generation, each with its `SamplingParams`."""
+
+    async def one(i):
+        await asyncio.sleep(gap_s * i)
+        prompt, embeds = cases[i][0], cases[i][1]
+        return await engine.generate_output(f"{tag}-{i}", prompt, embeds, params[i])
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(len(cases))))
+
+    return asyncio.run(all_of_them())
+
+
+def preempted_copies(engines, k: int, case, params, block_size: int = 8) -> tuple[list, dict]:
+    """Four copies of `case` at once on `engines(k, ...)` whose paged pool holds two prompts' blocks
+    and one more: two are admitted and, as they grow, the newer is preempted and later recomputed.
+    Their `RequestOutput`s and the engine's stats after."""
+    blocks = -(-len(case[0].prompt_token_ids) // block_size)
+    budget = engines(1).runner.bytes_per_token * block_size * (2 * blocks + 1)
+    engine = engines(k, kv_cache_memory=budget, block_size=block_size)
+    outs = staggered(engine, [case] * 4, [params] * 4, f"preempt-{k}", gap_s=0.0)
+    return outs, engine.stats()

@@ -103,7 +103,7 @@ def test_other_caches_fall_back_to_eager():
         layer_types = ["full_attention", "sliding_attention", "linear_attention"]
 
     reason = compiled_step.supports(PerLayerKindCache())
-    assert "not plain full-attention KV rows" in reason and "sliding_attention" in reason
+    assert "not paged full-attention KV" in reason and "sliding_attention" in reason
     PerLayerKindCache.layer_types = ["full_attention"] * 3
     assert compiled_step.supports(PerLayerKindCache()) is None
 

@@ -1,6 +1,8 @@
 """Randomized differential test: `LLMEngine` against transformers' `generate()`, scenario by scenario.
 
-Each scenario draws an engine (K, rows) and a set of requests with random prompts, staggered
+Each scenario draws an engine (K, rows, and either the default KV pool or one so small that running
+sequences are preempted and recomputed) and a set of requests with random prompts (in half the
+scenarios most of them share a prefix, which the prefix cache then serves), staggered
 arrivals, budgets, stop strings, stop token ids, EOS on or ignored, greedy processors
 (repetition penalty, logit bias, min_tokens), requests that leave their stream early, and sampled
 "noise" requests that only make the batch busy. Every greedy request must equal `generate()` with
@@ -26,6 +28,7 @@ from tests import decode_reference as ref
 SCENARIOS = int(os.environ.get("RAYPIPE_DIFF_SCENARIOS", "4"))
 SEED = int(os.environ.get("RAYPIPE_DIFF_SEED", "8"))
 MAX_MODEL_LEN = 128
+SMALL_POOL_TOKENS = 112  # the longest request (64-token prompt + 48 tokens) fits, two seldom do
 TEXT_TOKENS = 256  # the tiny tokenizer's byte tokens: every id decodes to text
 
 
@@ -80,10 +83,12 @@ def hf_free_run(hf_model, prompt: list[int], params: SamplingParams, stop_ids: s
 
 
 def scenario(rng: random.Random, tokenizer, hf_model, eos: int):
-    k, rows = rng.choice([1, 2, 3, 5, 8]), rng.choice([2, 4, 6])
+    k, rows, small_pool = rng.choice([1, 2, 3, 5, 8]), rng.choice([2, 4, 6]), rng.random() < 0.5
+    shared = [rng.randrange(TEXT_TOKENS) for _ in range(rng.randint(16, 40))] if rng.random() < 0.5 else []
     requests = []
     for i in range(rng.randint(3, 8)):
-        prompt = [rng.randrange(TEXT_TOKENS) for _ in range(rng.randint(1, 24))]
+        prefix = shared[: rng.randint(len(shared) // 2, len(shared))] if rng.random() < 0.8 else []
+        prompt = prefix + [rng.randrange(TEXT_TOKENS) for _ in range(rng.randint(1, 24))]
         delay = rng.random() * 0.05
         if rng.random() < 0.2:  # sampled noise: only makes the batch busy
             params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=1.0, top_k=rng.choice([0, 20]),
@@ -114,7 +119,7 @@ def scenario(rng: random.Random, tokenizer, hf_model, eos: int):
         requests.append(dict(prompt=prompt, params=params, delay=delay, noise=False,
                              want=expected(tokenizer, free, params, stop_ids),
                              leave_after=rng.choice([None, None, None, 1, 2])))
-    return k, rows, requests
+    return k, rows, small_pool, bool(shared), requests
 
 
 async def run_scenario(engine, requests, tag: str):
@@ -134,13 +139,18 @@ def test_engine_matches_generate_on_random_scenarios(engines, hf_model):
     rng = random.Random(SEED)
     tokenizer = engines(1).tokenizer
     eos = engines(1).adapter.eos_token_ids[0]
-    compared = dict(scenarios=0, requests=0, tokens=0, left_early=0, noise=0)
+    small = dict(kv_cache_memory=engines(1).runner.bytes_per_token * SMALL_POOL_TOKENS)
+    compared = dict(scenarios=0, requests=0, tokens=0, left_early=0, noise=0, small_pool=0, shared_prefix=0,
+                    preemptions=0, cached_tokens=0)
     for s in range(SCENARIOS):
-        k, rows, requests = scenario(rng, tokenizer, hf_model, eos)
-        engine = engines(k, max_num_seqs=rows)
+        k, rows, small_pool, shared_prefix, requests = scenario(rng, tokenizer, hf_model, eos)
+        compared["small_pool"] += small_pool
+        compared["shared_prefix"] += shared_prefix
+        engine = engines(k, max_num_seqs=rows, **(small if small_pool else {}))
+        before = engine.stats()
         results = asyncio.run(run_scenario(engine, requests, f"s{s}"))
         for i, (r, deltas) in enumerate(zip(requests, results)):
-            where = f"scenario {s} (K={k}, rows={rows}) request {i}: {r['prompt']} {r['params']}"
+            where = f"scenario {s} (K={k}, rows={rows}, small pool {small_pool}) request {i}: {r['prompt']} {r['params']}"
             tokens = [t for d in deltas for t in d.token_ids]
             text = "".join(d.text for d in deltas)
             assert all(d.finish_reason is None for d in deltas[:-1]), where
@@ -161,6 +171,11 @@ def test_engine_matches_generate_on_random_scenarios(engines, hf_model):
             if engine.stats()["running"] == engine.stats()["waiting"] == 0:
                 break
             asyncio.run(asyncio.sleep(0.01))
-        assert engine.stats()["running"] == engine.stats()["waiting"] == 0
+        after = engine.stats()
+        assert after["running"] == after["waiting"] == 0 and after["kv_blocks_used"] == 0
+        compared["preemptions"] += after["preemptions"] - before["preemptions"]
+        compared["cached_tokens"] += after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
     print(f"\ndifferential (seed {SEED}): {compared}")
     assert compared["requests"] > 0
+    if SCENARIOS >= 4:  # the default run has both kinds of scenario (how often they preempt or hit is timing)
+        assert compared["small_pool"] > 0 and compared["shared_prefix"] > 0

@@ -1,42 +1,104 @@
-"""Scheduler admission: joining prompts are prefilled in length groups with bounded padding."""
+"""Scheduler admission: prefill chunks run in length groups with bounded padding; joining sequences
+take consecutive rows after the running batch, within the round's token budget and the pool's blocks."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+from raypipe.decode.block_pool import BlockPool
 from raypipe.decode.scheduler import MAX_PADDING, Scheduler, group_by_length
+from raypipe.decode.sequence import Sequence
+from raypipe.inputs.sampling import SamplingParams
 
 
-def _seqs(lengths):
-    return [SimpleNamespace(prompt_len=n, row=None) for n in lengths]
+def _seq(length: int, output: int = 0) -> Sequence:
+    import torch
+
+    seq = Sequence(f"s{length}", list(range(length)), torch.zeros((3, length), dtype=torch.long), 0, None,
+                   SamplingParams(), lambda item: None)
+    seq.output_ids = list(range(output))
+    return seq
+
+
+def _scheduler(blocks=100, chunked=False, budget=1000, seqs=8) -> Scheduler:
+    return Scheduler(max_num_seqs=seqs, max_num_batched_tokens=budget, pool=BlockPool(blocks, 16),
+                     chunked_prefill=chunked, prefix_caching=False)
 
 
 def test_groups_bound_padding_and_keep_every_sequence():
-    seqs = _seqs([460, 82, 95, 270, 126, 83, 175, 271, 94, 127])
+    seqs = [_seq(n) for n in [460, 82, 95, 270, 126, 83, 175, 271, 94, 127]]
+    for seq in seqs:
+        seq.chunk_len = seq.prompt_len
     groups = group_by_length(seqs, MAX_PADDING)
     assert sorted(id(s) for g in groups for s in g) == sorted(id(s) for s in seqs)
     for group in groups:
-        real = sum(s.prompt_len for s in group)
-        assert len(group) * max(s.prompt_len for s in group) <= (1 + MAX_PADDING) * real
+        real = sum(s.chunk_len for s in group)
+        assert len(group) * max(s.chunk_len for s in group) <= (1 + MAX_PADDING) * real
     assert len(groups) < len(seqs)  # similar lengths do share a forward
 
 
 def test_admitted_groups_take_consecutive_rows_after_the_running_batch():
-    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=1000)
-    for seq in _seqs([300, 80, 290, 85]):
+    scheduler = _scheduler()
+    for seq in [_seq(300), _seq(80), _seq(290), _seq(85)]:
         scheduler.add(seq)
-    scheduler.running = _seqs([10, 10])  # rows 0 and 1
-    groups = scheduler.admit()
-    rows = [s.row for g in groups for s in g]
-    assert rows == [2, 3, 4, 5]
-    assert [s.row for s in scheduler.running[2:]] == rows
+    plan = scheduler.schedule(lambda seq: 1)
+    rows = [s.row for g in plan.prefill for s in g]
+    assert rows == [0, 1, 2, 3] and scheduler.running == [s for g in plan.prefill for s in g]
+    # Each holds exactly the blocks of its prompt.
+    assert [len(s.block_table) for s in scheduler.running] == [-(-s.prompt_len // 16) for s in scheduler.running]
 
 
 def test_token_budget_counts_prompt_tokens_first_come_first_served():
-    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=500)
-    first, second, third = _seqs([300, 150, 100])
+    scheduler = _scheduler(budget=500)
+    first, second, third = _seq(300), _seq(150), _seq(100)
     for seq in (first, second, third):
         scheduler.add(seq)
-    joined = [s for g in scheduler.admit() for s in g]
+    joined = [s for g in scheduler.schedule(lambda seq: 1).prefill for s in g]
     assert joined == [second, first]  # 450 tokens fit; the third waits even though it is short
     assert list(scheduler.waiting) == [third]
+
+
+def test_without_chunking_a_prompt_over_the_budget_runs_alone():
+    scheduler = _scheduler(budget=100)
+    long, short = _seq(300), _seq(10)
+    scheduler.add(long)
+    scheduler.add(short)
+    plan = scheduler.schedule(lambda seq: 1)
+    assert [s for g in plan.prefill for s in g] == [long] and long.chunk_len == 300
+    assert list(scheduler.waiting) == [short]
+
+
+def test_chunked_prefill_takes_the_budget_per_round():
+    scheduler = _scheduler(budget=100, chunked=True)
+    long = _seq(250)
+    scheduler.add(long)
+    chunks = []
+    while not long.output_ids:
+        plan = scheduler.schedule(lambda seq: 1)
+        assert [s for g in plan.prefill for s in g] == [long] and not plan.decode
+        chunks.append(long.chunk_len)
+        assert len(long.block_table) == -(-(long.num_computed + long.chunk_len) // 16)  # blocks follow the chunks
+        long.num_computed += long.chunk_len
+        if long.num_computed == long.prompt_len:
+            long.output_ids.append(7)
+    assert chunks == [100, 100, 50] and scheduler.counters["chunked_prefills"] == 1
+    assert scheduler.schedule(lambda seq: 1).decode == [long]
+
+
+def test_a_dry_pool_preempts_the_newest_running_sequence():
+    scheduler = _scheduler(blocks=5)  # 4 usable blocks of 16 tokens
+    old, new = _seq(20), _seq(20)
+    for seq in (old, new):
+        scheduler.add(seq)
+    scheduler.schedule(lambda seq: 1)
+    for seq in (old, new):  # both prefilled: 2 blocks each, the pool is full
+        seq.num_computed, seq.output_ids = 20, [1]
+    assert scheduler.pool.num_available == 0
+    for _ in range(20):  # decode until the old one needs a third block
+        plan = scheduler.schedule(lambda seq: 1)
+        if plan.preempted:
+            break
+        for seq in plan.decode:
+            seq.output_ids.append(1)
+            seq.num_computed = seq.cache_len
+    assert plan.preempted == [new] and plan.decode == [old]
+    assert new.block_table == [] and new.num_computed == 0 and list(scheduler.waiting) == [new]
+    assert len(old.block_table) == 3 and scheduler.counters["preemptions"] == 1

@@ -92,3 +92,28 @@ def test_staggered_requests_join_a_running_batch(engines, cases, k):
     assert after["max_running_seen"] > 1
     assert after["prefill_batches"] - before["prefill_batches"] >= 2  # later requests joined a running batch
     assert after["running"] == 0 and after["waiting"] == 0
+
+
+def test_the_same_image_with_another_question_reuses_its_cached_blocks(engines, cases, llava_ckpt, llava_hf_model):
+    """Every layer is full attention, so prefix caching is on by default: the blocks up to the question
+    come from the cache, and the output is still transformers' own."""
+    engine = engines(8)
+    assert engine.stats()["prefix_caching"] is True
+    first, features, _ = cases[1]
+    image = random_images(REQUESTS[1][1], seed=1)[0]
+    content = [{"type": "image", "image": image}, {"type": "text", "text": "Which colors are there?"}]
+    prompt = build_prompt([{"role": "user", "content": content}], engine.tokenizer, vision_adapter(llava_ckpt))
+    want = ref.generate(llava_hf_model, prompt.prompt_token_ids, features, MAX_NEW)
+    eos = engine.adapter.eos_token_ids[0]
+    want = want[: want.index(eos) + 1] if eos in want else want
+    asyncio.run(engine.generate_output("prefix-first", first, features, SamplingParams(max_tokens=MAX_NEW)))
+    before = engine.stats()["prefix_cache_hit_tokens"]
+    out = asyncio.run(engine.generate_output("prefix-again", prompt, features, SamplingParams(max_tokens=MAX_NEW)))
+    hits = engine.stats()["prefix_cache_hit_tokens"] - before
+    assert out.token_ids == want
+    common = next(i for i, (a, b) in enumerate(zip(first.prompt_token_ids, prompt.prompt_token_ids)) if a != b)
+    block = engine.config.block_size
+    image_end = max(i for i, t in enumerate(prompt.prompt_token_ids)
+                    if t in engine.adapter.placeholder_token_ids.values()) + 1
+    assert hits == common // block * block >= image_end // block * block
+    assert hits > 0

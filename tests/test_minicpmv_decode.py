@@ -12,6 +12,7 @@ from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import vision_adapter
+from tests import decode_reference as decode_ref
 from tests import minicpmv_reference as ref
 from tests.conftest import random_images
 from tests.decode_reference import messages
@@ -32,16 +33,8 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def engines(minicpmv_ckpt):
-    made = {}
-
-    def get(k: int) -> LLMEngine:
-        if k not in made:
-            made[k] = LLMEngine(minicpmv_ckpt, EngineConfig(max_num_seqs=8, max_model_len=1024, num_scheduler_steps=k))
-        return made[k]
-
-    yield get
-    for engine in made.values():
-        engine.shutdown()
+    with decode_ref.engine_pool(minicpmv_ckpt, max_num_seqs=8, max_model_len=1024) as get:
+        yield get
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +151,18 @@ def test_abort_frees_state_rows_and_moves_the_others(engines, cases):
     assert [out.token_ids for out in rest] == [cases[2][2], cases[3][2]]
     stats = engine.stats()
     assert stats["running"] == 0 and stats["requests_aborted"] >= 1
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_preempted_sequences_resume_with_the_same_tokens(engines, cases, k):
+    """On resume a preempted sequence's gated-delta-net state is recomputed from its tokens so far."""
+    outs, stats = decode_ref.preempted_copies(engines, k, cases[1], greedy())
+    assert [out.token_ids for out in outs] == [cases[1][2]] * 4
+    assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0 and stats["running"] == 0
+    assert stats["prefix_caching"] is False and stats["chunked_prefill"] is False
+
+
+
+def test_prefix_caching_is_refused_for_linear_attention(minicpmv_ckpt):
+    with pytest.raises(ValueError, match="linear_attention"):
+        LLMEngine(minicpmv_ckpt, EngineConfig(max_num_seqs=2, max_model_len=256, enable_prefix_caching=True))

@@ -13,10 +13,9 @@ import asyncio
 import pytest
 
 from raypipe import SamplingParams
-from raypipe.decode.config import EngineConfig
-from raypipe.decode.engine import LLMEngine
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import vision_adapter
+from tests import decode_reference as decode_ref
 from tests import step3_reference as ref
 from tests.conftest import random_images
 
@@ -37,16 +36,8 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def engines(step3_ckpt):
-    made = {}
-
-    def get(k: int) -> LLMEngine:
-        if k not in made:
-            made[k] = LLMEngine(step3_ckpt, EngineConfig(max_num_seqs=8, max_model_len=512, num_scheduler_steps=k))
-        return made[k]
-
-    yield get
-    for engine in made.values():
-        engine.shutdown()
+    with decode_ref.engine_pool(step3_ckpt, max_num_seqs=8, max_model_len=512) as get:
+        yield get
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +91,12 @@ def test_staggered_requests_join_a_running_batch(engines, cases, k):
     assert after["max_running_seen"] > 1
     assert after["prefill_batches"] - before["prefill_batches"] >= 2  # later requests joined a running batch
     assert after["running"] == 0 and after["waiting"] == 0
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_preempted_sequences_resume_with_the_same_tokens(engines, cases, k):
+    """On resume a preempted sequence's sliding-window rings are recomputed from its tokens so far."""
+    outs, stats = decode_ref.preempted_copies(engines, k, cases[1], SamplingParams(max_tokens=MAX_NEW))
+    assert [out.token_ids for out in outs] == [cases[1][2]] * 4
+    assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0 and stats["running"] == 0
+    assert stats["prefix_caching"] is False and stats["chunked_prefill"] is False

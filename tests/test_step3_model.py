@@ -67,12 +67,14 @@ def test_views_encoded_in_any_grouping_equal_transformers(step3_ckpt, step3_hf_m
 
 
 def test_sliding_window_rows_are_bounded_by_the_window(step3_ckpt):
-    from raypipe.decode.kv_cache import SlotKVCache
+    """Sliding layers: 4 rows of one window each; full-attention layers: the paged pool's 10 blocks of 16."""
+    from raypipe.decode.kv_cache import KVCache
 
     lang = language_adapter(step3_ckpt)
     text = lang.text_config
-    cache = SlotKVCache(text, max_num_seqs=4, max_model_len=512, device=torch.device("cpu"), dtype=torch.float32)
-    per_token = 2 * text.num_key_value_heads * text.head_dim * 4 * 4  # K+V, fp32, 4 rows
+    cache = KVCache(text, max_num_seqs=4, max_model_len=512, num_blocks=10, block_size=16,
+                    device=torch.device("cpu"), dtype=torch.float32)
+    per_token = 2 * text.num_key_value_heads * text.head_dim * 4  # K+V, fp32
     sliding = text.layer_types.count("sliding_attention")
     full = text.layer_types.count("full_attention")
-    assert cache.nbytes == per_token * (sliding * text.sliding_window + full * 512)
+    assert cache.nbytes == per_token * (sliding * 4 * text.sliding_window + full * 10 * 16)

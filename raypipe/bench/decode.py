@@ -102,21 +102,34 @@ def step_times(runner, batch: int, kv_len: int, repeats: int) -> tuple[float, fl
     tokens = torch.zeros(batch, dtype=torch.long)
     positions = torch.full((3, batch, 1), kv_len - 1, dtype=torch.long)
     write_index = torch.full((batch,), kv_len - 1, dtype=torch.long)
+    tables = spread_block_tables(runner.cache, batch, kv_len)
 
     @torch.inference_mode()
     def eager():
-        runner.cache.prepare_decode(batch, write_index, kv_len)
-        hidden = runner.model(runner.model.embed(tokens[:, None]), positions, runner.cache.masks(runner.dtype),
-                              runner.cache)
-        return runner.model.logits(hidden[:, -1])
+        return eager_step(runner, tokens, positions, write_index, kv_len, tables)
 
     @torch.inference_mode()
     def compiled():
-        return runner.static_step(tokens, positions, write_index, kv_len)
+        return runner.static_step(tokens, positions, write_index, kv_len, tables)
 
     if runner.static_step is None:  # the cache has layer kinds the static step cannot run (engine says why)
         return median_seconds(eager, repeats), float("nan")
     return median_seconds(eager, repeats), median_seconds(compiled, repeats)
+
+
+def eager_step(runner, tokens, positions, write_index, kv_len: int, tables) -> torch.Tensor:
+    """One eager decode step's forward + logits over the runner's paged cache."""
+    runner.cache.prepare_decode(len(tokens), write_index, kv_len, tables)
+    hidden = runner.model(runner.model.embed(tokens[:, None]), positions, runner.cache.masks(runner.dtype),
+                          runner.cache)
+    return runner.model.logits(hidden[:, -1])
+
+
+def spread_block_tables(cache, batch: int, kv_len: int) -> torch.Tensor:
+    """`(batch, blocks)` tables of distinct blocks of the pool (reused round-robin if it has too few), so a
+    timed step gathers from memory spread as a real batch's is."""
+    blocks = -(-kv_len // cache.block_size)
+    return (torch.arange(batch * blocks) % (cache.num_blocks - 1) + 1).view(batch, blocks)
 
 
 def hf_prefill_seconds(model, prompts) -> float:

@@ -1,23 +1,25 @@
-"""Per-layer cache kinds: what one decoder layer keeps per running sequence, in fixed rows.
+"""Per-layer cache kinds: what one decoder layer keeps for the running sequences.
 
-A language model's `text_config.layer_types` names each layer's kind; `SlotKVCache` builds one
-`LayerRows` per layer from `CACHE_KINDS`. Every kind allocates `max_num_seqs` rows up front (memory
-is bounded before the first request) and row i always belongs to batch row i, so rows join, leave
-and move together across kinds.
+A language model's `text_config.layer_types` names each layer's kind; `KVCache` (`kv_cache.py`)
+builds one `LayerCache` per layer from `CACHE_KINDS`.
 
-- `full_attention`: K and V for every cached token (`max_model_len` per row), written at each
-  row's own position.
+- `full_attention`: K/V in blocks of the paged pool (`paged_attention.py`), as many as a sequence's
+  length needs; a sequence's block table says where its tokens are.
 - `linear_attention` (gated delta net, Qwen3.5 / MiniCPM-V 4.6): a fixed-size conv state (the
   last `kernel` inputs of the short causal conv) and a recurrent state per row, whatever the
   sequence length. A recurrent state cannot skip padding, so the runner prefills such models in
   groups of equal length (`PADDED_PREFILL_EXACT = False`).
-
 - `sliding_attention` (Step3): a ring of `sliding_window` K/V per row; memory bounded by the window.
 
-A new kind subclasses
-`LayerRows`, implements the methods its transformers layer calls (`update` for attention layers),
-its masks and `move_row`, and registers itself in `CACHE_KINDS` under its `layer_types` name. Masks
-are asked of one instance per kind, so a kind may build them from its config (the window).
+The two bounded kinds keep fixed rows: `max_num_seqs` rows allocated up front, row i belonging to
+batch row i, so rows join, leave and move together across those kinds. They are already bounded per
+sequence, so paging them would buy no memory; what they cannot do is start from a cached past, so a
+family with either kind prefills whole prompts from token 0 (no prefix caching, no chunked prefill).
+
+A new kind subclasses `LayerCache`, implements the methods its transformers layer calls (`update`
+for attention layers), its masks and `move_row`, and registers itself in `kv_cache.CACHE_KINDS`
+under its `layer_types` name. Masks are asked of one instance per kind, so a kind may build them
+from its config (the window).
 """
 
 from __future__ import annotations
@@ -31,16 +33,26 @@ import torch
 
 @dataclasses.dataclass(slots=True)
 class WritePattern:
-    """Where the next forward writes: set by `SlotKVCache.prepare_*`, read by every layer's rows.
+    """Where the next forward writes and what it reads: set by `KVCache.prepare_*`, read by every layer.
 
-    Prefill: rows `rows` get positions `0..width-1` (right-padded; `lengths` are the real ones).
+    Prefill: rows `rows` get positions `starts[b] .. starts[b] + lengths[b] - 1` (right-padded to
+    `width`; `starts` are tokens each row already has cached, 0 for a fresh prompt).
     Decode: rows `rows` (always `0..n-1`) each write one token at `write_index[row]`.
+    Paged layers write the token slots `write_slots` (prefill: the `real` tokens, row-major) and read
+    the blocks `read_blocks`, each row's first `kv_len / block_size` table entries, row-major (so
+    `kv_len` is a whole number of blocks; not needed by a prefill without a past).
     """
 
     rows: slice = dataclasses.field(default_factory=lambda: slice(0, 0))
     lengths: torch.Tensor | None = None  # prefill only
+    starts: torch.Tensor | None = None  # prefill only
+    has_past: bool = False  # prefill only: some row starts after token 0
+    real: torch.Tensor | None = None  # prefill only: (B, width) bool, the rows' real tokens
     write_index: torch.Tensor | None = None  # decode only
     row_ids: torch.Tensor | None = None  # decode only: arange(n), for indexed writes
+    write_slots: torch.Tensor | None = None
+    read_blocks: torch.Tensor | None = None
+    in_round: bool = False  # decode: paged layers attend over the round's gathered rows (kv_cache.py)
     kv_len: int = 0  # keys an attention layer attends over in this forward
 
     @property
@@ -54,10 +66,12 @@ class CacheLimits:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
+    num_blocks: int  # paged pool, null block included
+    block_size: int
 
 
-class LayerRows(abc.ABC):
-    """One layer's per-sequence cache, `max_num_seqs` rows allocated up front."""
+class LayerCache(abc.ABC):
+    """One layer's cache for the running sequences, allocated up front."""
 
     layer_type: ClassVar[str]
     PADDED_PREFILL_EXACT: ClassVar[bool] = True  # may right-padded rows share one prefill forward?
@@ -81,48 +95,7 @@ class LayerRows(abc.ABC):
         """What it takes in a one-token decode forward."""
 
 
-class FullAttentionRows(LayerRows):
-    """K/V rows of `max_model_len` tokens; attention sees keys `0..kv_len-1` of its rows."""
-
-    layer_type = "full_attention"
-
-    def __init__(self, text_config, limits: CacheLimits):
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        shape = (limits.max_num_seqs, text_config.num_key_value_heads, self.row_length(text_config, limits), head_dim)
-        self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
-        self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
-
-    def row_length(self, text_config, limits: CacheLimits) -> int:
-        """Tokens one row holds."""
-        return limits.max_model_len
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.values]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, pattern: WritePattern):
-        if pattern.is_prefill:
-            q_len = key_states.shape[2]
-            self.keys[pattern.rows, :, :q_len] = key_states
-            self.values[pattern.rows, :, :q_len] = value_states
-        else:
-            self.keys[pattern.row_ids, :, pattern.write_index] = key_states[:, :, 0]
-            self.values[pattern.row_ids, :, pattern.write_index] = value_states[:, :, 0]
-        return self.keys[pattern.rows, :, : pattern.kv_len], self.values[pattern.rows, :, : pattern.kv_len]
-
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        self.keys[dst, :, :length] = self.keys[src, :, :length]
-        self.values[dst, :, :length] = self.values[src, :, :length]
-
-    @classmethod
-    def prefill_mask(cls, pattern, width, dtype):
-        return prefill_mask(pattern.lengths, width, dtype)
-
-    @classmethod
-    def decode_mask(cls, pattern, dtype):
-        return decode_mask(pattern.write_index, pattern.kv_len, dtype)
-
-
-class LinearAttentionRows(LayerRows):
+class LinearAttentionRows(LayerCache):
     """Gated-delta-net state rows: conv state `(conv_dim, kernel)` and recurrent state
     `(v_heads, k_dim, v_dim)` in fp32 (transformers keeps it fp32 too), fixed size per sequence.
 
@@ -182,7 +155,7 @@ class LinearAttentionRows(LayerRows):
         return None  # a generated token is never padding
 
 
-class SlidingWindowRows(FullAttentionRows):
+class SlidingWindowRows(LayerCache):
     """K/V rings of `sliding_window` tokens per row (Step3's `sliding_attention` layers).
 
     transformers' sliding layers let position q attend to keys k with `q - window < k <= q`, so a
@@ -198,10 +171,16 @@ class SlidingWindowRows(FullAttentionRows):
 
     layer_type = "sliding_attention"
 
-    def row_length(self, text_config, limits: CacheLimits) -> int:
+    def __init__(self, text_config, limits: CacheLimits):
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.window = text_config.sliding_window
         self.ring = min(self.window, limits.max_model_len)
-        return self.ring
+        shape = (limits.max_num_seqs, text_config.num_key_value_heads, self.ring, head_dim)
+        self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
+        self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, pattern: WritePattern):
         if pattern.is_prefill:
@@ -226,49 +205,16 @@ class SlidingWindowRows(FullAttentionRows):
         in_window = (pos[:, None] - pos[None, :]) < self.window
         causal = (pos[None, :] <= pos[:, None]) & in_window
         allowed = causal[None] & (pos[None, None, :] < pattern.lengths[:, None, None])
-        return _additive(allowed[:, None], dtype)
+        return additive(allowed[:, None], dtype)
 
     def decode_mask(self, pattern, dtype):
         slots = torch.arange(self.ring, device=pattern.write_index.device)
         current = pattern.write_index[:, None]
         held = current - (current - slots[None, :]).remainder(self.ring)  # position each slot holds
-        return _additive((held >= 0)[:, None, None], dtype)
+        return additive((held >= 0)[:, None, None], dtype)
 
 
-CACHE_KINDS: dict[str, type[LayerRows]] = {
-    FullAttentionRows.layer_type: FullAttentionRows,
-    LinearAttentionRows.layer_type: LinearAttentionRows,
-    SlidingWindowRows.layer_type: SlidingWindowRows,
-}
-
-
-def layer_types(text_config) -> list[str]:
-    """Each decoder layer's kind; a config without `layer_types` is all full attention."""
-    types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
-    unknown = sorted(set(types) - set(CACHE_KINDS))
-    if unknown:
-        raise ValueError(f"layer types {unknown} have no cache kind (known: {sorted(CACHE_KINDS)})")
-    return list(types)
-
-
-def prefill_mask(lengths: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """`(B, 1, L, L)` additive mask for right-padded prompts: causal, and no key past a row's end.
-
-    Padded query rows still see their row's real keys, so no softmax row is all -inf (NaN-free).
-    """
-    pos = torch.arange(length, device=lengths.device)
-    allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
-    return _additive(allowed[:, None], dtype)
-
-
-def decode_mask(write_index: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """`(B, 1, 1, kv_len)` additive mask: each row sees its keys up to and including the new one."""
-    pos = torch.arange(kv_len, device=write_index.device)
-    allowed = pos[None, :] <= write_index[:, None]
-    return _additive(allowed[:, None, None], dtype)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # min-of-dtype, not -inf: eager attention adds the mask and -inf - -inf would be NaN.
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)

@@ -11,13 +11,14 @@ Only the model forward and the logits are in it; sampling stays outside.
 Why padding is harmless:
 - KV columns past a row's own length are masked (additive mask at the dtype's minimum, so their
   softmax weight is exactly 0); they only make the attention GEMMs a little longer.
-- Padding rows are cache rows the running batch does not own (they may be rows a concurrent
-  prefill is writing). A padding row writes its K/V at the last cache column, `max_model_len - 1`:
-  a prefill writes only columns below the prompt length (< max_model_len), and a real sequence
-  always writes a column itself before its mask lets it read it. Padding rows' logits are dropped.
+- Padding rows have block tables of the null block only (`block_pool.NULL_BLOCK`): they write and
+  read nothing any sequence owns. Their logits are dropped.
+- Block tables are padded with the null block up to the bucket's KV length, so the token slots a
+  step writes and the blocks it reads (`WritePattern.write_slots` / `read_blocks`) have the bucket's static shape;
+  they are recomputed from the step's tables and copied into the bucket's buffers, like the mask.
 
-Only for caches where every layer is full attention over plain KV rows; anything else (linear
-attention state, sliding-window rings) runs eager (`supports` says why). Greedy tokens equal the eager step's, which the tests check
+Only for caches where every layer is paged full attention; anything else (linear attention state,
+sliding-window rings) runs eager (`supports` says why). Greedy tokens equal the eager step's, which the tests check
 against transformers' `generate()`.
 """
 
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-from raypipe.decode.kv_cache import SlotKVCache
+from raypipe.decode.kv_cache import KVCache
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 KV_BUCKET_MIN = 256  # KV buckets double from here up to max_model_len
@@ -50,14 +51,14 @@ def supports(cache) -> str | None:
     """None if the static step can run on `cache`, else the reason it cannot."""
     kinds = sorted(set(cache.layer_types) - {"full_attention"})
     if kinds:
-        return f"layer kinds {kinds} are not plain full-attention KV rows"
+        return f"layer kinds {kinds} are not paged full-attention KV"
     return None
 
 
 class StaticDecodeStep:
-    """`step(tokens, positions, write_index, kv_len) -> logits (n, vocab)` through bucketed static shapes."""
+    """`step(tokens, positions, write_index, kv_len, tables) -> logits (n, vocab)` through bucketed static shapes."""
 
-    def __init__(self, model, cache: SlotKVCache, *, batch_buckets: tuple[int, ...], kv_buckets: tuple[int, ...],
+    def __init__(self, model, cache: KVCache, *, batch_buckets: tuple[int, ...], kv_buckets: tuple[int, ...],
                  use_cuda_graphs: bool | None = None):
         self.model = model
         self.cache = cache
@@ -66,7 +67,7 @@ class StaticDecodeStep:
         self.kv_buckets = tuple(sorted(kv_buckets))
         if self.batch_buckets[-1] < cache.max_num_seqs or self.kv_buckets[-1] < cache.max_model_len:
             raise ValueError("the largest buckets must cover max_num_seqs and max_model_len")
-        self.pad_column = cache.max_model_len - 1
+        self.pad_index = 0  # padding rows write (and read) the null block; any index inside their table will do
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
@@ -93,19 +94,20 @@ class StaticDecodeStep:
                 n = min(b, self.cache.max_num_seqs)
                 tokens = torch.zeros(n, dtype=torch.long, device=self.device)
                 positions = torch.zeros((3, n, 1), dtype=torch.long, device=self.device)
-                # Warm-up writes go to the padding column, which no sequence reads before writing.
-                write_index = torch.full((n,), self.pad_column, dtype=torch.long, device=self.device)
-                self(tokens, positions, write_index, k)
+                # Warm-up rows have null-block tables: their writes land where no sequence reads.
+                write_index = torch.full((n,), self.pad_index, dtype=torch.long, device=self.device)
+                tables = torch.zeros((n, 1), dtype=torch.long, device=self.device)  # the null block
+                self(tokens, positions, write_index, k, tables)
         return time.perf_counter() - start
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
-                 kv_len: int) -> torch.Tensor:
+                 kv_len: int, tables: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
         key = self.bucket(n, kv_len)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(self, *key)
-        return bucket.run(tokens, positions, write_index, n)
+        return bucket.run(tokens, positions, write_index, tables, n)
 
     def _forward(self, tokens, positions, mask, cache):
         hidden = self.model(self.model.embed(tokens[:, None]), positions, mask, cache)
@@ -120,19 +122,27 @@ class _Bucket:
         device = step.device
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros((3, batch, 1), dtype=torch.long, device=device)
-        self.write_index = torch.full((batch,), step.pad_column, dtype=torch.long, device=device)
+        self.write_index = torch.full((batch,), step.pad_index, dtype=torch.long, device=device)
+        self.tables = torch.zeros((batch, -(-kv_len // step.cache.block_size)), dtype=torch.long, device=device)
         self.cache = step.cache.view()
-        self.cache.prepare_decode(batch, self.write_index, kv_len)
+        self.cache.prepare_decode(batch, self.write_index, kv_len, self.tables)
         self.mask = self.cache.masks(step.cache.dtype)  # {layer type: tensor}, refilled in place per step
         self.kv_len = kv_len
         self.graph = None
         self.logits = None
 
-    def run(self, tokens, positions, write_index, n: int) -> torch.Tensor:
+    def run(self, tokens, positions, write_index, tables, n: int) -> torch.Tensor:
         self.tokens[:n].copy_(tokens)
         self.positions[:, :n].copy_(positions)
         self.write_index[:n].copy_(write_index)
-        self.write_index[n:].fill_(self.step.pad_column)
+        self.write_index[n:].fill_(self.step.pad_index)
+        width = min(tables.shape[1], self.tables.shape[1])
+        self.tables.zero_()
+        self.tables[:n, :width].copy_(tables[:, :width])
+        pattern = self.cache.pattern
+        fresh = self.cache.decode_pattern(len(self.tokens), self.write_index, self.kv_len, self.tables)
+        pattern.write_slots.copy_(fresh.write_slots)
+        pattern.read_blocks.copy_(fresh.read_blocks)
         for name, mask in self.cache.masks(self.step.cache.dtype).items():
             self.mask[name].copy_(mask)
         if not self.step.use_cuda_graphs:

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 
-DEFAULT_MAX_MODEL_LEN = 4096  # when the checkpoint allows more: the KV cache is max_num_seqs x this
+DEFAULT_MAX_MODEL_LEN = 4096  # when the checkpoint allows more
 
 
 @dataclasses.dataclass(slots=True)
 class EngineConfig:
-    max_num_seqs: int = 32  # running sequences = KV cache rows
+    max_num_seqs: int = 32  # running sequences (rows of the bounded cache kinds; paged K/V follow actual lengths)
     max_model_len: int | None = None  # prompt + output tokens; None: min(model's limit, DEFAULT_MAX_MODEL_LEN)
-    max_num_batched_tokens: int = 8192  # prefill budget per round in prompt tokens (padding adds <= 10%)
+    # Prefill budget per round in prompt tokens (padding adds <= 10%). A longer prompt is prefilled over
+    # several rounds (chunked prefill) where every layer is full attention; elsewhere it runs alone in its round.
+    max_num_batched_tokens: int = 8192
+    # Paged KV cache (decode/block_pool.py): tokens per block, and the pool's bytes. None: on CUDA
+    # `kv_cache_free_memory_fraction` of the device memory free once the weights are loaded; on CPU
+    # max_num_seqs x max_model_len tokens' worth (what the pre-paging slot cache reserved).
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_free_memory_fraction: float = 0.8
+    # Automatic prefix caching: None = on where every layer is full attention (a cached block is then the
+    # whole state of its tokens); off where sliding-window or linear-attention layers keep per-sequence state.
+    enable_prefix_caching: bool | None = None
     num_scheduler_steps: int = 8  # K: decode steps per scheduling round
     dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
     num_threads: int | None = None  # torch CPU threads for the engine process (None: leave as is)
@@ -30,7 +41,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 2.0
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
@@ -38,9 +49,12 @@ class EngineConfig:
             if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) \
                     or self.max_model_len < 2:
                 raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                                 f"({self.max_model_len}), or a long prompt could never be scheduled")
+        if self.kv_cache_memory is not None and (isinstance(self.kv_cache_memory, bool)
+                                                 or not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
+            raise ValueError(f"EngineConfig.kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if not 0 < self.kv_cache_free_memory_fraction <= 1:
+            raise ValueError("EngineConfig.kv_cache_free_memory_fraction must be in (0, 1], got "
+                             f"{self.kv_cache_free_memory_fraction!r}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"EngineConfig.grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -51,5 +65,4 @@ class EngineConfig:
         max_len = self.max_model_len or min(model_max_len, DEFAULT_MAX_MODEL_LEN)
         if max_len > model_max_len:
             raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
-        return dataclasses.replace(self, max_model_len=max_len,
-                                   max_num_batched_tokens=max(self.max_num_batched_tokens, max_len))
+        return dataclasses.replace(self, max_model_len=max_len)

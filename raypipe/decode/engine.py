@@ -4,25 +4,29 @@ One background thread owns the engine state and runs rounds while there is work;
 only runs prefill forwards (the language model is driven with explicit positions and its own cache
 view per thread, so it keeps no per-call state that two threads could share):
 
-    apply aborts -> admit waiting requests into rows after the running batch
-    -> [prefill thread] prefill the joining requests by groups of similar length, first token each
-       || [engine thread] K decode steps for the sequences that were already running
-    -> per sequence: cut at its stop, emit one delta -> free the rows of finished sequences
+    apply aborts -> schedule (scheduler.py): blocks of the paged KV pool for the running sequences'
+       K steps (preempting the newest when the pool runs dry), next chunks of prefills under way,
+       waiting requests admitted after the running batch (reusing their longest cached prefix)
+    -> [prefill thread] prefill those chunks by groups of similar length, first token of each
+       prompt completed || [engine thread] K decode steps for the sequences already decoding
+    -> per sequence: cut at its stop, emit one delta -> free the rows and blocks of finished ones
 
 Prefill and decode overlap because, on a CPU, each is a stream of GEMMs that can have cores of
 its own; run one after the other, a round took prefill + decode time and profiling showed prefill
 at ~40% of the engine's time. While both run, the engine's torch threads are split between them:
 two forwards each asking for every core put twice as many OpenMP threads as cores on the machine,
-and every parallel op then waits at its barrier for a descheduled thread. They touch disjoint cache
-rows and join at the round boundary, so rows are only moved (finished ones released) while nothing
-runs. Joining requests enter the decode batch one round later; their outputs do not change.
+and every parallel op then waits at its barrier for a descheduled thread. They write disjoint rows
+and blocks (a prefill may read cached prefix blocks, which nobody writes) and join at the round
+boundary, so rows are only moved and blocks only taken or given back while nothing runs. Joining
+requests enter the decode batch one round later; their outputs do not change.
 
 Callers `await` deltas from `generate()`; validation happens in the caller's task before a
 request is queued, so a bad request fails alone. The engine needs no Ray actor around it: image
 embeddings may be tensors or Ray `ObjectRef`s (awaited in `generate`).
 
 Work is bounded: at most `max_num_seqs + max_num_waiting` requests are in the engine, one more is
-refused with `QueueFull` (retryable). Aborts name a `Sequence`, not an id, so an abort that arrives
+refused with `QueueFull` (retryable); a request whose prompt plus `max_tokens` could outgrow the
+whole KV cache is refused with `InvalidInput` (`kv_cache_too_small`). Aborts name a `Sequence`, not an id, so an abort that arrives
 after its request ended cannot hit a new request reusing the id; `shutdown()` fails every request
 still in the engine with `EngineClosed`.
 """
@@ -41,10 +45,12 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 import torch
 
+from raypipe.decode.block_pool import BlockPool
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.grammar import GrammarCompiler
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
+from raypipe.decode.prefix_hash import placeholder_runs
 from raypipe.decode.request import check_request, visual_rows
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
@@ -68,9 +74,14 @@ class LLMEngine:
         self.device = pick_device()
         self.runner = ModelRunner(self.adapter, device=self.device, dtype=resolve_dtype(self.config.dtype, self.device),
                                   max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
-                                  num_scheduler_steps=self.config.num_scheduler_steps)
+                                  num_scheduler_steps=self.config.num_scheduler_steps,
+                                  block_size=self.config.block_size, kv_cache_memory=self.config.kv_cache_memory,
+                                  kv_cache_free_memory_fraction=self.config.kv_cache_free_memory_fraction)
         self.decode_step = self._start_decode_step()
-        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.pool,
+                                   chunked_prefill=self.runner.cache.all_paged,
+                                   prefix_caching=self._prefix_caching())
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.adapter.eos_token_ids,
@@ -93,7 +104,8 @@ class LLMEngine:
 
     def check_request(self, prompt: PreparedPrompt | list[int], params: SamplingParams) -> None:
         """Raise `InvalidInput` if the engine would refuse this request (no work is started)."""
-        check_request(prompt, params, language_adapter=self.adapter, max_model_len=self.config.max_model_len)
+        check_request(prompt, params, language_adapter=self.adapter, max_model_len=self.config.max_model_len,
+                      kv_cache_tokens=self.pool.capacity_tokens)
         if params.structured is not None:
             self.grammars.matcher(params.structured)  # compiles (and caches) it, or names what is wrong
 
@@ -102,8 +114,11 @@ class LLMEngine:
         """Deltas for one request; leaving the iteration early (or cancelling) aborts it."""
         params = params if params is not None else SamplingParams()
         ids, layouts = check_request(prompt, params, language_adapter=self.adapter,
-                                     max_model_len=self.config.max_model_len)
+                                     max_model_len=self.config.max_model_len, kv_cache_tokens=self.pool.capacity_tokens)
         embeds, kept = visual_rows(await _resolve(visual_embeds), layouts, self.adapter)
+        runs = ()
+        if self.scheduler.prefix_caching and embeds is not None:  # hashing the rows takes ~1 ms per MB
+            runs = await asyncio.to_thread(placeholder_runs, ids, layouts, embeds, self.adapter)
         positions, rope_delta = self.adapter.positions(ids, layouts, kept)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -119,7 +134,8 @@ class LLMEngine:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         # Compiled here, not on the engine thread (cached: ~1 ms the first time, a copy after).
         matcher = await asyncio.to_thread(self.grammars.matcher, params.structured) if params.structured else None
-        seq = Sequence(request_id, ids, positions, rope_delta, embeds, params, deliver, generator, matcher)
+        seq = Sequence(request_id, ids, positions, rope_delta, embeds, params, deliver, generator, matcher,
+                       placeholder_runs=runs)
         self._submit(seq)
         done = False
         try:
@@ -158,7 +174,7 @@ class LLMEngine:
                 self._cond.notify()
 
     def stats(self) -> dict:
-        c = self._counters
+        c, s = self._counters, self.scheduler.counters
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "rounds": c["rounds"], "prefill_batches": c["prefills"], "prefill_tokens": c["prefill_tokens"],
                 "decode_steps": c["decode_steps"], "max_running_seen": c["max_running"],
@@ -168,7 +184,33 @@ class LLMEngine:
                 "prefill_seconds": c["prefill_seconds"], "decode_seconds": c["decode_seconds"],
                 "num_scheduler_steps": self.config.num_scheduler_steps, "max_num_seqs": self.config.max_num_seqs,
                 "max_model_len": self.config.max_model_len, "kv_cache_bytes": self.runner.cache.nbytes,
+                "kv_cache_tokens": self.pool.capacity_tokens, **self.pool.stats(),
+                "prefix_caching": self.scheduler.prefix_caching, "chunked_prefill": self.scheduler.chunked_prefill,
+                "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
+                "prefix_cache_hit_rate": (s["prefix_cache_hit_tokens"] / s["prefill_tokens_asked"]
+                                          if s["prefill_tokens_asked"] else 0.0),
+                "preemptions": s["preemptions"], "chunked_prefills": s["chunked_prefills"],
                 "device": str(self.device), "decode_step": self.decode_step}
+
+    def _prefix_caching(self) -> bool:
+        """Prefix caching as configured, logged with the pool's size; on by default where every layer is
+        full attention (a cached block is then all the state its tokens leave behind)."""
+        cache, wanted = self.runner.cache, self.config.enable_prefix_caching
+        bounded = sorted(set(cache.layer_types) - {"full_attention"})
+        if wanted and bounded:
+            raise ValueError(f"enable_prefix_caching needs every layer to be full attention; this model also has "
+                             f"{bounded} layers, whose per-sequence state a cached block cannot restore")
+        on = cache.all_paged if wanted is None else wanted
+        blocks = cache.num_blocks - 1
+        log.info("KV cache: %d blocks x %d tokens = %d tokens of paged K/V (%.1f MiB, %d bytes per token)%s; "
+                 "prefix caching %s; chunked prefill %s", blocks, self.config.block_size,
+                 blocks * self.config.block_size, cache.nbytes / 2**20, self.runner.bytes_per_token,
+                 f", plus fixed rows for {bounded} layers" if bounded else "", "on" if on else "off",
+                 "on" if cache.all_paged else f"off ({bounded} layers prefill whole prompts)")
+        if blocks * self.config.block_size < self.config.max_model_len:
+            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: longer requests are refused",
+                        blocks * self.config.block_size, self.config.max_model_len)
+        return on
 
     def _start_decode_step(self) -> dict:
         """Static-shape decode step if configured and possible, warmed up now; what was chosen and why."""
@@ -236,8 +278,10 @@ class LLMEngine:
             self._flush()
 
     def _round(self) -> None:
-        running = list(self.scheduler.running)  # rows 0..n-1; joining requests get the rows after
-        groups = self.scheduler.admit()
+        steps = self.config.num_scheduler_steps
+        plan = self.scheduler.schedule(lambda seq: min(steps, self.output.budget(seq)))
+        self.runner.move_rows(plan.moves)
+        running, groups = plan.decode, plan.prefill  # running: rows 0..n-1
         with self._cores_split(bool(groups and running)):
             prefill = self._prefill_thread.submit(self._prefill, groups) if groups else None
             try:
@@ -245,10 +289,14 @@ class LLMEngine:
                     self._decode(running)
             finally:
                 first = prefill.result() if prefill is not None else []  # never leave a prefill running
-        for group, (tokens, logprobs) in zip(groups, first):
+        for group, (sampled, tokens, logprobs) in zip(groups, first):
             self._counters["prefills"] += 1
-            self._counters["prefill_tokens"] += sum(s.prompt_len for s in group)
-            for seq, token, lp in zip(group, tokens, logprobs):
+            self._counters["prefill_tokens"] += sum(s.chunk_len for s in group)
+            for seq in group:
+                seq.num_computed += seq.chunk_len
+                seq.chunk_len = 0
+                self.scheduler.cache_blocks(seq)
+            for seq, token, lp in zip(sampled, tokens, logprobs):
                 self._emit(seq, self.output.append(seq, [token], lp))
         self._release_finished()
 
@@ -268,13 +316,19 @@ class LLMEngine:
             if split:
                 torch.set_num_threads(self.num_threads)
 
-    def _prefill(self, groups: list[list[Sequence]]) -> list[tuple[list[int], list]]:
-        """First token ids and log-probabilities per group (on the prefill thread: it touches only
-        the joining sequences)."""
+    def _prefill(self, groups: list[list[Sequence]]) -> list[tuple[list[Sequence], list[int], list]]:
+        """Per group: the sequences whose prompt it completes, their first token ids and log-probabilities
+        (on the prefill thread: it touches only the prefilling sequences). A resumed sequence samples
+        nothing: its newest output token is already the next input."""
         out, start = [], time.perf_counter()
         for group in groups:
-            batch = self._sampling_batch(group)
-            out.append((self.runner.prefill(group, batch), batch.take_logprobs(group)))
+            sampled = [s for s in group if not s.output_ids and s.num_computed + s.chunk_len == s.prompt_len]
+            if not sampled:
+                self.runner.prefill(group, [], None)
+                out.append(([], [], []))
+                continue
+            batch = self._sampling_batch(sampled)
+            out.append((sampled, self.runner.prefill(group, sampled, batch), batch.take_logprobs(sampled)))
         self._counters["prefill_seconds"] += time.perf_counter() - start
         return out
 
@@ -304,6 +358,7 @@ class LLMEngine:
         self._counters["decode_row_steps"] += steps * len(running)
         for seq, ids, logprobs in zip(running, new_ids, batch.take_logprobs(running)):
             self._emit(seq, self.output.append(seq, ids, logprobs))
+            seq.num_computed = seq.cache_len
 
     def _emit(self, seq: Sequence, delta: RequestDelta) -> None:
         self._counters["tokens_generated"] += len(delta.token_ids)
@@ -338,9 +393,11 @@ class LLMEngine:
 
     def _fail_running(self, exc: Exception) -> None:
         self._outbox = [(seq, delta) for seq, delta in self._outbox if seq.finished]
+        for seq in self.scheduler.running:
+            self.pool.release(seq.block_table)
+            seq.block_table, seq.row = [], None
         failed, self.scheduler.running = [s for s in self.scheduler.running if not s.finished], []
         for seq in failed:
-            seq.row = None
             self._forget(seq)
             seq.deliver(RuntimeError(f"decode engine failed on this batch: {exc!r}"))
 

@@ -1,16 +1,17 @@
-"""The slot cache: one `LayerRows` per decoder layer (kind from `layer_types`), allocated once.
+"""The engine's cache: one `LayerCache` per decoder layer (kind from `layer_types`), allocated once.
 
-Each running sequence owns one slot — row i of every layer's cache, whatever its kind (K/V for
-full attention, conv + recurrent state for linear attention; see `cache_kinds.py`). The engine
-keeps the running batch compact — batch row i is slot i — so the model always sees the first `n`
-rows and no gather is needed. A request joining takes the next free row (nothing moves); a request
-leaving has the last row's state copied into its row in every layer (one sequence, never the batch).
+Full-attention layers keep K/V in blocks of the paged pool (`paged_attention.py`; which blocks a
+sequence holds is `block_pool.py`'s business), so memory follows actual lengths. The bounded kinds
+(sliding-window rings, linear-attention state) keep one fixed row per running sequence: batch row i
+is row i, the engine keeps the running batch compact, a request joining takes the next free row
+and a request leaving has the last row's state copied into its row (one sequence, never the batch).
 
 It is a transformers `Cache`, so transformers' layers call it themselves (`update` from attention
 layers, `get_/update_conv_state` and `get_/update_recurrent_state` from gated-delta-net layers), and
-each call goes to that layer's rows. The engine sets the write pattern before each forward with
-`prepare_prefill` / `prepare_decode`, and passes `masks()` — one mask per layer type, which
-transformers' decoder stacks accept as a dict and hand to each layer as it is.
+each call goes to that layer's cache. The engine sets the write pattern before each forward with
+`prepare_prefill` / `prepare_decode` (token slots are computed there once for all layers), and
+passes `masks()`: one mask per layer type, which transformers' decoder stacks accept as a dict and
+hand to each layer as it is.
 """
 
 from __future__ import annotations
@@ -20,81 +21,159 @@ import copy
 import torch
 from transformers.cache_utils import Cache
 
-from raypipe.decode.cache_kinds import CACHE_KINDS, CacheLimits, LayerRows, WritePattern, layer_types
+from raypipe.decode.block_pool import NULL_BLOCK
+from raypipe.decode.cache_kinds import CacheLimits, LayerCache, LinearAttentionRows, SlidingWindowRows, WritePattern
+from raypipe.decode.paged_attention import PagedAttentionLayer, token_slots
+
+CACHE_KINDS: dict[str, type[LayerCache]] = {
+    PagedAttentionLayer.layer_type: PagedAttentionLayer,
+    LinearAttentionRows.layer_type: LinearAttentionRows,
+    SlidingWindowRows.layer_type: SlidingWindowRows,
+}
 
 
-class SlotKVCache(Cache):
-    def __init__(self, text_config, *, max_num_seqs: int, max_model_len: int, device: torch.device,
-                 dtype: torch.dtype):
+def layer_types(text_config) -> list[str]:
+    """Each decoder layer's kind; a config without `layer_types` is all full attention."""
+    types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+    unknown = sorted(set(types) - set(CACHE_KINDS))
+    if unknown:
+        raise ValueError(f"layer types {unknown} have no cache kind (known: {sorted(CACHE_KINDS)})")
+    return list(types)
+
+
+def paged_bytes_per_token(text_config, dtype: torch.dtype) -> int:
+    """K/V bytes one token takes in the paged pool (every full-attention layer)."""
+    full = layer_types(text_config).count(PagedAttentionLayer.layer_type)
+    return full * PagedAttentionLayer.bytes_per_token(text_config, dtype)
+
+
+def block_tables(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """`(len(tables), width)` block ids, padded with the null block."""
+    out = torch.full((len(tables), width), NULL_BLOCK, dtype=torch.long)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = torch.tensor(table[:width], dtype=torch.long)
+    return out.to(device)
+
+
+class KVCache(Cache):
+    def __init__(self, text_config, *, max_num_seqs: int, max_model_len: int, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype):
         super().__init__(layers=[])
-        limits = CacheLimits(max_num_seqs, max_model_len, torch.device(device), dtype)
+        limits = CacheLimits(max_num_seqs, max_model_len, torch.device(device), dtype, num_blocks, block_size)
         self.layer_types = layer_types(text_config)
-        self.rows: list[LayerRows] = [CACHE_KINDS[kind](text_config, limits) for kind in self.layer_types]
-        self.kinds = {kind: rows for kind, rows in zip(self.layer_types, self.rows)}  # one instance per kind
+        self.caches: list[LayerCache] = [CACHE_KINDS[kind](text_config, limits) for kind in self.layer_types]
+        self.kinds = {kind: layer for kind, layer in zip(self.layer_types, self.caches)}  # one instance per kind
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.device = limits.device
         self.dtype = dtype
         self.pattern = WritePattern()
+        self.in_round = False  # between begin_decode_round and end_decode_round
 
     @property
     def padded_prefill_exact(self) -> bool:
         """Whether right-padded prompts of different lengths may share one prefill forward."""
         return all(kind.PADDED_PREFILL_EXACT for kind in self.kinds.values())
 
-    def view(self) -> "SlotKVCache":
-        """The same rows with a write pattern of its own, so two threads can run forwards at once on
-        disjoint rows (prefill of joining rows while the running rows decode)."""
+    @property
+    def all_paged(self) -> bool:
+        """Every layer is paged full attention: prefills may start from a cached past (prefix caching,
+        chunked prefill)."""
+        return set(self.kinds) == {PagedAttentionLayer.layer_type}
+
+    def view(self) -> "KVCache":
+        """The same storage with a write pattern of its own, so two threads can run forwards at once on
+        disjoint rows and blocks (prefill of joining sequences while the running ones decode)."""
         other = copy.copy(self)
         other.pattern = WritePattern()
         return other
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for rows in self.rows for t in rows.tensors())
+        return sum(t.numel() * t.element_size() for layer in self.caches for t in layer.tensors())
 
-    def prepare_prefill(self, first_row: int, lengths: torch.Tensor, width: int) -> None:
-        """Rows `first_row..+len(lengths)` get positions `0..width-1` (right-padded to `width`)."""
-        self.pattern = WritePattern(rows=slice(first_row, first_row + len(lengths)), lengths=lengths, kv_len=width)
+    def prepare_prefill(self, first_row: int, starts: list[int], lengths: list[int], tables: list[list[int]]) -> None:
+        """Rows `first_row..+len(lengths)` compute positions `starts[b]..starts[b]+lengths[b]-1`
+        (right-padded to the longest), writing through their block `tables`."""
+        width = max(lengths)
+        kv_blocks = -(-max(s + n for s, n in zip(starts, lengths)) // self.block_size)
+        starts_t = torch.tensor(starts, device=self.device)
+        lengths_t = torch.tensor(lengths, device=self.device)
+        table = block_tables(tables, max(kv_blocks, -(-(max(starts) + width) // self.block_size)), self.device)
+        query = starts_t[:, None] + torch.arange(width, device=self.device)[None, :]
+        real = torch.arange(width, device=self.device)[None, :] < lengths_t[:, None]
+        has_past = any(starts)
+        self.pattern = WritePattern(rows=slice(first_row, first_row + len(lengths)), lengths=lengths_t,
+                                    starts=starts_t, has_past=has_past, real=real,
+                                    write_slots=token_slots(table, query, self.block_size)[real],
+                                    read_blocks=table[:, :kv_blocks].reshape(-1) if has_past else None,
+                                    kv_len=kv_blocks * self.block_size if has_past else width)
 
-    def prepare_decode(self, num_rows: int, write_index: torch.Tensor, kv_len: int) -> None:
-        """Rows `0..num_rows-1` each write one token at their own `write_index[row]`."""
-        row_ids = self.pattern.row_ids
+    def prepare_decode(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor) -> None:
+        """Rows `0..num_rows-1` each write one token at their own `write_index[row]` and attend over their
+        first `kv_len` positions, rounded up to whole blocks; `tables` are their block tables
+        `(num_rows, >= kv_len / block_size)`, padded with the null block."""
+        self.pattern = self.decode_pattern(num_rows, write_index, kv_len, tables, self.pattern.row_ids)
+
+    def decode_pattern(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor,
+                       row_ids: torch.Tensor | None = None) -> WritePattern:
         if row_ids is None or row_ids.numel() != num_rows:
             row_ids = torch.arange(num_rows, device=self.device)
-        self.pattern = WritePattern(rows=slice(0, num_rows), write_index=write_index, row_ids=row_ids, kv_len=kv_len)
+        kv_blocks = -(-kv_len // self.block_size)
+        return WritePattern(rows=slice(0, num_rows), write_index=write_index, row_ids=row_ids,
+                            kv_len=kv_blocks * self.block_size,
+                            write_slots=token_slots(tables, write_index[:, None], self.block_size)[:, 0],
+                            read_blocks=None if self.in_round else tables[:, :kv_blocks].reshape(-1),
+                            in_round=self.in_round)
+
+    def begin_decode_round(self, tables: torch.Tensor) -> None:
+        """The decode rows' K/V (blocks `tables`, `(rows, blocks)`) gathered once for a round of eager
+        steps, which then append to them (see paged_attention.py); until `end_decode_round`."""
+        for layer in self.caches:
+            if isinstance(layer, PagedAttentionLayer):
+                layer.begin_round(tables)
+        self.in_round = True
+
+    def end_decode_round(self) -> None:
+        for layer in self.caches:
+            if isinstance(layer, PagedAttentionLayer):
+                layer.end_round()
+        self.in_round = False
 
     def masks(self, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
         """The attention mask of the prepared forward for each layer type present."""
         p = self.pattern
         if p.is_prefill:
-            return {name: kind.prefill_mask(p, p.kv_len, dtype) for name, kind in self.kinds.items()}
+            width = p.real.shape[1]
+            return {name: kind.prefill_mask(p, width, dtype) for name, kind in self.kinds.items()}
         return {name: kind.decode_mask(p, dtype) for name, kind in self.kinds.items()}
 
     # Called by transformers' attention layers.
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.rows[layer_idx].update(key_states, value_states, self.pattern)
+        return self.caches[layer_idx].update(key_states, value_states, self.pattern)
 
     # Called by transformers' gated-delta-net layers.
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self.rows[layer_idx].conv_state(self.pattern)
+        return self.caches[layer_idx].conv_state(self.pattern)
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        return self.rows[layer_idx].update_conv(conv_states, self.pattern)
+        return self.caches[layer_idx].update_conv(conv_states, self.pattern)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self.rows[layer_idx].recurrent_state(self.pattern)
+        return self.caches[layer_idx].recurrent_state(self.pattern)
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        self.rows[layer_idx].update_recurrent(recurrent_states, self.pattern)
+        self.caches[layer_idx].update_recurrent(recurrent_states, self.pattern)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False  # rows keep only the latest state (no speculative rollback)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        """Move one sequence (first `length` cached tokens) from row `src` to row `dst` in every layer."""
-        for rows in self.rows:
-            rows.move_row(src, dst, length)
+        """Move one sequence's row state (first `length` cached tokens) from row `src` to row `dst`."""
+        for layer in self.caches:
+            layer.move_row(src, dst, length)
 
     # The parts of transformers' Cache interface that code paths outside our forward may ask for.
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -104,4 +183,4 @@ class SlotKVCache(Cache):
         return self.max_model_len
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.caches)

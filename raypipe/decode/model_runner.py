@@ -1,10 +1,12 @@
-"""The language model, its slot cache and the two batched forwards: prefill and a K-step decode round.
+"""The language model, its cache and the two batched forwards: prefill and a K-step decode round.
 
-`prefill` runs one group of joining prompts (the scheduler groups them by length) as one
-right-padded batch into their cache rows and samples each one's first token. Where a layer kind
-cannot skip padding (linear-attention state), the group runs as sub-batches of equal length. `decode` runs K
-steps for the whole running batch: every step feeds the previous step's sampled ids (still on the
-device) back in, so the model never waits for the host.
+`prefill` runs one group of prefill chunks (the scheduler groups them by length) as one
+right-padded batch into their blocks and rows, and samples the first token of each sequence whose
+prompt it completes. A chunk starts where the sequence's cached tokens end (a cached prefix, an
+earlier chunk, or 0): its positions and visual rows are those of its tokens in the whole prompt.
+Where a layer kind cannot skip padding (linear-attention state), the group runs as sub-batches of
+equal length. `decode` runs K steps for the whole running batch: every step feeds the previous
+step's sampled ids (still on the device) back in, so the model never waits for the host.
 Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
 stream, read one step late so the copy overlaps the next step's kernels; on CPU directly.
 With `use_static_step` a decode step's forward and logits run through `compiled_step` (bucketed
@@ -18,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from raypipe.decode import compiled_step
-from raypipe.decode.kv_cache import SlotKVCache
+from raypipe.decode.kv_cache import KVCache, block_tables, paged_bytes_per_token
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence
 
@@ -26,17 +28,31 @@ from raypipe.decode.sequence import Sequence
 StepCallback = Callable[[int, list[int]], bool]
 
 
+def pool_blocks(budget: int, bytes_per_token: int, block_size: int) -> int:
+    """Blocks of the paged pool that `budget` bytes hold, plus the null block."""
+    return budget // max(bytes_per_token * block_size, 1) + 1
+
+
 class ModelRunner:
     def __init__(self, language_adapter, *, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
-                 max_model_len: int, num_scheduler_steps: int):
+                 max_model_len: int, num_scheduler_steps: int, block_size: int, kv_cache_memory: int | None,
+                 kv_cache_free_memory_fraction: float):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = language_adapter.load_model(self.device, dtype)
         text = language_adapter.text_config
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len
-        self.cache = SlotKVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                 device=self.device, dtype=dtype)
+        self.bytes_per_token = paged_bytes_per_token(text, dtype)
+        if kv_cache_memory is None:
+            if self.device.type == "cuda":  # after the weights are loaded
+                kv_cache_memory = int(torch.cuda.mem_get_info(self.device)[0] * kv_cache_free_memory_fraction)
+            else:  # what the pre-paging slot cache reserved: max_num_seqs rows of max_model_len
+                kv_cache_memory = max_num_seqs * max_model_len * self.bytes_per_token
+        self.cache = KVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                             num_blocks=pool_blocks(kv_cache_memory, self.bytes_per_token, block_size),
+                             block_size=block_size, device=self.device, dtype=dtype)
+        self.placeholder_ids = set(self.model.placeholder_ids.tolist())
         self.prefill_cache = self.cache.view()  # prefill may run on another thread than decode
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -56,43 +72,74 @@ class ModelRunner:
         return reason
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], batch: SamplingBatch) -> list[int]:
-        """Fill the cache rows of `seqs` (consecutive, starting at `seqs[0].row`); first sampled ids."""
+    def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
+        """Compute the chunks of `seqs` (consecutive rows from `seqs[0].row` where the bounded cache
+        kinds have rows); first sampled ids of `sampled` (those whose prompt this completes, the rows
+        of `batch`)."""
         if self.cache.padded_prefill_exact:
             runs = [seqs]
         else:
             runs: list[list[Sequence]] = []
             for seq in seqs:
-                if runs and runs[-1][0].prompt_len == seq.prompt_len:
+                if runs and runs[-1][0].chunk_len == seq.chunk_len:
                     runs[-1].append(seq)
                 else:
                     runs.append([seq])
-        # One sampling call over the whole group: `batch` rows are the group's rows.
-        return sample(torch.cat([self._prefill_logits(run) for run in runs]), batch).tolist()
+        logits = [self._prefill_logits(run, [s for s in run if s in sampled]) for run in runs]
+        if not sampled:
+            return []
+        # One sampling call over the group's sampled rows, in the order of `sampled`.
+        order = [s for run in runs for s in run if s in sampled]
+        rows = torch.cat(logits)[torch.tensor([order.index(s) for s in sampled], device=self.device)]
+        return sample(rows, batch).tolist()
 
     @torch.inference_mode()
-    def _prefill_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Last-position logits of a right-padded run of `seqs` whose cache rows it fills."""
-        lengths = [s.prompt_len for s in seqs]
+    def _prefill_logits(self, seqs: list[Sequence], sampled: list[Sequence]) -> torch.Tensor:
+        """Last-position logits of `sampled` from a right-padded forward over the chunks of `seqs`."""
+        starts = [s.num_computed for s in seqs]
+        lengths = [s.chunk_len for s in seqs]
         width = max(lengths)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
         positions = torch.zeros((3, len(seqs), width), dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            ids[i, : seq.prompt_len] = torch.tensor(seq.prompt_ids)
-            positions[:, i, : seq.prompt_len] = seq.positions
-        images = [s.visual_embeds for s in seqs if s.visual_embeds is not None]
-        visual_embeds = torch.cat(images).to(self.device) if images else None
-        lengths_t = torch.tensor(lengths, device=self.device)
+        visual = []
+        for i, (seq, start, n) in enumerate(zip(seqs, starts, lengths)):
+            tokens = seq.token_ids[start: start + n]
+            ids[i, :n] = torch.tensor(tokens)
+            positions[:, i, :n] = seq.positions_between(start, start + n)
+            if seq.visual_embeds is not None:
+                first = sum(t in self.placeholder_ids for t in seq.prompt_ids[:start])
+                visual.append(seq.visual_embeds[first: first + sum(t in self.placeholder_ids for t in tokens)])
+        visual_embeds = torch.cat(visual).to(self.device) if visual else None
         ids, positions = ids.to(self.device), positions.to(self.device)
-        self.prefill_cache.prepare_prefill(seqs[0].row, lengths_t, width)
+        self.prefill_cache.prepare_prefill(seqs[0].row, starts, lengths, [s.block_table for s in seqs])
         hidden = self.model(self.model.embed(ids, visual_embeds), positions, self.prefill_cache.masks(self.dtype),
                             self.prefill_cache)
-        last = hidden[torch.arange(len(seqs), device=self.device), lengths_t - 1]
+        rows = [seqs.index(s) for s in sampled]
+        last = hidden[torch.tensor(rows, dtype=torch.long, device=self.device),
+                      torch.tensor([lengths[r] - 1 for r in rows], dtype=torch.long, device=self.device)]
         return self.model.logits(last)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], batch: SamplingBatch, steps: int, on_step: StepCallback) -> int:
-        """Up to `steps` decode steps for the running batch `seqs` (row i = seqs[i]); steps run."""
+        """Up to `steps` decode steps for the running batch `seqs` (row i = seqs[i]); steps run.
+
+        Eager steps attend over the rows' K/V gathered once for the round (`KVCache.begin_decode_round`);
+        the static-shape step gathers per step (its buffers must keep their shapes and addresses)."""
+        longest = max(s.cache_len for s in seqs)
+        tables = block_tables([s.block_table for s in seqs],
+                              -(-(min(longest + steps - 1, self.max_model_len - 1) + 1) // self.cache.block_size),
+                              self.device)
+        eager = self.static_step is None
+        if eager:
+            self.cache.begin_decode_round(tables)
+        try:
+            return self._decode_steps(seqs, batch, steps, on_step, tables)
+        finally:
+            if eager:
+                self.cache.end_decode_round()
+
+    def _decode_steps(self, seqs: list[Sequence], batch: SamplingBatch, steps: int, on_step: StepCallback,
+                      tables: torch.Tensor) -> int:
         n = len(seqs)
         tokens = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
         cache_len = torch.tensor([s.cache_len for s in seqs], device=self.device)
@@ -106,9 +153,9 @@ class ModelRunner:
             kv_len = min(longest + step, self.max_model_len - 1) + 1
             positions = (cache_len + step + rope_delta).view(1, n, 1).expand(3, n, 1)
             if self.static_step is not None:
-                logits = self.static_step(tokens, positions, write_index, kv_len)
+                logits = self.static_step(tokens, positions, write_index, kv_len, tables)
             else:
-                self.cache.prepare_decode(n, write_index, kv_len)
+                self.cache.prepare_decode(n, write_index, kv_len, tables)
                 hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),
                                     self.cache)
                 logits = self.model.logits(hidden[:, -1])

@@ -77,7 +77,18 @@ class Sequence:
     generator: torch.Generator | None = None
     matcher: object | None = None  # llguidance matcher of SamplingParams.structured (raypipe.decode.grammar)
     output_ids: list[int] = dataclasses.field(default_factory=list)
-    row: int | None = None  # KV cache row while running
+    row: int | None = None  # row of the bounded cache kinds while running
+    arrival: int = 0  # submission order (the scheduler preempts the newest first)
+    # Paged KV: the blocks holding this sequence's tokens, and how many tokens have K/V there. A
+    # preempted sequence gives its blocks back and is recomputed from `token_ids` when it runs again.
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    chunk_len: int = 0  # tokens its prefill computes in the current round
+    # Prefix caching (prefix_hash.py): placeholder runs with their items' digests, the hash of each
+    # full block so far, how many of its blocks are registered in the pool's cache
+    placeholder_runs: tuple = ()
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_registered: int = 0
     finish_reason: str | None = None
     # For penalties (sampler.py), made on first use: (vocab,) int32 output token counts, (vocab,) bool prompt tokens
     token_counts: torch.Tensor | None = None
@@ -99,6 +110,23 @@ class Sequence:
     def cache_len(self) -> int:
         """Tokens whose K/V are cached: the prompt plus every output token but the newest."""
         return self.prompt_len + max(len(self.output_ids) - 1, 0)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def positions_between(self, start: int, end: int) -> torch.Tensor:
+        """`(3, end - start)` positions of cache indices `start..end-1` (past the prompt: index + rope_delta)."""
+        prompt = self.positions[:, start:end]
+        if end <= self.prompt_len:
+            return prompt
+        generated = torch.arange(max(start, self.prompt_len), end) + self.rope_delta
+        return torch.cat([prompt, generated.expand(3, -1)], dim=1)
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled (its first token sampled, or recomputed after a preemption): it takes decode steps."""
+        return bool(self.output_ids) and self.num_computed == self.cache_len
 
     @property
     def finished(self) -> bool:

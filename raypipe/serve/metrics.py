@@ -74,7 +74,15 @@ class _LiveStats:
                     ("max_running_seen", "decode_max_batch", "Most sequences decoded together in one round"),
                     ("mean_decode_batch", "decode_mean_batch", "Mean sequences per decode step"),
                     ("rounds", "decode_rounds", "Decode rounds run"),
-                    ("requests_aborted", "decode_requests_aborted", "Requests aborted (e.g. client gone)")):
+                    ("requests_aborted", "decode_requests_aborted", "Requests aborted (e.g. client gone)"),
+                    ("kv_cache_tokens", "kv_cache_tokens", "Tokens the paged KV cache holds"),
+                    ("kv_blocks_total", "kv_blocks_total", "Blocks of the paged KV cache"),
+                    ("kv_blocks_used", "kv_blocks_used", "KV blocks held by running sequences"),
+                    ("kv_blocks_cached", "kv_blocks_cached", "KV blocks registered in the prefix cache (held or not)"),
+                    ("prefix_cache_hit_rate", "prefix_cache_hit_rate",
+                     "Prompt tokens taken from the prefix cache / prompt tokens to prefill"),
+                    ("preemptions", "decode_preemptions", "Sequences preempted when the KV cache ran out"),
+                    ("chunked_prefills", "decode_chunked_prefills", "Prompts prefilled over several rounds")):
                 if key in decoder:
                     yield GaugeMetricFamily(f"raypipe_{name}", help_text, value=float(decoder[key]))
         if encoder := live.get("encoder"):

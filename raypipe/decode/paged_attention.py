@@ -1,0 +1,108 @@
+"""Full-attention layers over the paged KV cache: K/V in blocks from one pool, read by gather.
+
+Each full-attention layer owns keys and values of shape `(num_blocks, block_size, kv_heads,
+head_dim)`: token-major inside a block, so the flat view `(num_blocks * block_size, kv_heads,
+head_dim)` is indexed by token slot (`block_id * block_size + offset`). The cache computes, once per
+forward and for every layer alike, the token slots this forward writes and the blocks each row
+reads (`WritePattern.write_slots` / `read_blocks`, from the rows' block tables).
+
+A forward writes its new K/V with one `index_copy_` and reads each row's blocks in table order with
+one `index_select` over whole blocks (`block_size x kv_heads x head_dim` contiguous elements each:
+a gather by token slot moved 512-byte pieces and cost three times the step at batch 32), viewed as
+`(rows, kv_heads, kv_len, head_dim)`: from there the masks and transformers' attention functions
+(SDPA, eager) run exactly as over contiguous rows, which keeps greedy output equal to `generate()`.
+Why a gather and not a paged kernel: on a CPU no maintained paged-attention kernel exists for this
+torch, and the gather is one copy of the keys a step attends over, next to attention that reads
+them anyway (`raypipe bench kv` measures it against a contiguous cache). Columns past a row's own
+length read whatever their blocks hold (the null block for table padding) and are masked.
+
+A decode round of K eager steps gathers its rows' blocks once (`begin_round`: one row-major copy
+per layer, `(rows, round length, kv_heads, head_dim)`), then every step appends its token to those
+rows as well as to the pool and attends over a prefix view of them: a gather per step copied every
+row's whole K/V each step, which at batch 32 cost more than the rest of the step on a CPU. The
+rows are dropped when the round ends; the pool stays the only K/V that outlives a round.
+
+A prefill with no cached past (every row starts at token 0) attends over its own fresh K/V, as
+before paging; a prefill that continues a cached prefix or an earlier chunk reads through the table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raypipe.decode.cache_kinds import CacheLimits, LayerCache, WritePattern, additive
+
+
+class PagedAttentionLayer(LayerCache):
+    layer_type = "full_attention"
+
+    def __init__(self, text_config, limits: CacheLimits):
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self.heads, self.head_dim = text_config.num_key_value_heads, head_dim
+        shape = (limits.num_blocks, limits.block_size, self.heads, head_dim)
+        self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
+        self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
+        self.round: tuple[torch.Tensor, torch.Tensor] | None = None  # this decode round's rows (K, V)
+
+    @staticmethod
+    def bytes_per_token(text_config, dtype: torch.dtype) -> int:
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        return 2 * text_config.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, pattern: WritePattern):
+        keys = self.keys.view(-1, self.heads, self.head_dim)
+        values = self.values.view(-1, self.heads, self.head_dim)
+        if pattern.is_prefill:
+            # (B, H, W, D) -> the real tokens, row-major: (N, H, D)
+            keys.index_copy_(0, pattern.write_slots, key_states.transpose(1, 2)[pattern.real])
+            values.index_copy_(0, pattern.write_slots, value_states.transpose(1, 2)[pattern.real])
+            if not pattern.has_past:
+                return key_states, value_states
+        else:
+            keys.index_copy_(0, pattern.write_slots, key_states[:, :, 0])
+            values.index_copy_(0, pattern.write_slots, value_states[:, :, 0])
+            if pattern.in_round:
+                round_keys, round_values = self.round
+                round_keys[pattern.row_ids, pattern.write_index] = key_states[:, :, 0]
+                round_values[pattern.row_ids, pattern.write_index] = value_states[:, :, 0]
+                return (round_keys[:, : pattern.kv_len].transpose(1, 2),
+                        round_values[:, : pattern.kv_len].transpose(1, 2))
+        shape = (key_states.shape[0], pattern.kv_len, self.heads, self.head_dim)
+        return (self.keys.index_select(0, pattern.read_blocks).view(shape).transpose(1, 2),
+                self.values.index_select(0, pattern.read_blocks).view(shape).transpose(1, 2))
+
+    def begin_round(self, tables: torch.Tensor) -> None:
+        """Gather the K/V of the blocks in `tables` `(rows, blocks)` into this round's rows."""
+        shape = (tables.shape[0], -1, self.heads, self.head_dim)
+        blocks = tables.reshape(-1)
+        self.round = (self.keys.index_select(0, blocks).view(shape), self.values.index_select(0, blocks).view(shape))
+
+    def end_round(self) -> None:
+        self.round = None
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        pass  # a sequence's K/V follow its block table, not its batch row
+
+    @classmethod
+    def prefill_mask(cls, pattern, width, dtype):
+        """`(B, 1, W, kv_len)`: row b's query j is position `starts[b] + j`; it sees keys up to itself
+        and none past the row's end (padded queries see the row's real keys: no all-masked row)."""
+        query = pattern.starts[:, None] + torch.arange(width, device=pattern.starts.device)[None, :]
+        key = torch.arange(pattern.kv_len, device=pattern.starts.device)
+        ends = pattern.starts + pattern.lengths
+        allowed = (key[None, None, :] <= query[:, :, None]) & (key[None, None, :] < ends[:, None, None])
+        return additive(allowed[:, None], dtype)
+
+    @classmethod
+    def decode_mask(cls, pattern, dtype):
+        """`(B, 1, 1, kv_len)`: each row sees its keys up to and including the new one."""
+        pos = torch.arange(pattern.kv_len, device=pattern.write_index.device)
+        return additive((pos[None, :] <= pattern.write_index[:, None])[:, None, None], dtype)
+
+
+def token_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat slots of `positions` `(B, L)` through block tables `(B, max_blocks)` (padded with the null block)."""
+    return tables.gather(1, positions // block_size) * block_size + positions % block_size

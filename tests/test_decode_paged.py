@@ -1,0 +1,213 @@
+"""Paged KV cache, prefix caching and chunked prefill (Qwen2.5-VL): greedy still equals transformers'
+generate() token for token, for K=1 and K=8, and each mechanism did run (the engine's stats say so).
+
+Engines use 8-token blocks so that the tiny prompts span several blocks and images straddle block
+boundaries (a block's hash then covers part of an image, at an offset inside it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from raypipe import InvalidInput, SamplingParams
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
+from raypipe.models.prompt import build_prompt
+from raypipe.models.registry import vision_adapter
+from tests import decode_reference as ref
+from tests.conftest import random_images
+
+MAX_NEW = 16
+BLOCK = 8
+LONG_TEXT = "Here is some context that several requests share before they ask their own question. " * 2
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_ckpt):
+    with ref.engine_pool(tiny_ckpt, max_num_seqs=8, max_model_len=512, block_size=BLOCK) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def vision(tiny_ckpt):
+    return vision_adapter(tiny_ckpt)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def case(engine, hf_model, ckpt, vision, msgs, max_new=MAX_NEW):
+    prompt = build_prompt(msgs, engine.tokenizer, vision)
+    embeds = ref.embeddings(hf_model, ckpt, prompt)
+    return prompt, embeds, ref.hf_generate(hf_model, prompt, embeds, max_new, engine.adapter.eos_token_ids[0])
+
+
+def generate_counting_hits(engine, tag, prompt, embeds, max_new=MAX_NEW):
+    """(output, prompt tokens taken from the prefix cache) of one request run alone."""
+    before = engine.stats()["prefix_cache_hit_tokens"]
+    out = run(engine.generate_output(tag, prompt, embeds, SamplingParams(max_tokens=max_new)))
+    return out, engine.stats()["prefix_cache_hit_tokens"] - before
+
+
+def expected_hits(prompt: list[int], cached: list[int]) -> int:
+    """Tokens a prompt takes from the cache when `cached` tokens' K/V were left there: the full blocks
+    inside their common prefix, short of the prompt's last token (which must be computed)."""
+    common = len(os.path.commonprefix([prompt, cached]))
+    return min(common, len(prompt) - 1) // BLOCK * BLOCK
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_cached_prefixes_are_reused_and_outputs_unchanged(engines, hf_model, tiny_ckpt, vision, k):
+    engine = engines(k)
+    assert engine.stats()["prefix_caching"] is True
+    image, other = random_images([(112, 168), (112, 168)], seed=40 + k)
+    first = case(engine, hf_model, tiny_ckpt, vision, ref.messages("What is in this picture?", [image]))
+    out, hits = generate_counting_hits(engine, f"img-q1-{k}", *first[:2])
+    assert out.token_ids == first[2] and hits == 0
+    # Cached by now: the prompt and every generated token but the last (its K/V were never computed).
+    cached = first[0].prompt_token_ids + out.token_ids[:-1]
+
+    # The same image, another question: everything up to the question's first block is reused.
+    second = case(engine, hf_model, tiny_ckpt, vision, ref.messages("Which colors do you see?", [image]))
+    out, hits = generate_counting_hits(engine, f"img-q2-{k}", *second[:2])
+    assert out.token_ids == second[2]
+    image_end = max(i for i, t in enumerate(first[0].prompt_token_ids) if t == hf_model.config.image_token_id) + 1
+    assert hits == expected_hits(second[0].prompt_token_ids, cached) >= image_end // BLOCK * BLOCK
+
+    # Another image of the same size: the same placeholder ids, other content, so no block from the
+    # image's start on may be reused (it would be by token ids alone).
+    third = case(engine, hf_model, tiny_ckpt, vision, ref.messages("What is in this picture?", [other]))
+    image_start = first[0].prompt_token_ids.index(hf_model.config.image_token_id)
+    out, hits = generate_counting_hits(engine, f"other-{k}", *third[:2])
+    assert out.token_ids == third[2]
+    assert hits == image_start // BLOCK * BLOCK < expected_hits(third[0].prompt_token_ids, cached)
+
+    # Multi-turn: the first turn's answer appended, the image re-sent, a new question.
+    answer = engine.tokenizer.decode(first[2], skip_special_tokens=True)
+    turn2 = [*ref.messages("What is in this picture?", [image]), {"role": "assistant", "content": answer},
+             {"role": "user", "content": [{"type": "text", "text": "And what else?"}]}]
+    follow = case(engine, hf_model, tiny_ckpt, vision, turn2)
+    out, hits = generate_counting_hits(engine, f"turn2-{k}", *follow[:2])
+    assert out.token_ids == follow[2]
+    assert hits == expected_hits(follow[0].prompt_token_ids, cached) >= len(first[0].prompt_token_ids) // BLOCK * BLOCK
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_text_prompts_sharing_a_prefix(engines, hf_model, tiny_ckpt, vision, k):
+    engine = engines(k, enable_prefix_caching=True)  # its own engine: nothing cached by other tests
+    cases = [case(engine, hf_model, tiny_ckpt, vision, ref.messages(LONG_TEXT + q, []))
+             for q in ("Why?", "How many words came before this question?", "Why?")]
+    outs = []
+    for i, (prompt, embeds, want) in enumerate(cases):
+        out, hits = generate_counting_hits(engine, f"text-{k}-{i}", prompt, embeds)
+        assert out.token_ids == want
+        outs.append(out)
+        ids = prompt.prompt_token_ids
+        if i == 0:
+            assert hits == 0
+        elif i == 1:  # the shared text, up to the block the two prompts differ in
+            assert hits == expected_hits(ids, cases[0][0].prompt_token_ids) > len(LONG_TEXT) // 2
+        else:  # the first prompt again: all of it but its last block
+            assert hits == (len(ids) - 1) // BLOCK * BLOCK
+
+
+def bytes_for(engine: LLMEngine, tokens: int) -> int:
+    return engine.runner.bytes_per_token * tokens
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_preempted_sequences_resume_with_the_same_tokens(engines, hf_model, tiny_ckpt, vision, k):
+    """Four copies of a request at once in a pool of two prompts' blocks and one more: the newer of the
+    two admitted is preempted as they grow, and recomputed later (its cached blocks come back from the
+    prefix cache). Then 8 different requests, staggered, through a pool of about two of them."""
+    cases = [case(engines(1), hf_model, tiny_ckpt, vision, ref.request(i), 24) for i in range(len(ref.REQUESTS))]
+    params = SamplingParams(max_tokens=24)
+    longest_output = max(cases, key=lambda c: len(c[2]))
+    assert len(longest_output[2]) >= 2 * BLOCK  # it grows by two blocks or more: the pool cannot hold two
+    outs, stats = ref.preempted_copies(engines, k, longest_output, params, block_size=BLOCK)
+    assert [out.token_ids for out in outs] == [longest_output[2]] * 4
+    assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0
+
+    longest = max(len(p.prompt_token_ids) for p, _, _ in cases) + 24
+    engine = engines(k, kv_cache_memory=bytes_for(engines(1), 2 * longest))
+    outs = ref.staggered(engine, cases, [params] * len(cases), f"preempt-{k}")
+    for i, out in enumerate(outs):
+        assert out.token_ids == cases[i][2], f"request {i}"
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == stats["waiting"] == 0
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_chunked_prefill_of_a_prompt_three_times_the_round_budget(engines, hf_model, tiny_ckpt, vision, k):
+    long = case(engines(1), hf_model, tiny_ckpt, vision, ref.request(2))
+    prompt_len = len(long[0].prompt_token_ids)
+    engine = engines(k, max_num_batched_tokens=prompt_len // 3, enable_prefix_caching=False)
+    short = case(engines(1), hf_model, tiny_ckpt, vision, ref.request(6), 40)
+    seen: list[str] = []  # which request each delta belonged to, in arrival order
+
+    async def both():
+        async def tokens(tag, prompt, embeds, n):
+            ids = []
+            async for delta in engine.generate(tag, prompt, embeds, SamplingParams(max_tokens=n)):
+                seen.append(tag)
+                ids += delta.token_ids
+            return ids
+
+        first = asyncio.ensure_future(tokens("short", short[0], short[1], 40))
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.001)
+        return await asyncio.gather(first, tokens("long", long[0], long[1], MAX_NEW))
+
+    before = engine.stats()
+    got_short, got_long = run(both())
+    assert got_long == long[2] and got_short == short[2]
+    after = engine.stats()
+    budget = engine.config.max_num_batched_tokens
+    assert after["chunked_prefills"] - before["chunked_prefills"] == 1 + (len(short[0].prompt_token_ids) > budget)
+    assert after["prefill_tokens"] - before["prefill_tokens"] >= prompt_len
+    if len(short[2]) > 4 * k:  # the short one kept decoding (a delta per round) over the long one's 3+ chunks
+        assert seen[: seen.index("long")].count("short") >= 3
+
+
+def test_a_request_that_could_outgrow_the_cache_is_refused(engines):
+    engine = engines(8, kv_cache_memory=bytes_for(engines(8), 64))
+    assert engine.stats()["kv_cache_tokens"] == 64
+    with pytest.raises(InvalidInput) as err:
+        engine.check_request([5] * 40, SamplingParams(max_tokens=30))
+    assert err.value.code == "kv_cache_too_small" and "64 tokens" in str(err.value)
+    engine.check_request([5] * 40, SamplingParams(max_tokens=24))  # 64 tokens fit
+
+    async def refused():
+        async for _ in engine.generate("too-big", [5] * 40, [], SamplingParams(max_tokens=30)):
+            pass
+
+    with pytest.raises(InvalidInput, match=r"KV cache holds \(64 tokens"):
+        run(refused())
+
+
+def test_engine_config_refuses_bad_kv_settings():
+    for bad in (dict(kv_cache_memory=0), dict(kv_cache_memory=1.5), dict(kv_cache_free_memory_fraction=0),
+                dict(kv_cache_free_memory_fraction=1.5), dict(block_size=0)):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
+    EngineConfig(max_model_len=4096, max_num_batched_tokens=512)  # a budget below max_model_len is fine now
+
+
+def test_kv_stats_reach_the_metrics_endpoint(engines):
+    from raypipe.serve.metrics import ServeMetrics
+
+    engine = engines(8)
+    run(engine.generate_output("for-metrics", list(range(3 * BLOCK)), [], SamplingParams(max_tokens=4)))
+    stats = engine.stats()
+    text = ServeMetrics().render(None, stats).decode()
+    for key, name in (("kv_blocks_total", "raypipe_kv_blocks_total"), ("kv_blocks_used", "raypipe_kv_blocks_used"),
+                      ("kv_blocks_cached", "raypipe_kv_blocks_cached"), ("kv_cache_tokens", "raypipe_kv_cache_tokens"),
+                      ("prefix_cache_hit_rate", "raypipe_prefix_cache_hit_rate"),
+                      ("preemptions", "raypipe_decode_preemptions"),
+                      ("chunked_prefills", "raypipe_decode_chunked_prefills")):
+        assert f"{name} {float(stats[key])}" in text, name
+    assert stats["kv_blocks_total"] * BLOCK == stats["kv_cache_tokens"] and stats["kv_blocks_cached"] > 0
