@@ -111,8 +111,8 @@ class Ingress:
         return await self._respond(COMPLETIONS, stream, bool(completion.stream))
 
     def _generate(self, request_id: str, prompt, visual_refs: list, params: SamplingParams, n: int | None) -> list:
-        """One decoder stream per choice: n independent sequences, each prefilled on its own (the engine has no
-        prefix cache to share a prompt through); choice i of a seeded request samples with seed + i, so it
+        """One decoder stream per choice: n independent sequences (the prefix cache shares the prompt's blocks
+        once they are cached; choices admitted in the same round each compute it); choice i of a seeded request samples with seed + i, so it
         equals a request of its own with that seed."""
         n = n or 1
         return [self.decoder.options(stream=True).generate.remote(
