@@ -40,7 +40,7 @@ def visual_positions(layout: VisualLayout, merge: int, tokens_per_second: float)
     token, in the tower's output order (group by group, each row by row)."""
     t, h, w = layout.grid
     if layout.kind == "video":
-        # float32 product truncated towards zero, as the original implementation computes it
+        # a float32 product truncated towards zero, as vLLM computes it (fractional seconds_per_grid count)
         time = (torch.arange(t) * layout.seconds_per_grid * tokens_per_second).long()
     else:
         time = torch.zeros(t, dtype=torch.long)
