@@ -1,5 +1,6 @@
-"""Qwen2.5-VL videos: frame plans, pixels and positions equal transformers' own code, and a video sharded
-over Ray workers in chunks of temporal groups encodes to the rows of transformers' tower on the whole video."""
+"""Qwen2.5-VL videos: frame plans and pixels equal transformers' own code, positions follow the model's
+original rule (transformers' `get_rope_index` where that agrees with it), and a video sharded over Ray
+workers in chunks of temporal groups encodes to the rows of transformers' tower on the whole video."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner, patc
 from raypipe.models.registry import language_adapter, vision_adapter
 from tests import qwen_video_reference as ref
 from tests.conftest import random_images, reference_embeddings
+from tests.mrope_reference import rule_positions
 
 DEFAULTS = QwenVideoConfig()
 SMALL_BUDGET = QwenVideoConfig(max_video_tokens=2000)  # the total-pixel cap bites on long videos
@@ -200,25 +202,37 @@ def _prompt(lang, runs: list[tuple[str, int]]) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("visuals", [[("video", (4, 4, 6), 1.0)],
-                                     [("image", (1, 8, 6), None), ("video", (3, 4, 6), 4.0),
-                                      ("video", (2, 2, 2), 0.5), ("image", (1, 4, 4), None)]],
-                         ids=["video", "images-and-videos"])
-def test_positions_equal_get_rope_index(tiny_ckpt, hf_model, visuals):
+POSITION_CASES = {  # (visual items, whether transformers' `get_rope_index` agrees with the original rule)
+    "images": ([("image", (1, 8, 6), None), ("image", (1, 4, 10), None)], True),
+    "short-videos": ([("video", (2, 8, 8), 0.5), ("image", (1, 4, 4), None), ("video", (4, 6, 10), 0.25)], True),
+    "video": ([("video", (4, 4, 6), 1.0)], False),  # time 12 passes the 2 x 3 merged grid
+    "images-and-videos": ([("image", (1, 8, 6), None), ("video", (3, 4, 6), 4.0), ("video", (2, 2, 2), 0.5),
+                           ("image", (1, 4, 4), None)], False),
+    "60s-at-2fps": ([("video", (60, 4, 4), 1.0)], False),
+}
+
+
+@pytest.mark.parametrize("case", POSITION_CASES)
+def test_positions_follow_the_original_rule(tiny_ckpt, hf_model, case):
+    """raypipe's positions are the rule's (tests/mrope_reference.py), and transformers' `get_rope_index`'s
+    exactly where that agrees with the rule: images, and videos whose time stays within their extent."""
+    visuals, agrees = POSITION_CASES[case]
     lang = language_adapter(tiny_ckpt)
     layouts = [VisualLayout(kind, grid, seconds) for kind, grid, seconds in visuals]
     ids = _prompt(lang, [(x.kind, lang.tokens_per_image(x.grid)) for x in layouts])
     got, delta = lang.positions(ids, layouts)
+    want, first = rule_positions(ids, visuals, hf_model.config)
+    assert torch.equal(got, want) and len(ids) + delta == first
     input_ids = torch.tensor([ids])
     types = (input_ids == lang.image_token_id).int() + 2 * (input_ids == lang.video_token_id).int()
     videos = [x for x in layouts if x.kind == "video"]
     images = [x.grid for x in layouts if x.kind == "image"]
-    want, want_delta = hf_model.model.get_rope_index(
+    theirs, their_delta = hf_model.model.get_rope_index(
         input_ids, types, image_grid_thw=torch.tensor(images) if images else None,
-        video_grid_thw=torch.tensor([x.grid for x in videos]),
-        second_per_grid_ts=torch.tensor([x.seconds_per_grid for x in videos]))
-    assert torch.equal(got, want[:, 0]) and delta == int(want_delta[0, 0])
-    assert len(set(got[0].tolist())) < len(ids)  # temporal axis is not the plain index
+        video_grid_thw=torch.tensor([x.grid for x in videos]) if videos else None,
+        second_per_grid_ts=torch.tensor([x.seconds_per_grid for x in videos]) if videos else None)
+    assert (torch.equal(got, theirs[:, 0]) and delta == int(their_delta[0, 0])) == agrees
+    assert len(set(got[0].tolist())) < len(ids)  # the first axis is not the plain index
 
 
 def test_the_cache_key_follows_the_sampling(tiny_ckpt):
