@@ -17,6 +17,7 @@ from raypipe.decode.engine import LLMEngine
 from raypipe.encode.coordinator import Coordinator
 from raypipe.encode.pool import EncoderPool
 from raypipe.errors import InvalidInput
+from raypipe.models.llava_onevision.base_view import base_view
 from raypipe.models.prompt import VideoOptions, build_prompt
 from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
 from raypipe.serve.openai.parsing import parse_request
@@ -181,3 +182,17 @@ def test_bad_tile_every_image_is_refused(adapters):
         parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
                       b'"mm_processor_kwargs": {"tile_every_image": "yes"}}')
     assert err.value.code == "invalid_type" and err.value.item == "mm_processor_kwargs.tile_every_image"
+
+
+@pytest.mark.parametrize("side", [56, 384])
+def test_base_view_pixels_equal_pad_to_square_and_resize(adapters, side):
+    """Band by band, without the square: the same bytes as the processor's `pad_to_square` + `resize`, for tall,
+    wide, square, tiny and extreme images, at the tiny tower's size and the release's."""
+    from transformers.image_utils import SizeDict
+
+    processor = adapters[1].processor
+    color = tuple(int(x * 255) for x in processor.image_mean)
+    for image in random_images(ref.SIZES + [(2, 3), (3000, 20), (20, 3000), (57, 56)], seed=side):
+        square = processor.pad_to_square(np.moveaxis(image, -1, 0), background_color=color)
+        want = processor.resize(square, size=SizeDict(height=side, width=side), resample=processor.resample)
+        assert np.array_equal(base_view(image, side, color, processor.resample), np.moveaxis(want, 0, -1))

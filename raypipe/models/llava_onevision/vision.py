@@ -14,7 +14,7 @@ shrunk past `anyres_max_N`, newline per row, base first) needs no weights where 
 How an image is cut depends on its prompt (`prompt_visuals`), as in transformers' processor
 (`batch_num_images`) and the model's multi-image recipe: an image alone in its prompt gets its AnyRes
 tiles; each image of a prompt with several gets only its base view, padded to a square in the
-processor's mean colour and resized to the tower's size where the prompt is built (grid
+processor's mean colour and resized to the tower's size where the prompt is built (`base_view.py`; grid
 `(0, 0, side, side)`: no tiles; one unit with its newline row). `tile_every_image` keeps the tiles for
 every image, as the processor does when handed a flat image list.
 
@@ -37,6 +37,7 @@ from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, VisualLa
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 from raypipe.models.llava_onevision import video
 from raypipe.models.llava_onevision.anyres import AnyRes
+from raypipe.models.llava_onevision.base_view import base_view
 from raypipe.models.vision_features import FeatureSelection
 
 # Both layouts occur: transformers saves the legacy one (`vision_tower.`, `image_newline`), loads either;
@@ -94,19 +95,14 @@ class LlavaOnevisionVisionAdapter(VisionAdapter):
         """Each image of a prompt with several images as its base view alone, unless `tile_every_image`."""
         if tile_every_image or sum(visual.kind == "image" for visual in visuals) < 2:
             return visuals
-        return [self.base_view(visual) if visual.kind == "image" and visual.variant is None else visual
+        return [self.as_base_view(visual) if visual.kind == "image" and visual.variant is None else visual
                 for visual in visuals]
 
-    def base_view(self, image: DecodedVisual) -> DecodedVisual:
-        """The image padded to a square in the processor's mean colour and resized to the tower's size: the
-        processor's `pad_to_square` and `resize`, as its `_preprocess` runs them on an image it does not tile."""
-        from transformers.image_utils import SizeDict
-
+    def as_base_view(self, image: DecodedVisual) -> DecodedVisual:
+        """The image padded to a square in the processor's mean colour and resized to the tower's size, as the
+        processor's `_preprocess` does to an image it does not tile."""
         p = self.processor
-        square = p.pad_to_square(np.ascontiguousarray(np.moveaxis(image.pixels, -1, 0)),
-                                 background_color=tuple(int(x * 255) for x in p.image_mean))
-        view = p.resize(square, size=SizeDict(height=self.anyres.tile, width=self.anyres.tile), resample=p.resample)
-        pixels = np.ascontiguousarray(np.moveaxis(view, 0, -1))
+        pixels = base_view(image.pixels, self.anyres.tile, tuple(int(x * 255) for x in p.image_mean), p.resample)
         # Keyed by its own pixels and variant: never the tiled image's embedding, nor a tower-size image's.
         return DecodedVisual(pixels, f"{pixel_hash(pixels)}:{BASE_VIEW}", "image", variant=BASE_VIEW)
 
