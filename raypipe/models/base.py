@@ -164,7 +164,7 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
         """
         return image
 
-    def prompt_visuals(self, visuals: list[DecodedVisual], tile_every_image: bool = False) -> list[DecodedVisual]:
+    def prompt_visuals(self, visuals: list[DecodedVisual], tile_every_image: bool) -> list[DecodedVisual]:
         """The visual items of one prompt as this family processes them there: unchanged, unless the family's
         processing of an image depends on the prompt's other items (LLaVA-OneVision). `tile_every_image` asks such
         a family to process every image as if it were alone; the others refuse it, having nothing to change."""

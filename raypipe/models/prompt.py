@@ -350,8 +350,8 @@ def _from_token_ids(request: dict, tokenizer, vision_adapter, loaders: dict, pru
     return _expand(ids, ordered, tokenizer, vision_adapter, pruning_rate, tile_every_image, allow_expanded=True)
 
 
-def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_adapter, pruning_rate: float = 0.0,
-            tile_every_image: bool = False, *, allow_expanded: bool) -> PreparedPrompt:
+def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_adapter, pruning_rate: float,
+            tile_every_image: bool, *, allow_expanded: bool) -> PreparedPrompt:
     """Replace each visual item's placeholder with its tokens (`vision_adapter.placeholder_ids`).
 
     Each item's placeholder is a run of its kind's token (`vision_adapter.placeholder_token_ids`).

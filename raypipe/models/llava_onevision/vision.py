@@ -91,7 +91,7 @@ class LlavaOnevisionVisionAdapter(VisionAdapter):
             grid = self.anyres.grid(image.height, image.width)
         return VisionItem(image.pixels, image.content_hash, grid, self.token_runs(grid)[0], kind=image.kind)
 
-    def prompt_visuals(self, visuals: list[DecodedVisual], tile_every_image: bool = False) -> list[DecodedVisual]:
+    def prompt_visuals(self, visuals: list[DecodedVisual], tile_every_image: bool) -> list[DecodedVisual]:
         """Each image of a prompt with several images as its base view alone, unless `tile_every_image`."""
         if tile_every_image or sum(visual.kind == "image" for visual in visuals) < 2:
             return visuals
