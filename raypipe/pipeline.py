@@ -124,7 +124,9 @@ class Pipeline:
 
         Messages may hold image and video parts (`{"type": "video", "video": path / bytes / frames}`);
         a video's frames are sampled and resized as it is decoded, and its temporal chunks are
-        balanced over the encoders with the window's images.
+        balanced over the encoders with the window's images. A request dict may hold
+        `"mm_processor_kwargs": {"tile_every_image": True}` (LLaVA-OneVision: tiles for every image of a
+        several-image prompt, not the base view alone).
 
         `sampling_params` is one for all or one per request. Every request is validated first: a bad
         one raises `InvalidInput` naming `requests[i]` and nothing runs. Requests go to the engine in

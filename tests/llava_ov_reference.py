@@ -2,10 +2,15 @@
 
 `LlavaOnevisionProcessor` cannot be constructed here (its constructor looks up the video processor
 class, which needs torchvision), so `processor` builds one without `__init__` and sets the
-attributes its token expansion reads: `replace_image_token`, `_get_number_of_features` and
-`replace_video_token` then run as transformers wrote them, on the Pillow image processor's output and
-on `LlavaOnevisionVideoProcessor.preprocess`'s (transformers' own, with `minicpmv_video_reference`'s
-stand-in for the two torchvision kernels: install it first).
+attributes its call reads: `apply_chat_template(tokenize=True)` then runs as transformers wrote it
+(`chat_inputs`), and so do `replace_image_token`, `_get_number_of_features` and `replace_video_token`,
+on the Pillow image processor's output and on `LlavaOnevisionVideoProcessor.preprocess`'s
+(transformers' own, with `minicpmv_video_reference`'s stand-in for the two torchvision kernels: install
+it first).
+
+How the processor is handed a prompt's images decides their views: as one prompt's list (`[images]`,
+what `apply_chat_template` does) an image alone gets AnyRes tiles and several get their base view
+each (`batch_num_images`); as a flat list (`tile_every_image`) every image gets its tiles.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import PIL.Image
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
@@ -29,12 +35,23 @@ def processor(ckpt):
     proc = object.__new__(LlavaOnevisionProcessor)
     proc.image_processor = load_image_processor(ckpt)
     proc.tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    proc.chat_template = proc.tokenizer.chat_template
     proc.num_image_tokens = settings["num_image_tokens"]
     proc.vision_feature_select_strategy = settings["vision_feature_select_strategy"]
     proc.vision_aspect_ratio = settings["vision_aspect_ratio"]
     proc.image_token = settings["image_token"]
     proc.video_token = settings["video_token"]
     return proc
+
+
+def chat_inputs(ckpt, messages: list[dict]) -> dict:
+    """`apply_chat_template(messages, tokenize=True, return_dict=True)`: prompt ids and pixel inputs, image parts'
+    arrays given as PIL images."""
+    as_pil = [m if isinstance(m["content"], str) else {**m, "content": [
+        {**p, "image": PIL.Image.fromarray(p["image"])} if p["type"] == "image" else p for p in m["content"]]}
+        for m in messages]
+    return processor(ckpt).apply_chat_template(as_pil, tokenize=True, return_dict=True, add_generation_prompt=True,
+                                               return_tensors="pt")
 
 
 def video_processor(ckpt):
@@ -52,16 +69,21 @@ def preprocess_video(ckpt, source, source_fps: float, **kwargs):
                                              do_sample_frames=True, do_convert_rgb=False, return_tensors="pt", **kwargs)
 
 
-def prompt_ids(ckpt, text: str, images, videos=()) -> list[int]:
-    """What `LlavaOnevisionProcessor(images=images, videos=videos, text=text)` tokenizes: each `<image>` replaced by
-    `replace_image_token` for its image (a flat image list: every image gets AnyRes tiles), each `<video>`
-    by `replace_video_token` (`videos`: `preprocess_video` outputs)."""
+def _images(ckpt, images, tile_every_image: bool):
+    """The image processor's output for one prompt's images (or, `tile_every_image`, a flat list)."""
+    return load_image_processor(ckpt)(list(images) if tile_every_image else [list(images)], return_tensors="pt")
+
+
+def prompt_ids(ckpt, text: str, images, videos=(), tile_every_image: bool = False) -> list[int]:
+    """What `LlavaOnevisionProcessor(images=[images], videos=videos, text=text)` tokenizes (a flat `images` list
+    with `tile_every_image`): each `<image>` replaced by `replace_image_token` for its image, each `<video>` by
+    `replace_video_token` (`videos`: `preprocess_video` outputs)."""
     proc = processor(ckpt)
     for token, items, expand in ((proc.image_token, images, proc.replace_image_token),
                                  (proc.video_token, videos, proc.replace_video_token)):
         if not len(items):
             continue
-        processed = proc.image_processor(list(items), return_tensors="pt") if token == proc.image_token else {
+        processed = _images(ckpt, items, tile_every_image) if token == proc.image_token else {
             "pixel_values_videos": [v["pixel_values_videos"][0] for v in items]}
         pieces = text.split(token)
         assert len(pieces) == len(items) + 1
@@ -69,13 +91,15 @@ def prompt_ids(ckpt, text: str, images, videos=()) -> list[int]:
     return proc.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def image_features(hf_model, ckpt, images) -> list[torch.Tensor]:
-    """Per-image rows from `get_image_features` (tower, selection, projector, packing) on the whole batch."""
+def image_features(hf_model, ckpt, images, tile_every_image: bool = False) -> list[torch.Tensor]:
+    """Per-image rows from `get_image_features` (tower, selection, projector, packing) for one prompt's images
+    (`tile_every_image`: a flat list, every image tiled)."""
     if not len(images):
         return []
-    processed = load_image_processor(ckpt)(list(images), return_tensors="pt")
+    processed = _images(ckpt, images, tile_every_image)
     with torch.no_grad():
-        out = hf_model.model.get_image_features(processed["pixel_values"], processed["image_sizes"]).pooler_output
+        out = hf_model.model.get_image_features(processed["pixel_values"], processed["image_sizes"],
+                                                batch_num_images=processed["batch_num_images"]).pooler_output
     return [feature.cpu() for feature in out]
 
 
@@ -101,3 +125,10 @@ def generate(hf_model, prompt_ids: list[int], features: list[torch.Tensor], max_
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, **kwargs)
     return out[0, ids.shape[1]:].tolist()
+
+
+def generate_chat(hf_model, inputs: dict, max_new_tokens: int) -> list[int]:
+    """Greedy `generate()` on `chat_inputs`' output as it is (pixels, image sizes, `batch_num_images`); new ids."""
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

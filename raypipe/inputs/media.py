@@ -30,6 +30,9 @@ class DecodedVisual:
     # video: the source's length as frames / rate (as transformers' decoders count it); a family whose frame
     # plan groups frames by second of video (MiniCPM-V's canvases) reads it again to rebuild that grouping
     duration_s: float | None = None
+    # a family's processing of the item chosen per prompt (`VisionAdapter.prompt_visuals`; LLaVA-OneVision's
+    # "base_view"), already in `pixels` and `content_hash`; None: the family's default
+    variant: str | None = None
 
     @property
     def num_frames(self) -> int:

@@ -164,6 +164,16 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
         """
         return image
 
+    def prompt_visuals(self, visuals: list[DecodedVisual], tile_every_image: bool) -> list[DecodedVisual]:
+        """The visual items of one prompt as this family processes them there: unchanged, unless the family's
+        processing of an image depends on the prompt's other items (LLaVA-OneVision). `tile_every_image` asks such
+        a family to process every image as if it were alone; the others refuse it, having nothing to change."""
+        if tile_every_image:
+            raise InvalidInput("tile_every_image applies to LLaVA-OneVision only: this model processes each image "
+                               "the same way whatever else the prompt holds", item="mm_processor_kwargs",
+                               code="invalid_mm_processor_kwargs")
+        return visuals
+
     @abc.abstractmethod
     def cost(self, item: VisionItem, cost_model: str = "patches") -> float:
         """Relative compute of encoding one unit (from `units`) under `cost_model` (one of `ADAPTER_COST_MODELS`)."""

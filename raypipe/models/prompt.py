@@ -10,6 +10,9 @@ the family's placeholder for that image (`VisionAdapter.placeholder_ids`: Qwen, 
 `<|image_pad|>`; MiniCPM-V, image id, overview and slice rows; Step3, crop and global-view runs with
 their layout tokens), computed from the image size alone. A video's placeholder is its run of
 `<|video_pad|>` tokens, shortened to the planned count when EVS prunes it (`raypipe.models.evs`).
+Before that, the family sees the prompt's items together (`VisionAdapter.prompt_visuals`): LLaVA-OneVision
+gives each image of a several-image prompt its base view only, unless the request asks for
+`tile_every_image` (a request dict's `mm_processor_kwargs`, Serve's field of that name).
 
 Text that users (or assistants) supply is plain text: `"<|im_end|>"` typed into a message is the
 characters `<`, `|`, ... , never the control token, or a user could forge a system turn. Only the
@@ -74,18 +77,21 @@ class PreparedPrompt:
 def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
                  image_limits: ImageLimits = ImageLimits(), *, video: VideoOptions = VideoOptions(),
                  max_text_chars: int | None = None, max_video_tokens: int | None = None,
-                 resize_images: bool = True, tools: list[dict] | None = None) -> PreparedPrompt:
+                 resize_images: bool = True, tools: list[dict] | None = None,
+                 tile_every_image: bool = False) -> PreparedPrompt:
     """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it;
     `max_video_tokens` (the context length) refuses a video whose planned frames need more tokens
     than that from its header, before any frame is decoded.
 
     `resize_images=False` keeps images at full resolution (the encoder worker's processor resizes
     them): only for measuring what resizing here saves (`raypipe bench serve-load`). `tools`: OpenAI
-    function tools, which the chat template lists (see `chat_template_ids`).
+    function tools, which the chat template lists (see `chat_template_ids`). `tile_every_image` (or a request
+    dict's `"mm_processor_kwargs": {"tile_every_image": ...}`, which wins): see `VisionAdapter.prompt_visuals`.
     """
+    tile_every_image = _tile_every_image(request, tile_every_image)
     loaders = _loaders(vision_adapter, image_limits, video, resize_images, max_video_tokens)
     if isinstance(request, dict) and "prompt_token_ids" in request:
-        return _from_token_ids(request, tokenizer, vision_adapter, loaders, video.pruning_rate)
+        return _from_token_ids(request, tokenizer, vision_adapter, loaders, video.pruning_rate, tile_every_image)
     messages = request.get("messages") if isinstance(request, dict) else request
     if not isinstance(messages, list) or not messages:
         raise InvalidInput("a request is a non-empty messages list, a dict with 'messages', or a dict with "
@@ -95,7 +101,22 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
         check_text_chars(sum(len(text) for text in _texts(template_messages)), max_text_chars)
     visuals = _load_all(raw_visuals, loaders)
     ids = chat_template_ids(tokenizer, template_messages, tools)
-    return _expand(ids, visuals, tokenizer, vision_adapter, video.pruning_rate, allow_expanded=False)
+    return _expand(ids, visuals, tokenizer, vision_adapter, video.pruning_rate, tile_every_image,
+                   allow_expanded=False)
+
+
+def _tile_every_image(request, given: bool) -> bool:
+    """The request dict's `mm_processor_kwargs.tile_every_image`, else `given`."""
+    kwargs = request.get("mm_processor_kwargs") if isinstance(request, dict) else None
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or set(kwargs) - {"tile_every_image"}:
+            raise InvalidInput("mm_processor_kwargs of a request here holds only tile_every_image (video sampling "
+                               "is the deployment's)", item="mm_processor_kwargs", code="invalid_mm_processor_kwargs")
+        given = kwargs.get("tile_every_image", given)
+    if not isinstance(given, bool):
+        raise InvalidInput(f"tile_every_image must be true or false, not {given!r}", item="mm_processor_kwargs",
+                           code="invalid_mm_processor_kwargs")
+    return given
 
 
 def _loaders(vision_adapter: VisionAdapter, image_limits: ImageLimits, video: VideoOptions, resize_images: bool,
@@ -308,7 +329,8 @@ def _visual_of(part: dict, where: str):
     return url
 
 
-def _from_token_ids(request: dict, tokenizer, vision_adapter, loaders: dict, pruning_rate: float) -> PreparedPrompt:
+def _from_token_ids(request: dict, tokenizer, vision_adapter, loaders: dict, pruning_rate: float,
+                    tile_every_image: bool) -> PreparedPrompt:
     ids = request["prompt_token_ids"]
     if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
                                                                    for t in ids):
@@ -325,11 +347,11 @@ def _from_token_ids(request: dict, tokenizer, vision_adapter, loaders: dict, pru
         runs = token_runs(ids, pads[kind]) if kind in pads else []
         starts += [(runs[i][0] if i < len(runs) else len(ids), kind, i, visual) for i, visual in enumerate(decoded)]
     ordered = [visual for *_, visual in sorted(starts, key=lambda s: s[:3])]
-    return _expand(ids, ordered, tokenizer, vision_adapter, pruning_rate, allow_expanded=True)
+    return _expand(ids, ordered, tokenizer, vision_adapter, pruning_rate, tile_every_image, allow_expanded=True)
 
 
-def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_adapter, pruning_rate: float = 0.0,
-            *, allow_expanded: bool) -> PreparedPrompt:
+def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_adapter, pruning_rate: float,
+            tile_every_image: bool, *, allow_expanded: bool) -> PreparedPrompt:
     """Replace each visual item's placeholder with its tokens (`vision_adapter.placeholder_ids`).
 
     Each item's placeholder is a run of its kind's token (`vision_adapter.placeholder_token_ids`).
@@ -340,6 +362,7 @@ def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_a
     A video pruned by EVS (`pruning_rate` > 0) gets the planned number of tokens instead of all.
     """
     pads = vision_adapter.placeholder_token_ids
+    images = vision_adapter.prompt_visuals(list(images), tile_every_image)
     items = [vision_adapter.make_item(image) for image in images]
     layouts = [vision_adapter.layout(image, item, pruning_rate if image.kind == "video" else 0.0)
                for image, item in zip(images, items)]

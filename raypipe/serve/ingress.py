@@ -213,7 +213,7 @@ class Ingress:
                                          self.vision_adapter, self.image_limits, video=self._video_options(chat),
                                          max_text_chars=model_len * self.chars_per_token,
                                          max_video_tokens=model_len, resize_images=self.resize_images,
-                                         tools=chat.template_tools())
+                                         tools=chat.template_tools(), tile_every_image=chat.tile_every_image())
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
         return prompt, sampling_params(chat, max_tokens)
 
@@ -230,7 +230,7 @@ class Ingress:
         """The deployment's video options with the request's `mm_processor_kwargs` over them."""
         if chat.mm_processor_kwargs is None:
             return self.video_options
-        kwargs = chat.mm_processor_kwargs.model_dump(exclude_none=True)
+        kwargs = chat.mm_processor_kwargs.model_dump(exclude_none=True, exclude={"tile_every_image"})
         rate = kwargs.pop("video_pruning_rate", self.video_options.pruning_rate)
         return VideoOptions(self.video_options.limits, VideoSampling(**kwargs), rate)
 

@@ -8,9 +8,13 @@ feature maps side by side into one `(rows*side, cols*side)` map, crops the paddi
 features (by more than 1.1x in area ratio), appends the `image_newline` row embedding after every
 map row, and puts the base view's features first.
 
-`num_tokens` mirrors `LlavaOnevisionProcessor._get_number_of_features`; `pack` mirrors
-`LlavaOnevisionModel.pack_image_features` for one image, on features that arrive per tile (tiles may be
-encoded on different workers). Grid: `(rows, cols, height, width)`, the tile grid and the image's size.
+An image among several in one prompt gets its base view alone (see `vision.py`): a grid of 0 x 0 tiles,
+whose rows are the base view's and one newline row (`pack_image_features` on an image of one view).
+
+`num_tokens` mirrors `LlavaOnevisionProcessor._get_number_of_features` (and `replace_image_token`'s
+`num_image_tokens + 1` for a base view alone); `pack` mirrors `LlavaOnevisionModel.pack_image_features`
+for one image, on features that arrive per tile (tiles may be encoded on different workers). Grid:
+`(rows, cols, height, width)`, the tile grid and the image's size.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class AnyRes:
 
     def num_tokens(self, grid, base_tokens: int) -> int:
         """Rows of one image: the base view's, then the (maybe shrunk) tile map with one newline per row."""
+        if not grid[0]:  # the base view alone: its rows, then one newline row
+            return base_tokens + 1
         map_h, map_w, ratio = self.map_shape(grid)
         if ratio > 1.1:
             map_h, map_w = int(map_h // ratio), int(map_w // ratio)
@@ -64,6 +70,8 @@ class AnyRes:
         """One image's embedding from its base view's rows `(side², D)`, its tiles' rows in row-major order
         and the `image_newline` vector `(D,)`."""
         rows, cols, height, width = grid
+        if not rows:
+            return torch.cat((base, newline[None].to(base.dtype)))
         side = self.side
         features = torch.stack(tiles).view(rows, cols, side, side, -1)
         features = features.permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)  # (D, rows*side, cols*side)

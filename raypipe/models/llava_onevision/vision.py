@@ -11,6 +11,13 @@ projects them (`multi_modal_projector`). The base view's rows end with the `imag
 vector, so the per-image assembly (`join_units` -> `anyres.pack`: tiles side by side, unpadded,
 shrunk past `anyres_max_N`, newline per row, base first) needs no weights where it runs.
 
+How an image is cut depends on its prompt (`prompt_visuals`), as in transformers' processor
+(`batch_num_images`) and the model's multi-image recipe: an image alone in its prompt gets its AnyRes
+tiles; each image of a prompt with several gets only its base view, padded to a square in the
+processor's mean colour and resized to the tower's size where the prompt is built (`base_view.py`; grid
+`(0, 0, side, side)`: no tiles; one unit with its newline row). `tile_every_image` keeps the tiles for
+every image, as the processor does when handed a flat image list.
+
 A video (`video.py`) is its sampled frames, each a unit of the same size and cost as a tile; a
 worker pools each frame's features 2x2, and frame 0 carries the video's one newline row, which
 `join_units` moves to the end. A video item's grid is `(frames,)`.
@@ -24,12 +31,13 @@ import numpy as np
 import torch
 
 from raypipe.errors import InvalidInput
-from raypipe.inputs.media import DecodedVisual
+from raypipe.inputs.media import DecodedVisual, pixel_hash
 from raypipe.inputs.video import PlanFrames, VideoSampling
 from raypipe.models.base import VisionAdapter, VisionItem, VisionTower, VisualLayout, check_cost_model
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 from raypipe.models.llava_onevision import video
 from raypipe.models.llava_onevision.anyres import AnyRes
+from raypipe.models.llava_onevision.base_view import base_view
 from raypipe.models.vision_features import FeatureSelection
 
 # Both layouts occur: transformers saves the legacy one (`vision_tower.`, `image_newline`), loads either;
@@ -38,6 +46,7 @@ TOWER_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model
                   "vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 NEWLINE_KEYS = ("model.image_newline", "image_newline")
+BASE_VIEW = "base_view"  # `DecodedVisual.variant` of an image that is its base view alone
 
 
 def load_image_processor(checkpoint: pathlib.Path):
@@ -74,8 +83,28 @@ class LlavaOnevisionVisionAdapter(VisionAdapter):
                              f"tower's {self.anyres.tile} px square")  # `apply_pooling` assumes it
 
     def make_item(self, image: DecodedVisual) -> VisionItem:
-        grid = (image.num_frames,) if image.kind == "video" else self.anyres.grid(image.height, image.width)
+        if image.kind == "video":
+            grid = (image.num_frames,)
+        elif image.variant == BASE_VIEW:
+            grid = (0, 0, image.height, image.width)
+        else:
+            grid = self.anyres.grid(image.height, image.width)
         return VisionItem(image.pixels, image.content_hash, grid, self.token_runs(grid)[0], kind=image.kind)
+
+    def prompt_visuals(self, visuals: list[DecodedVisual], tile_every_image: bool) -> list[DecodedVisual]:
+        """Each image of a prompt with several images as its base view alone, unless `tile_every_image`."""
+        if tile_every_image or sum(visual.kind == "image" for visual in visuals) < 2:
+            return visuals
+        return [self.as_base_view(visual) if visual.kind == "image" and visual.variant is None else visual
+                for visual in visuals]
+
+    def as_base_view(self, image: DecodedVisual) -> DecodedVisual:
+        """The image padded to a square in the processor's mean colour and resized to the tower's size, as the
+        processor's `_preprocess` does to an image it does not tile."""
+        p = self.processor
+        pixels = base_view(image.pixels, self.anyres.tile, tuple(int(x * 255) for x in p.image_mean), p.resample)
+        # Keyed by its own pixels and variant: never the tiled image's embedding, nor a tower-size image's.
+        return DecodedVisual(pixels, f"{pixel_hash(pixels)}:{BASE_VIEW}", "image", variant=BASE_VIEW)
 
     def token_runs(self, grid) -> list[int]:
         if len(grid) == 1:  # a video's frames
@@ -99,6 +128,8 @@ class LlavaOnevisionVisionAdapter(VisionAdapter):
             return [VisionItem(frame, f"{item.content_hash}:{k}", item.grid, pooled + (k == 0), k, kind="video")
                     for k, frame in enumerate(item.pixels)]
         rows, cols, *_ = item.grid
+        if not rows:  # the base view alone, already at the tower's size
+            return [VisionItem(item.pixels, f"{item.content_hash}:0", item.grid, self.tile_tokens + 1, 0)]
         views = self.processor.get_image_patches(np.ascontiguousarray(np.moveaxis(item.pixels, -1, 0)),
                                                  [list(p) for p in self.anyres.pinpoints],
                                                  size=(self.anyres.tile, self.anyres.tile), patch_size=self.anyres.tile,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from raypipe.errors import InvalidInput
 
@@ -65,7 +65,8 @@ ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discrimina
 
 class MMProcessorKwargs(_Strict):
     """vLLM's per-request processor overrides that apply to this server's models: video sampling
-    (`raypipe.inputs.video.VideoSampling`) and the EVS pruning rate (`raypipe.models.evs`)."""
+    (`raypipe.inputs.video.VideoSampling`) and the EVS pruning rate (`raypipe.models.evs`); and
+    LLaVA-OneVision's `tile_every_image` (`VisionAdapter.prompt_visuals`)."""
 
     fps: float | None = Field(default=None, gt=0.0)
     num_frames: int | None = Field(default=None, ge=1)
@@ -75,6 +76,7 @@ class MMProcessorKwargs(_Strict):
     max_pixels: int | None = Field(default=None, ge=1)
     total_pixels: int | None = Field(default=None, ge=1)
     video_pruning_rate: float | None = Field(default=None, ge=0.0, lt=1.0)
+    tile_every_image: StrictBool | None = None
 
 
 class FunctionCall(_Strict):
@@ -207,6 +209,9 @@ class ChatCompletionRequest(Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def tile_every_image(self) -> bool:
+        return bool(self.mm_processor_kwargs and self.mm_processor_kwargs.tile_every_image)
 
     def tool_names(self) -> set[str] | None:
         """The functions whose calls the output is parsed for; None: the output is all content."""
