@@ -115,9 +115,7 @@ class LLMEngine:
         ids, layouts = check_request(prompt, params, language_adapter=self.adapter,
                                      max_model_len=self.config.max_model_len)
         embeds, kept = visual_rows(await _resolve(visual_embeds), layouts, self.adapter)
-        runs = ()
-        if self.scheduler.prefix_caching and embeds is not None:  # hashing the rows takes ~1 ms per MB
-            runs = await asyncio.to_thread(placeholder_runs, ids, layouts, embeds, self.adapter)
+        runs = placeholder_runs(ids, layouts, self.adapter) if self.scheduler.prefix_caching else ()
         positions, rope_delta = self.adapter.positions(ids, layouts, kept)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
