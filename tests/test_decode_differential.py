@@ -73,7 +73,8 @@ def expected(tokenizer, free: list[int], params: SamplingParams, stop_ids: set[i
     return ids, tokenizer.decode(ids, skip_special_tokens=True), finish
 
 
-def hf_free_run(hf_model, prompt: list[int], params: SamplingParams, stop_ids: set[int], room: int) -> list[int]:
+def hf_free_run(hf_model, prompt: list[int], params: SamplingParams, stop_ids: set[int], room: int
+                ) -> list[int]:
     """Greedy `generate()` with the request's processors, stopping only at its stop ids (and after `room` tokens)."""
     ids = torch.tensor([prompt])
     kwargs = dict(max_new_tokens=min(params.max_tokens, room), do_sample=False, repetition_penalty=params.repetition_penalty,
@@ -81,7 +82,7 @@ def hf_free_run(hf_model, prompt: list[int], params: SamplingParams, stop_ids: s
     if params.logit_bias:
         kwargs["sequence_bias"] = {(t,): b for t, b in params.logit_bias.items()}
     if params.min_tokens:
-        kwargs["min_new_tokens"] = params.min_tokens
+        kwargs["min_new_tokens"] = min(params.min_tokens, room)
     with torch.no_grad():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     return out[0, ids.shape[1]:].tolist()

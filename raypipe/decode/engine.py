@@ -183,6 +183,7 @@ class LLMEngine:
                 "max_model_len": self.config.max_model_len, "kv_cache_bytes": self.runner.cache.nbytes,
                 "kv_cache_tokens": self.pool.capacity_tokens, **self.pool.stats(),
                 "prefix_caching": self.scheduler.prefix_caching, "chunked_prefill": self.scheduler.chunked_prefill,
+                "prefix_cache_query_tokens": s["prefill_tokens_asked"],
                 "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
                 "prefix_cache_hit_rate": (s["prefix_cache_hit_tokens"] / s["prefill_tokens_asked"]
                                           if s["prefill_tokens_asked"] else 0.0),

@@ -41,7 +41,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.bytes_per_token = paged_bytes_per_token(text, dtype)
         num_blocks = pool_blocks(device=self.device, bytes_per_token=self.bytes_per_token, block_size=block_size,
-                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                 kv_cache_memory=kv_cache_memory,
                                  kv_cache_free_memory_fraction=kv_cache_free_memory_fraction)
         self.cache = KVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
                              block_size=block_size, device=self.device, dtype=dtype)
