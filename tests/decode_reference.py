@@ -103,9 +103,10 @@ def staggered(engine, cases, params: list, tag: str, gap_s: float = 0.004) -> li
 def preempted_copies(engines, k: int, case, params, block_size: int = 8) -> tuple[list, dict]:
     """Four copies of `case` at once on `engines(k, ...)` whose paged pool holds two prompts' blocks
     and one more: two are admitted and, as they grow, the newer is preempted and later recomputed.
-    Their `RequestOutput`s and the engine's stats after."""
-    blocks = -(-len(case[0].prompt_token_ids) // block_size)
-    budget = engines(1).runner.bytes_per_token * block_size * (2 * blocks + 1)
-    engine = engines(k, kv_cache_memory=budget, block_size=block_size)
+    Their `RequestOutput`s and the engine's stats after. `max_model_len` is what that pool holds (the
+    engine refuses a pool that cannot hold one `max_model_len` sequence)."""
+    pool_blocks = 2 * -(-len(case[0].prompt_token_ids) // block_size) + 1
+    budget = engines(1).runner.bytes_per_token * block_size * pool_blocks
+    engine = engines(k, kv_cache_memory=budget, block_size=block_size, max_model_len=pool_blocks * block_size)
     outs = staggered(engine, [case] * 4, [params] * 4, f"preempt-{k}", gap_s=0.0)
     return outs, engine.stats()

@@ -1,13 +1,15 @@
 """Randomized differential test: `LLMEngine` against transformers' `generate()`, scenario by scenario.
 
-Each scenario draws an engine (K, rows, and either the default KV pool or one so small that running
-sequences are preempted and recomputed) and a set of requests with random prompts (in half the
+Each scenario draws an engine (K, rows, `max_model_len`: mostly 128, in some scenarios a length that
+is not a multiple of the block size, and either the default KV pool or one so small that running
+sequences are preempted and recomputed: as small as the engine accepts, one `max_model_len` sequence
+in whole blocks) and a set of requests with random prompts (in half the
 scenarios most of them share a prefix, which the prefix cache then serves), staggered
 arrivals, budgets, stop strings, stop token ids, EOS on or ignored, greedy processors
 (repetition penalty, logit bias, min_tokens), requests that leave their stream early, and sampled
 "noise" requests that only make the batch busy. Every greedy request must equal `generate()` with
-the same processors, cut by the plain one-token-at-a-time stop reference below; a request that
-left early must have received a prefix of that. The engine must end empty.
+the same processors, cut at `max_model_len` and by the plain one-token-at-a-time stop reference
+below; a request that left early must have received a prefix of that. The engine must end empty.
 
 The suite runs `SCENARIOS` scenarios with a fixed seed; `RAYPIPE_DIFF_SCENARIOS=300` (and
 `RAYPIPE_DIFF_SEED`) runs a longer one. Run with `-s` to see what was compared.
@@ -29,6 +31,7 @@ SCENARIOS = int(os.environ.get("RAYPIPE_DIFF_SCENARIOS", "4"))
 SEED = int(os.environ.get("RAYPIPE_DIFF_SEED", "8"))
 MAX_MODEL_LEN = 128
 SMALL_POOL_TOKENS = 112  # the longest request (64-token prompt + 48 tokens) fits, two seldom do
+ODD_MODEL_LENS = (24, 37, 50, 77)  # not multiples of the block size (16): the pool holds whole blocks
 TEXT_TOKENS = 256  # the tiny tokenizer's byte tokens: every id decodes to text
 
 
@@ -49,9 +52,11 @@ def stable_text(tokenizer, ids: list[int]) -> list[str]:
     return texts
 
 
-def expected(tokenizer, free: list[int], params: SamplingParams, stop_ids: set[int]) -> tuple[list[int], str, str]:
-    """What the engine must return, from `generate()`'s tokens `free` (not cut at any stop)."""
-    ids = free[: params.max_tokens]
+def expected(tokenizer, free: list[int], params: SamplingParams, stop_ids: set[int], room: int
+             ) -> tuple[list[int], str, str]:
+    """What the engine must return, from `generate()`'s tokens `free` (not cut at any stop); `room`:
+    the tokens `max_model_len` leaves after the prompt."""
+    ids = free[: min(params.max_tokens, room)]
     finish = "length"
     for i, token in enumerate(ids):
         if token in stop_ids:
@@ -68,15 +73,16 @@ def expected(tokenizer, free: list[int], params: SamplingParams, stop_ids: set[i
     return ids, tokenizer.decode(ids, skip_special_tokens=True), finish
 
 
-def hf_free_run(hf_model, prompt: list[int], params: SamplingParams, stop_ids: set[int]) -> list[int]:
-    """Greedy `generate()` with the request's processors, stopping only at its stop ids."""
+def hf_free_run(hf_model, prompt: list[int], params: SamplingParams, stop_ids: set[int], room: int
+                ) -> list[int]:
+    """Greedy `generate()` with the request's processors, stopping only at its stop ids (and after `room` tokens)."""
     ids = torch.tensor([prompt])
-    kwargs = dict(max_new_tokens=params.max_tokens, do_sample=False, repetition_penalty=params.repetition_penalty,
+    kwargs = dict(max_new_tokens=min(params.max_tokens, room), do_sample=False, repetition_penalty=params.repetition_penalty,
                   eos_token_id=sorted(stop_ids) or [10 ** 6], pad_token_id=0)
     if params.logit_bias:
         kwargs["sequence_bias"] = {(t,): b for t, b in params.logit_bias.items()}
     if params.min_tokens:
-        kwargs["min_new_tokens"] = params.min_tokens
+        kwargs["min_new_tokens"] = min(params.min_tokens, room)
     with torch.no_grad():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     return out[0, ids.shape[1]:].tolist()
@@ -84,11 +90,13 @@ def hf_free_run(hf_model, prompt: list[int], params: SamplingParams, stop_ids: s
 
 def scenario(rng: random.Random, tokenizer, hf_model, eos: int):
     k, rows, small_pool = rng.choice([1, 2, 3, 5, 8]), rng.choice([2, 4, 6]), rng.random() < 0.5
+    max_model_len = rng.choice(ODD_MODEL_LENS) if rng.random() < 0.4 else MAX_MODEL_LEN
     shared = [rng.randrange(TEXT_TOKENS) for _ in range(rng.randint(16, 40))] if rng.random() < 0.5 else []
     requests = []
     for i in range(rng.randint(3, 8)):
         prefix = shared[: rng.randint(len(shared) // 2, len(shared))] if rng.random() < 0.8 else []
-        prompt = prefix + [rng.randrange(TEXT_TOKENS) for _ in range(rng.randint(1, 24))]
+        prompt = (prefix + [rng.randrange(TEXT_TOKENS) for _ in range(rng.randint(1, 24))])[: max_model_len - 1]
+        room = max_model_len - len(prompt)
         delay = rng.random() * 0.05
         if rng.random() < 0.2:  # sampled noise: only makes the batch busy
             params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=1.0, top_k=rng.choice([0, 20]),
@@ -104,11 +112,11 @@ def scenario(rng: random.Random, tokenizer, hf_model, eos: int):
             options["min_tokens"] = rng.randint(0, options["max_tokens"])
         params = SamplingParams(**options)
         stop_ids = set() if params.ignore_eos else {eos}
-        free = hf_free_run(hf_model, prompt, params, stop_ids)
+        free = hf_free_run(hf_model, prompt, params, stop_ids, room)
         if rng.random() < 0.3 and len(free) > 2:
             params.stop_token_ids = [rng.choice(free[1:])]
             stop_ids.add(params.stop_token_ids[0])
-            free = hf_free_run(hf_model, prompt, params, stop_ids)
+            free = hf_free_run(hf_model, prompt, params, stop_ids, room)
         text = tokenizer.decode(free, skip_special_tokens=True).replace("\ufffd", "")
         if rng.random() < 0.6 and text:
             stops = []
@@ -117,9 +125,9 @@ def scenario(rng: random.Random, tokenizer, hf_model, eos: int):
                 stops.append(text[start: start + rng.randint(1, 4)])
             params.stop = stops
         requests.append(dict(prompt=prompt, params=params, delay=delay, noise=False,
-                             want=expected(tokenizer, free, params, stop_ids),
+                             want=expected(tokenizer, free, params, stop_ids, room),
                              leave_after=rng.choice([None, None, None, 1, 2])))
-    return k, rows, small_pool, bool(shared), requests
+    return k, rows, small_pool, max_model_len, bool(shared), requests
 
 
 async def run_scenario(engine, requests, tag: str):
@@ -139,18 +147,24 @@ def test_engine_matches_generate_on_random_scenarios(engines, hf_model):
     rng = random.Random(SEED)
     tokenizer = engines(1).tokenizer
     eos = engines(1).adapter.eos_token_ids[0]
-    small = dict(kv_cache_memory=engines(1).runner.bytes_per_token * SMALL_POOL_TOKENS)
+    bytes_per_token, block = engines(1).runner.bytes_per_token, engines(1).config.block_size
     compared = dict(scenarios=0, requests=0, tokens=0, left_early=0, noise=0, small_pool=0, shared_prefix=0,
-                    preemptions=0, cached_tokens=0)
+                    odd_model_len=0, preemptions=0, cached_tokens=0)
     for s in range(SCENARIOS):
-        k, rows, small_pool, shared_prefix, requests = scenario(rng, tokenizer, hf_model, eos)
+        k, rows, small_pool, max_model_len, shared_prefix, requests = scenario(rng, tokenizer, hf_model, eos)
         compared["small_pool"] += small_pool
         compared["shared_prefix"] += shared_prefix
-        engine = engines(k, max_num_seqs=rows, **(small if small_pool else {}))
+        compared["odd_model_len"] += max_model_len % block != 0
+        limits = dict(max_num_seqs=rows, max_model_len=max_model_len)
+        if small_pool:  # at 128, SMALL_POOL_TOKENS (the engine's max_model_len then); else one sequence's blocks
+            pool = SMALL_POOL_TOKENS if max_model_len == MAX_MODEL_LEN else -(-max_model_len // block) * block
+            limits.update(kv_cache_memory=bytes_per_token * pool, max_model_len=min(max_model_len, pool))
+        engine = engines(k, **limits)
         before = engine.stats()
         results = asyncio.run(run_scenario(engine, requests, f"s{s}"))
         for i, (r, deltas) in enumerate(zip(requests, results)):
-            where = f"scenario {s} (K={k}, rows={rows}, small pool {small_pool}) request {i}: {r['prompt']} {r['params']}"
+            where = (f"scenario {s} (K={k}, rows={rows}, max_model_len={max_model_len}, small pool {small_pool}) "
+                     f"request {i}: {r['prompt']} {r['params']}")
             tokens = [t for d in deltas for t in d.token_ids]
             text = "".join(d.text for d in deltas)
             assert all(d.finish_reason is None for d in deltas[:-1]), where
@@ -178,4 +192,4 @@ def test_engine_matches_generate_on_random_scenarios(engines, hf_model):
     print(f"\ndifferential (seed {SEED}): {compared}")
     assert compared["requests"] > 0
     if SCENARIOS >= 4:  # the default run has both kinds of scenario (how often they preempt or hit is timing)
-        assert compared["small_pool"] > 0 and compared["shared_prefix"] > 0
+        assert compared["small_pool"] > 0 and compared["shared_prefix"] > 0 and compared["odd_model_len"] > 0

@@ -11,8 +11,9 @@ import asyncio
 import os
 
 import pytest
+import torch
 
-from raypipe import InvalidInput, SamplingParams
+from raypipe import SamplingParams
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.models.prompt import build_prompt
@@ -133,7 +134,7 @@ def test_preempted_sequences_resume_with_the_same_tokens(engines, hf_model, tiny
     assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0
 
     longest = max(len(p.prompt_token_ids) for p, _, _ in cases) + 24
-    engine = engines(k, kv_cache_memory=bytes_for(engines(1), 2 * longest))
+    engine = engines(k, kv_cache_memory=bytes_for(engines(1), 2 * longest), max_model_len=longest)
     outs = ref.staggered(engine, cases, [params] * len(cases), f"preempt-{k}")
     for i, out in enumerate(outs):
         assert out.token_ids == cases[i][2], f"request {i}"
@@ -173,20 +174,33 @@ def test_chunked_prefill_of_a_prompt_three_times_the_round_budget(engines, hf_mo
         assert seen[: seen.index("long")].count("short") >= 3
 
 
-def test_a_request_that_could_outgrow_the_cache_is_refused(engines):
-    engine = engines(8, kv_cache_memory=bytes_for(engines(8), 64))
-    assert engine.stats()["kv_cache_tokens"] == 64
-    with pytest.raises(InvalidInput) as err:
-        engine.check_request([5] * 40, SamplingParams(max_tokens=30))
-    assert err.value.code == "kv_cache_too_small" and "64 tokens" in str(err.value)
-    engine.check_request([5] * 40, SamplingParams(max_tokens=24))  # 64 tokens fit
+def test_the_default_pool_holds_a_max_model_len_sequence_in_whole_blocks(tiny_ckpt, hf_model):
+    """max_model_len 24 with one sequence and 16-token blocks: the default CPU pool is two blocks, so a
+    request that reaches 24 tokens is admitted (it used to get one block and `kv_cache_too_small`)."""
+    engine = LLMEngine(tiny_ckpt, EngineConfig(max_model_len=24, max_num_seqs=1))
+    try:
+        assert engine.config.block_size == 16
+        assert engine.stats()["kv_cache_tokens"] == 32  # ceil(24 / 16) blocks of 16
+        prompt = [ord(c) for c in "twenty tokens of text"][:20]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                                     eos_token_id=[10 ** 6], pad_token_id=0)[0, len(prompt):].tolist()
+        for max_tokens in (4, 30):  # reaches max_model_len exactly; asks past it (cut at max_model_len)
+            out = run(engine.generate_output(f"fits-{max_tokens}", prompt, [],
+                                             SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+            assert out.token_ids == want and out.finish_reason == "length"
+        bytes_per_token = engine.runner.bytes_per_token
+    finally:
+        engine.shutdown()
 
-    async def refused():
-        async for _ in engine.generate("too-big", [5] * 40, [], SamplingParams(max_tokens=30)):
-            pass
-
-    with pytest.raises(InvalidInput, match=r"KV cache holds \(64 tokens"):
-        run(refused())
+    # An explicit pool too small for one max_model_len sequence: refused at start, naming the settings.
+    with pytest.raises(ValueError) as err:
+        LLMEngine(tiny_ckpt, EngineConfig(max_model_len=24, max_num_seqs=1, kv_cache_memory=bytes_per_token * 16))
+    message = str(err.value)
+    assert "holds 16 tokens" in message and "max_model_len = 24" in message
+    assert f"kv_cache_memory to at least {bytes_per_token * 32} bytes" in message
+    assert "max_model_len to at most 16" in message
 
 
 def test_engine_config_refuses_bad_kv_settings():

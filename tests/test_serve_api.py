@@ -111,6 +111,11 @@ def metric(http: httpx.Client, name: str) -> float:
     return float(match.group(1))
 
 
+def counts(usage) -> tuple[int, int, int]:
+    """A usage's token counts (a repeated prompt differs only in how much of it the prefix cache served)."""
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
 # --- correct completions ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("images", [[(56, 84)], [(28, 28), (120, 64), (84, 196)]], ids=["one-image", "three-images"])
@@ -135,7 +140,7 @@ def test_greedy_matches_pipeline_generate(client, pipe, images):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage == response.usage  # the usage chunk comes last
+    assert chunks[-1].choices == [] and counts(chunks[-1].usage) == counts(response.usage)  # the usage chunk comes last
 
 
 def test_text_only_finish_reasons_and_stop(client):
@@ -311,7 +316,7 @@ def test_video_chat_matches_pipeline(client, pipe, tiny_ckpt, video_url, with_im
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
-    assert chunks[-1].usage == response.usage
+    assert counts(chunks[-1].usage) == counts(response.usage)
 
 
 def test_mm_processor_kwargs_plan_the_video_tokens(client, tiny_ckpt, video_url):
@@ -640,7 +645,7 @@ def test_n_choices_greedy_seeded_streamed_and_with_tools(client):
     streamed = _streamed_choices(chunks)
     assert [streamed[i]["content"] for i in range(3)] == [c.message.content for c in sampled.choices]
     assert [streamed[i]["finish"] for i in range(3)] == [c.finish_reason for c in sampled.choices]
-    assert chunks[-1].usage == sampled.usage
+    assert counts(chunks[-1].usage) == counts(sampled.usage)
 
     text = client.completions.create(model="tiny", prompt="Hi", n=2, max_tokens=4, temperature=0)
     assert [c.index for c in text.choices] == [0, 1] and text.choices[0].text == text.choices[1].text
@@ -688,6 +693,42 @@ def test_logprobs_in_body_and_stream(client, pipe):
     assert [e.logprob for e in streamed] == [e.logprob for e in content]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_cached_prompt_tokens_in_usage_and_prefix_cache_counters(client, http, tiny_ckpt):
+    """A repeated prompt (with an image): the second takes every full block of the prompt but the one
+    holding its last token from the prefix cache; usage's `prompt_tokens_details.cached_tokens` says
+    so, and the /metrics counters of prefix-cache query and hit tokens grow by those amounts."""
+    from raypipe.decode.config import EngineConfig
+    from raypipe.models.prompt import build_prompt
+    from raypipe.models.registry import language_adapter, vision_adapter
+
+    block = EngineConfig().block_size  # the module's engine keeps the default
+    # A system turn of its own: none of this prompt's blocks was cached by the module's other requests.
+    messages = [{"role": "system", "content": f"nonce {os.urandom(8).hex()}"},
+                *user("How many blocks?", image_url(56, 84, seed=21))]
+    prompt_len = len(build_prompt(messages, language_adapter(tiny_ckpt).tokenizer,
+                                  vision_adapter(tiny_ckpt)).prompt_token_ids)
+    reused = (prompt_len - 1) // block * block
+    assert reused >= 2 * block
+
+    def counters() -> tuple[float, float]:
+        return metric(http, "raypipe_prefix_cache_queries_total"), metric(http, "raypipe_prefix_cache_hits_total")
+
+    before = counters()
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    middle = counters()
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    after = counters()
+    assert first.usage.prompt_tokens == prompt_len and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert chunks[-1].usage.prompt_tokens == prompt_len
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == reused
+    assert (middle[0] - before[0], middle[1] - before[1]) == (prompt_len, 0)
+    assert (after[0] - middle[0], after[1] - middle[1]) == (prompt_len, reused)
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == reused
+    assert again.choices[0].message.content == first.choices[0].message.content
 
 
 def test_nulls_developer_role_and_bare_image_string(client, http):

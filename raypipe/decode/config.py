@@ -16,7 +16,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     # Paged KV cache (decode/block_pool.py): tokens per block, and the pool's bytes. None: on CUDA
     # `kv_cache_free_memory_fraction` of the device memory free once the weights are loaded; on CPU
-    # max_num_seqs x max_model_len tokens' worth (what the pre-paging slot cache reserved).
+    # max_num_seqs sequences of max_model_len tokens, each in whole blocks. A pool that cannot hold one
+    # max_model_len sequence is refused when the engine starts (decode/kv_pool_size.py).
     block_size: int = 16
     kv_cache_memory: int | None = None
     kv_cache_free_memory_fraction: float = 0.8

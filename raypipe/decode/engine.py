@@ -25,8 +25,8 @@ request is queued, so a bad request fails alone. The engine needs no Ray actor a
 embeddings may be tensors or Ray `ObjectRef`s (awaited in `generate`).
 
 Work is bounded: at most `max_num_seqs + max_num_waiting` requests are in the engine, one more is
-refused with `QueueFull` (retryable); a request whose prompt plus `max_tokens` could outgrow the
-whole KV cache is refused with `InvalidInput` (`kv_cache_too_small`). Aborts name a `Sequence`, not an id, so an abort that arrives
+refused with `QueueFull` (retryable); an engine whose KV cache cannot hold one `max_model_len`
+sequence refuses to start (`kv_pool_size.py`). Aborts name a `Sequence`, not an id, so an abort that arrives
 after its request ended cannot hit a new request reusing the id; `shutdown()` fails every request
 still in the engine with `EngineClosed`.
 """
@@ -104,8 +104,7 @@ class LLMEngine:
 
     def check_request(self, prompt: PreparedPrompt | list[int], params: SamplingParams) -> None:
         """Raise `InvalidInput` if the engine would refuse this request (no work is started)."""
-        check_request(prompt, params, language_adapter=self.adapter, max_model_len=self.config.max_model_len,
-                      kv_cache_tokens=self.pool.capacity_tokens)
+        check_request(prompt, params, language_adapter=self.adapter, max_model_len=self.config.max_model_len)
         if params.structured is not None:
             self.grammars.matcher(params.structured)  # compiles (and caches) it, or names what is wrong
 
@@ -114,11 +113,9 @@ class LLMEngine:
         """Deltas for one request; leaving the iteration early (or cancelling) aborts it."""
         params = params if params is not None else SamplingParams()
         ids, layouts = check_request(prompt, params, language_adapter=self.adapter,
-                                     max_model_len=self.config.max_model_len, kv_cache_tokens=self.pool.capacity_tokens)
+                                     max_model_len=self.config.max_model_len)
         embeds, kept = visual_rows(await _resolve(visual_embeds), layouts, self.adapter)
-        runs = ()
-        if self.scheduler.prefix_caching and embeds is not None:  # hashing the rows takes ~1 ms per MB
-            runs = await asyncio.to_thread(placeholder_runs, ids, layouts, embeds, self.adapter)
+        runs = placeholder_runs(ids, layouts, self.adapter) if self.scheduler.prefix_caching else ()
         positions, rope_delta = self.adapter.positions(ids, layouts, kept)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -186,6 +183,7 @@ class LLMEngine:
                 "max_model_len": self.config.max_model_len, "kv_cache_bytes": self.runner.cache.nbytes,
                 "kv_cache_tokens": self.pool.capacity_tokens, **self.pool.stats(),
                 "prefix_caching": self.scheduler.prefix_caching, "chunked_prefill": self.scheduler.chunked_prefill,
+                "prefix_cache_query_tokens": s["prefill_tokens_asked"],
                 "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
                 "prefix_cache_hit_rate": (s["prefix_cache_hit_tokens"] / s["prefill_tokens_asked"]
                                           if s["prefill_tokens_asked"] else 0.0),
@@ -207,9 +205,6 @@ class LLMEngine:
                  blocks * self.config.block_size, cache.nbytes / 2**20, self.runner.bytes_per_token,
                  f", plus fixed rows for {bounded} layers" if bounded else "", "on" if on else "off",
                  "on" if cache.all_paged else f"off ({bounded} layers prefill whole prompts)")
-        if blocks * self.config.block_size < self.config.max_model_len:
-            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: longer requests are refused",
-                        blocks * self.config.block_size, self.config.max_model_len)
         return on
 
     def _start_decode_step(self) -> dict:

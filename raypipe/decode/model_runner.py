@@ -21,16 +21,12 @@ import torch
 
 from raypipe.decode import compiled_step
 from raypipe.decode.kv_cache import KVCache, block_tables, paged_bytes_per_token
+from raypipe.decode.kv_pool_size import pool_blocks
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence
 
 # on_step(step, ids) -> True when every row is done and the round may end early.
 StepCallback = Callable[[int, list[int]], bool]
-
-
-def pool_blocks(budget: int, bytes_per_token: int, block_size: int) -> int:
-    """Blocks of the paged pool that `budget` bytes hold, plus the null block."""
-    return budget // max(bytes_per_token * block_size, 1) + 1
 
 
 class ModelRunner:
@@ -44,13 +40,11 @@ class ModelRunner:
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len
         self.bytes_per_token = paged_bytes_per_token(text, dtype)
-        if kv_cache_memory is None:
-            if self.device.type == "cuda":  # after the weights are loaded
-                kv_cache_memory = int(torch.cuda.mem_get_info(self.device)[0] * kv_cache_free_memory_fraction)
-            else:  # what the pre-paging slot cache reserved: max_num_seqs rows of max_model_len
-                kv_cache_memory = max_num_seqs * max_model_len * self.bytes_per_token
-        self.cache = KVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             num_blocks=pool_blocks(kv_cache_memory, self.bytes_per_token, block_size),
+        num_blocks = pool_blocks(device=self.device, bytes_per_token=self.bytes_per_token, block_size=block_size,
+                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                 kv_cache_memory=kv_cache_memory,
+                                 kv_cache_free_memory_fraction=kv_cache_free_memory_fraction)
+        self.cache = KVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
                              block_size=block_size, device=self.device, dtype=dtype)
         self.placeholder_ids = set(self.model.placeholder_ids.tolist())
         self.prefill_cache = self.cache.view()  # prefill may run on another thread than decode

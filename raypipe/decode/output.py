@@ -63,12 +63,13 @@ class OutputProcessor:
             self._detokenize(seq)
         accepted = seq.output_ids[before:]
         return RequestDelta(seq.request_id, accepted, self._emit(seq), seq.finish_reason,
-                            logprobs[: len(accepted)] if logprobs is not None else None)
+                            logprobs[: len(accepted)] if logprobs is not None else None, seq.num_cached_tokens or 0)
 
     def finish(self, seq: Sequence, reason: str) -> RequestDelta:
         """Final delta for a sequence ended from outside (abort): flush held-back text."""
         seq.finish_reason = reason
-        return RequestDelta(seq.request_id, [], self._emit(seq), reason, [] if seq.params.logprobs is not None else None)
+        return RequestDelta(seq.request_id, [], self._emit(seq), reason, [] if seq.params.logprobs is not None else None,
+                            seq.num_cached_tokens or 0)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

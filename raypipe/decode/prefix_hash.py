@@ -7,50 +7,44 @@ the item (two images of the same size have the same placeholder ids, and the sam
 different offsets of a block). Positions need no key of their own: a family's positions (Qwen's 3-D
 mrope included) follow from the tokens and items before and in the block, which the chain covers.
 
-An item's content hash is taken of its embedding rows (after EVS pruning) and its layout (kind,
-grid, seconds per grid): the rows are what the language model reads, so the key is right whatever
-made them (the encoder, its cache, a caller passing embeddings), and it costs ~1 ms per MB of rows
-in the caller's task.
+An item is keyed by its identity, never by its embedding's bits: its content hash (of its pixels as the
+tower consumes them, so of its frame sampling and resize too) and the layout parameters that shaped its
+tokens (kind, grid, a video's seconds per grid and EVS rate), as vLLM keys multimodal items by their
+hash. The bits of the same image's embedding follow how it was encoded (which companions shared its
+forward, the kernels of the machine, fp32 or bf16): keyed by them, the same image would miss after an
+embedding-cache eviction or when another encoder replica encoded it. An item without a content hash (a layout made
+by hand) gets a digest of its own, so no block from it on is ever shared.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
-
-import torch
 
 from raypipe.models.prompt import token_runs
 
 DIGEST_BYTES = 16
 
 
-def item_digest(rows: torch.Tensor, layout) -> bytes:
-    h = hashlib.blake2b(repr((layout.kind, tuple(layout.grid), layout.seconds_per_grid)).encode(),
-                        digest_size=DIGEST_BYTES)
-    h.update(rows.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.digest()
+def item_digest(layout) -> bytes:
+    if layout.content_hash is None:
+        return os.urandom(DIGEST_BYTES)
+    identity = (layout.content_hash, layout.kind, tuple(layout.grid), layout.seconds_per_grid, layout.pruning_rate)
+    return hashlib.blake2b(repr(identity).encode(), digest_size=DIGEST_BYTES).digest()
 
 
-def placeholder_runs(ids: list[int], layouts, rows: torch.Tensor | None, adapter
-                     ) -> tuple[tuple[int, int, bytes, int], ...]:
-    """`(start, end, item digest, row offset of start inside the item)` per run of placeholder tokens.
-
-    `rows` are the visual rows in prompt order, as `request.visual_rows` made them; each item owns
-    `adapter.prompt_runs(layout)` consecutive runs (checked by `request.check_request`)."""
-    if rows is None:
-        return ()
+def placeholder_runs(ids: list[int], layouts, adapter) -> tuple[tuple[int, int, bytes, int], ...]:
+    """`(start, end, item digest, row offset of start inside the item)` per run of placeholder tokens;
+    each item owns `adapter.prompt_runs(layout)` consecutive runs (checked by `request.check_request`)."""
     runs = iter(token_runs(ids, adapter.placeholder_token_ids.values()))
-    out, first_row = [], 0
+    out = []
     for layout in layouts:
-        lengths = adapter.prompt_runs(layout)
-        digest = item_digest(rows[first_row: first_row + sum(lengths)], layout)
-        offset = 0
-        for length in lengths:
+        digest, offset = item_digest(layout), 0
+        for length in adapter.prompt_runs(layout):
             start, _ = next(runs)
             out.append((start, start + length, digest, offset))
             offset += length
-        first_row += sum(lengths)
     return tuple(out)
 
 

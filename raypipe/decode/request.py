@@ -17,12 +17,11 @@ from raypipe.models.base import VisualLayout
 from raypipe.models.prompt import PreparedPrompt, token_runs
 
 
-def check_request(prompt, params, *, language_adapter, max_model_len: int, kv_cache_tokens: int
-                  ) -> tuple[list[int], list[VisualLayout]]:
+def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tuple[list[int], list[VisualLayout]]:
     """`(prompt_token_ids, visual_layouts)` of a `PreparedPrompt` or a plain list of token ids.
 
-    A request whose prompt plus `max_tokens` (up to `max_model_len`) could outgrow the whole paged KV
-    cache is refused: alone in the engine it would still run out of blocks, with nobody to preempt."""
+    Any request `max_model_len` admits fits the paged KV cache: the engine refuses to start with a pool
+    that cannot hold one `max_model_len` sequence (`kv_pool_size.py`)."""
     if not isinstance(params, SamplingParams):
         raise InvalidInput(f"expected SamplingParams, got {type(params).__name__}", item="sampling_params")
     if isinstance(prompt, PreparedPrompt):
@@ -41,12 +40,6 @@ def check_request(prompt, params, *, language_adapter, max_model_len: int, kv_ca
         raise InvalidInput(f"prompt has {len(ids)} tokens (images included); max_model_len is {max_model_len}, "
                            "which must leave room for at least one generated token", item="prompt",
                            code="prompt_too_long")
-    longest = min(len(ids) + params.max_tokens, max_model_len)
-    if longest > kv_cache_tokens:
-        raise InvalidInput(f"prompt ({len(ids)} tokens, images included) plus max_tokens ({params.max_tokens}) may "
-                           f"reach {longest} tokens, more than the KV cache holds ({kv_cache_tokens} tokens, "
-                           "EngineConfig.kv_cache_memory); lower max_tokens or shorten the prompt", item="prompt",
-                           code="kv_cache_too_small")
     for field, tokens in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {})):
         for t in tokens:
             if t >= vocab:

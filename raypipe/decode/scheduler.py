@@ -120,6 +120,8 @@ class Scheduler:
             seq.num_computed = len(hit) * self.pool.block_size
             seq.num_registered = len(hit)
             seq.chunk_len = chunk
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed
             self.counters["prefill_tokens_asked"] += target
             self.counters["prefix_cache_hit_tokens"] += seq.num_computed
             self.counters["chunked_prefills"] += chunk < target - seq.num_computed

@@ -33,6 +33,7 @@ class RequestDelta:
     text: str
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (OpenAI usage's `cached_tokens`)
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,6 +45,7 @@ class RequestOutput:
     finish_reason: str | None
     num_image_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:  # image tokens included (OpenAI usage counts them)
@@ -57,6 +59,7 @@ class RequestOutput:
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         self.finish_reason = delta.finish_reason
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
@@ -89,6 +92,8 @@ class Sequence:
     placeholder_runs: tuple = ()
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_registered: int = 0
+    # Prompt tokens its first admission took from the prefix cache (what usage reports; not a resume's), None before
+    num_cached_tokens: int | None = None
     finish_reason: str | None = None
     # For penalties (sampler.py), made on first use: (vocab,) int32 output token counts, (vocab,) bool prompt tokens
     token_counts: torch.Tensor | None = None

@@ -64,6 +64,10 @@ class VisualLayout:
     grid: tuple[int, ...]  # as `VisionItem.grid`
     seconds_per_grid: float | None = None  # video: seconds between temporal groups (Qwen's `second_per_grid_ts`)
     pruning_rate: float = 0.0  # video: EVS, the fraction of its tokens dropped after encoding (0: none)
+    # The item's identity: `DecodedVisual.content_hash`, a hash of its pixels as the tower consumes them (so of
+    # its frame sampling and resize too); set by `models.prompt`. With the fields above it keys the prefix cache
+    # (`decode/prefix_hash.py`). None: no identity, so blocks from this item on are never shared.
+    content_hash: str | None = None
 
 
 @dataclasses.dataclass(slots=True)

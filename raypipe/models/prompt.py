@@ -364,8 +364,8 @@ def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_a
     pads = vision_adapter.placeholder_token_ids
     images = vision_adapter.prompt_visuals(list(images), tile_every_image)
     items = [vision_adapter.make_item(image) for image in images]
-    layouts = [vision_adapter.layout(image, item, pruning_rate if image.kind == "video" else 0.0)
-               for image, item in zip(images, items)]
+    layouts = [dataclasses.replace(vision_adapter.layout(image, item, pruning_rate if image.kind == "video" else 0.0),
+                                   content_hash=image.content_hash) for image, item in zip(images, items)]
     # Items are numbered per kind (MiniCPM-V's `<image_id>` counts images and videos separately).
     kind_index = [sum(1 for prior in items[:i] if prior.kind == item.kind) for i, item in enumerate(items)]
     expansions = [_pruned(vision_adapter.placeholder_ids(item, index, tokenizer), layout, pads.get(item.kind))

@@ -3,13 +3,16 @@
 Request-level metrics (counts, errors by code, latencies) are recorded by the ingress replica that
 served the request, in its own registry — scrape every ingress replica (or sum them) when there are
 several. Engine and encoder state (running/waiting sequences, cache hit rate, per-worker load) is
-read from those deployments at scrape time, so it is the same whichever replica answers.
+read from those deployments at scrape time, so it is the same whichever replica answers. The prefix
+cache's query and hit token counts are counters (vLLM's `prefix_cache_queries` / `prefix_cache_hits`),
+so a dashboard can show the recent hit rate as the ratio of their rates; the gauge
+`raypipe_prefix_cache_hit_rate` is the lifetime ratio.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -85,6 +88,12 @@ class _LiveStats:
                     ("chunked_prefills", "decode_chunked_prefills", "Prompts prefilled over several rounds")):
                 if key in decoder:
                     yield GaugeMetricFamily(f"raypipe_{name}", help_text, value=float(decoder[key]))
+            for key, name, help_text in (
+                    ("prefix_cache_query_tokens", "prefix_cache_queries",
+                     "Prompt tokens looked up in the prefix cache"),
+                    ("prefix_cache_hit_tokens", "prefix_cache_hits", "Prompt tokens taken from the prefix cache")):
+                if key in decoder:  # exposed as `<name>_total`
+                    yield CounterMetricFamily(f"raypipe_{name}", help_text, value=float(decoder[key]))
         if encoder := live.get("encoder"):
             yield from _encoder_families(encoder)
 

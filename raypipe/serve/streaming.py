@@ -38,6 +38,7 @@ class _Choice:
     def __init__(self, index: int, deltas):
         self.index, self.deltas = index, deltas
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of the prompt, taken from the prefix cache (every delta says it)
         self.finish_reason: str | None = None
         self.first = None
 
@@ -58,6 +59,12 @@ class CompletionStream:
     @property
     def completion_tokens(self) -> int:
         return sum(choice.completion_tokens for choice in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache. The prompt is counted once in usage, and with n > 1
+        each choice's sequence looked it up on its own: the tokens every one of them took from the cache."""
+        return min(choice.cached_tokens for choice in self.choices)
 
     async def start(self) -> None:
         """Wait for every choice's first delta (after prefill): errors before it can still become a 4xx response."""
@@ -80,6 +87,7 @@ class CompletionStream:
         delta = choice.first
         while True:
             choice.completion_tokens += len(delta.token_ids)
+            choice.cached_tokens = delta.num_cached_tokens
             if delta.finish_reason is not None:
                 choice.finish_reason = openai_finish_reason(delta.finish_reason)
             entries = self._logprob_entries(getattr(delta, "logprobs", None))
@@ -110,7 +118,7 @@ class CompletionStream:
         finally:
             self._cancel_unfinished()
         return completion_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, choices,
-                               self.prompt_tokens, self.completion_tokens)
+                               self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     async def _collect(self, choice: _Choice) -> dict:
         texts, entries = [], None
@@ -171,7 +179,7 @@ class CompletionStream:
             async for index, delta, finish, entries in pieces:
                 yield chunk(delta, finish, index, entries=entries)
             if self.include_usage:
-                yield chunk(None, usage_value=usage(self.prompt_tokens, self.completion_tokens))
+                yield chunk(None, usage_value=usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens))
             yield "data: [DONE]\n\n"
             self.record(metrics, endpoint)
         except asyncio.CancelledError:  # the client disconnected

@@ -15,9 +15,11 @@ def completion_id(prefix: str = "chatcmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """`cached_tokens`: prompt tokens served from the prefix cache (OpenAI's and vLLM's field)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def models_body(models: list[dict]) -> dict:
@@ -42,10 +44,10 @@ def choice_body(kind: str, index: int, text: str, finish_reason: str, logprobs: 
 
 
 def completion_body(kind: str, request_id: str, model: str, fingerprint: str, created: int, choices: list[dict],
-                    prompt_tokens: int, completion_tokens: int) -> dict:
+                    prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"id": request_id, "object": _OBJECT[kind][0], "created": created, "model": model,
             "system_fingerprint": fingerprint, "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chunk_body(kind: str, request_id: str, model: str, fingerprint: str, created: int, delta: dict | None,
