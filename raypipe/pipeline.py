@@ -110,15 +110,16 @@ class Pipeline:
         return pipeline
 
     def encode(self, visuals: Sequence) -> list:
-        """One `(tokens_i, hidden)` CPU tensor per image or video, in input order: the rows the
-        language model's placeholders take (what `generate` scatters into the prompt).
+        """One `(tokens_i, hidden)` CPU tensor per image or video, in input order: the rows `generate`
+        scatters at the item's placeholders.
 
         An image is a PIL image, uint8 array, encoded bytes or data: URL (or an `image` / `image_url`
         content part); a video is a content part `{"type": "video", "video": path / bytes / data: URL /
         list of frames}` (or `video_url`), sampled and resized with this pipeline's video options as
-        `generate` reads it. A video's tensor holds all its tokens (Qwen2.5-VL: t·h·w / merge² rows for
-        its grid of temporal groups), before any EVS pruning (`video_pruning_rate` prunes in the decode
-        engine). A bad item raises `InvalidInput` naming it (`images[1]`, `videos[0]`) before any work is sent.
+        `generate` reads it. A video's tensor holds all its tokens (Qwen2.5-VL: t·h·w / merge² rows;
+        LLaVA-OneVision: each kept frame's pooled rows, then the newline row), before EVS pruning
+        (`video_pruning_rate` prunes them in the decode engine). A bad item raises `InvalidInput` naming
+        it (`images[1]`, `videos[0]`) before any work is sent.
         """
         return self.coordinator.encode(load_visuals(visuals, self.coordinator.adapter, self.image_limits,
                                                     video=self.video))
