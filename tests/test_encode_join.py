@@ -4,6 +4,7 @@ process, seconds of imports, whenever Ray had stopped its idle one); a join whos
 live one; `Pipeline.encode` takes videos. Embeddings equal transformers' `get_image_features` /
 `get_video_features`. The session's `tiny-llava-ov` workers serve (starting a pool costs seconds on 2 cores)."""
 
+import dataclasses
 import time
 
 import numpy as np
@@ -75,6 +76,21 @@ def test_join_runs_on_the_worker_holding_most_bytes(coordinator):
     uids = work.unit_ids(0)  # the base view (one more row) and 9 tiles
     assert join_worker(uids, {uid: 0 if uid.index < 5 else 1 for uid in uids}, work, adapter) == 0
     assert join_worker(uids, {uid: 0 if uid.index < 4 else 1 for uid in uids}, work, adapter) == 1
+
+
+def test_a_join_does_not_wait_behind_an_encode(coordinator):
+    """Joins have their own thread on the worker: one answers while that worker is busy encoding."""
+    adapter, worker = coordinator.adapter, coordinator.workers[0]
+    item = adapter.make_item(load_images(random_images([(300, 290)], seed=94))[0])
+    units = adapter.units(item)
+    *parts, _ = worker.encode.options(num_returns=len(units) + 1).remote(units)
+    busy = worker.encode_timed.remote(units, repeats=300)  # over a second of encoding
+    time.sleep(0.3)
+    joined, receipt = worker.join.remote(dataclasses.replace(item, pixels=np.zeros((0, 0, 3), np.uint8)), *parts)
+    ray.get(receipt)
+    assert ray.wait([busy], timeout=0)[0] == []  # answered while the encode still ran
+    assert ray.get(joined).shape == (item.num_tokens, adapter.hidden_size)
+    ray.get(busy)
 
 
 def test_pipeline_encode_takes_videos(patched, coordinator, llava_ckpt, llava_hf_model):
