@@ -65,7 +65,8 @@ class EncoderWorker:
     def info(self) -> dict:
         return {"pid": os.getpid(), "device": str(self.device), "dtype": str(self.dtype),
                 "threads": torch.get_num_threads(), "node": ray.get_runtime_context().get_node_id(),
-                "items_encoded": self.items_encoded, "items_joined": self.items_joined, "budgets": self.budgeted.stats if self.budgeted else None}
+                "items_encoded": self.items_encoded, "items_joined": self.items_joined,
+                "budgets": self.budgeted.stats if self.budgeted else None}
 
     def encode(self, items: list[VisionItem]):
         """Returns `(*embeddings, receipt)`: call with `num_returns=len(items) + 1`."""
