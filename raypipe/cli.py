@@ -153,8 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--budgets", action="store_true",
                        help="encode: the vision tower eager vs packed at token budgets (compiled on CPU, "
                             "CUDA graphs on GPU), 1 and 8 images per request")
+    bench.add_argument("--latency", action="store_true",
+                       help="encode: only the per-request latency of new images (p50 / p99; section (d))")
     bench.add_argument("--requests", type=int, default=None,
-                       help="serve-load: requests per run (default 100; 20 with --quick)")
+                       help="serve-load: requests per run (default 100; 20 with --quick); encode: latency "
+                            "requests (default 60; 8 with --quick)")
     bench.add_argument("--side", type=int, default=None,
                        help="serve-load: image side in pixels (default 4096; 2048 with --quick)")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
@@ -186,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         import importlib
 
-        name = "encode_budgets" if args.target == "encode" and args.budgets else args.target.replace("-", "_")
+        name = args.target.replace("-", "_")
+        if args.target == "encode" and (args.budgets or args.latency):
+            name = "encode_budgets" if args.budgets else "encode_latency"
         return importlib.import_module(f"raypipe.bench.{name}").main(args)
     return 2
 

@@ -24,10 +24,10 @@ from raypipe.decode.sequence import RequestDelta, RequestOutput
 from raypipe.encode.coordinator import Coordinator
 from raypipe.encode.pool import EncoderPool, WorkerOptions
 from raypipe.errors import InvalidInput, RaypipeError
-from raypipe.inputs.images import ImageLimits, load_images
+from raypipe.inputs.images import ImageLimits
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.base import VisionAdapter
-from raypipe.models.prompt import PreparedPrompt, VideoOptions, build_prompt
+from raypipe.models.prompt import PreparedPrompt, VideoOptions, build_prompt, load_visuals
 from raypipe.models.registry import language_adapter, model_for_actors, resolve_model, vision_adapter
 from raypipe.runtime.ray_cluster import connect_ray, decode_threads, default_encoder_gpus
 
@@ -109,14 +109,20 @@ class Pipeline:
         pipeline.actor_model = model_for_actors(config.model, checkpoint)
         return pipeline
 
-    def encode(self, images: Sequence) -> list:
-        """One `(tokens_i, hidden)` tensor per image, in input order.
+    def encode(self, visuals: Sequence) -> list:
+        """One `(tokens_i, hidden)` CPU tensor per image or video, in input order: the rows `generate`
+        scatters at the item's placeholders.
 
-        Images may be PIL images, uint8 arrays, encoded bytes or data: URLs; a bad one raises
-        `InvalidInput` naming its index before any work is sent.
+        An image is a PIL image, uint8 array, encoded bytes or data: URL (or an `image` / `image_url`
+        content part); a video is a content part `{"type": "video", "video": path / bytes / data: URL /
+        list of frames}` (or `video_url`), sampled and resized with this pipeline's video options as
+        `generate` reads it. A video's tensor holds all its tokens (Qwen2.5-VL: t·h·w / merge² rows;
+        LLaVA-OneVision: each kept frame's pooled rows, then the newline row), before EVS pruning
+        (`video_pruning_rate` prunes them in the decode engine). A bad item raises `InvalidInput` naming
+        it (`images[1]`, `videos[0]`) before any work is sent.
         """
-        adapter = self.coordinator.adapter
-        return self.coordinator.encode([adapter.resize_for_tower(image) for image in load_images(images, self.image_limits)])
+        return self.coordinator.encode(load_visuals(visuals, self.coordinator.adapter, self.image_limits,
+                                                    video=self.video))
 
     def generate(self, requests: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

@@ -180,6 +180,19 @@ def test_videos_mixed_with_images(pipe, hf_model, tiny_ckpt):
         assert sum(1 for shard in pipe.coordinator.last_report.assignment if 1 in shard) > 1
 
 
+def test_pipeline_encode_takes_videos(pipe, hf_model, tiny_ckpt):
+    """Issue 29 item 7: `Pipeline.encode` reads a video part as `generate` does and returns all its rows
+    (t·h·w / merge², no EVS), equal transformers' tower on the whole video. A frames list is a video at 2 fps,
+    which the default plan keeps whole, at its size (56x84 is within the tiny preset's pixel bounds)."""
+    adapter = pipe.coordinator.adapter
+    video = _video(16, seed=9)  # 8 temporal groups of 4x6 patches: two chunks of 4 groups
+    image = random_images([(300, 200)], seed=10)[0]
+    got = pipe.encode([{"type": "video", "video": list(video.pixels)}, image])
+    assert got[0].shape[0] == 8 * 4 * 6 // 4 and len(adapter.units(adapter.make_item(video))) == 2
+    torch.testing.assert_close(got[0], _whole_video_rows(hf_model, adapter, video), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1], reference_embeddings(hf_model, tiny_ckpt, [image])[0], atol=1e-5, rtol=1e-4)
+
+
 def test_video_geometry_and_cost(tiny_ckpt):
     adapter = vision_adapter(tiny_ckpt)
     item = adapter.make_item(_video(7, seed=0))

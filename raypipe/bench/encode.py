@@ -17,6 +17,7 @@
     run-to-run noise. The gap between the two oracles is that noise's share of the makespan.
 (b) Ray overhead: one encoder worker vs calling the same vision tower in this process.
 (c) Speed-up of 2 workers (1 thread each) over 1 worker (2 threads) on the same batch.
+(d) Per-request latency of new images through a `Pipeline` (`encode_latency.py`; alone: `--latency`).
 All on the `small` preset (realistic shape, random weights) unless --model says otherwise.
 """
 
@@ -28,6 +29,7 @@ import numpy as np
 import ray
 import torch
 
+from raypipe.bench import encode_latency
 from raypipe.bench.common import emit, median_seconds, print_table
 from raypipe.encode.balance import even_split_assignment, get_load_balance_assignment, split_by_counts
 from raypipe.encode.calibration import CostCalibration
@@ -187,6 +189,8 @@ def main(args) -> int:
                                       image_limits=limits) as pipe:
             timings[workers, threads] = median_seconds(lambda: pipe.coordinator.encode(batch), repeats)
     one, two = timings[1, cores], timings[2, max(1, cores // 2)]
+    latency = encode_latency.measure(str(model), args.requests or (
+        encode_latency.QUICK_REQUESTS if args.quick else encode_latency.DEFAULT_REQUESTS))
     result = {
         "model": str(model), "images": count, "units": sum(len(u) for u in units), "sizes": sizes,
         "measured_seconds": seconds, "first_pass_seconds": first_pass, "pass_to_pass_rel_rms": pass_noise,
@@ -194,6 +198,7 @@ def main(args) -> int:
         "batch_images": len(batch), "in_process_s": in_process, "one_worker_s": one, "two_workers_s": two,
         "one_worker_one_thread_s": timings[1, 1], "ray_overhead_ratio": one / in_process,
         "two_vs_one_speedup": one / two, "two_vs_one_thread_speedup": timings[1, 1] / two, "cores": cores,
+        "request_latency": latency,
     }
     return emit(args, "encode", result, _describe)
 
@@ -227,6 +232,7 @@ def _describe(result: dict, out) -> None:
     print(f"\nRay overhead (1 worker / in-process): {result['ray_overhead_ratio']:.3f}  (target <= 1.10)")
     print(f"2 workers vs 1 worker speed-up:       {result['two_vs_one_speedup']:.2f}x (target >= 1.6, "
           f"{result['cores']} cores; vs a 1-thread worker: {result['two_vs_one_thread_speedup']:.2f}x)")
+    encode_latency.describe(result["request_latency"], "(d) ")
     plot = _plot(result, out.parent)
     print(f"results: {out}" + (f", plot: {plot}" if plot else ""))
 

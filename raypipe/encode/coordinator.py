@@ -3,8 +3,8 @@
 `submit` is four steps: `plan` (cache lookup by content hash, duplicates inside the batch encoded
 once, units of work and their costs; `plan.py`) -> `place` over the ready workers (greedy plus an
 improvement pass, `partition.py`) -> `dispatch` (one task per shard, a shard whose worker died
-re-run on a live one; `dispatch.py`) -> `assemble` (an image's units concatenated, the cache
-filled; `assemble.py`). Each shard's measured time feeds the `calibrated` cost model
+re-run on a live one; `dispatch.py`) -> `assemble` (an image's units joined on the worker holding
+most of them, the cache filled; `assemble.py`). Each shard's measured time feeds the `calibrated` cost model
 (`calibration.py`). Embeddings never pass through this process: callers get `ObjectRef`s in
 input order.
 
@@ -38,6 +38,7 @@ class EncodeReport:
     loads: list[float]
     cache_hits: int
     retried_shards: int
+    retried_joins: int  # items of several units whose join was re-run (its worker died)
 
     @property
     def imbalance(self) -> float:
@@ -99,15 +100,17 @@ class Coordinator:
             shards, loads = place(work, unit_cost, ready, self.inflight_loads)
             self.inflight_loads = [a + b for a, b in zip(self.inflight_loads, loads)]
         try:
-            unit_refs, retried = dispatch(work, shards, workers, self.pool, max_attempts=self.max_shard_attempts,
-                                          on_receipt=lambda receipt, shard: self._calibrate(work, receipt, shard))
+            unit_refs, holders, retried = dispatch(
+                work, shards, workers, self.pool, max_attempts=self.max_shard_attempts,
+                on_receipt=lambda receipt, shard: self._calibrate(work, receipt, shard))
         finally:
             with self._lock:
                 self.inflight_loads = [a - b for a, b in zip(self.inflight_loads, loads)]
-        encoded = assemble(work, unit_refs, self.cache, self.adapter)
+        encoded, retried_joins = assemble(work, unit_refs, holders, workers, self.pool, self.cache, self.adapter,
+                           max_attempts=self.max_shard_attempts)
         with self._lock:
             self.total_loads = [a + b for a, b in zip(self.total_loads, loads)]
-        self.last_report = _report(work, shards, loads, retried)
+        self.last_report = _report(work, shards, loads, retried, retried_joins)
         return encoded
 
     def _unit_costs(self, work: Plan) -> dict[UnitId, float]:
@@ -136,8 +139,9 @@ class Coordinator:
                 "cost_fit": self.calibration.stats()}
 
 
-def _report(work: Plan, shards: list[list[UnitId]], loads: list[float], retried: int) -> EncodeReport:
+def _report(work: Plan, shards: list[list[UnitId]], loads: list[float], retried: int, retried_joins: int
+            ) -> EncodeReport:
     return EncodeReport(
         assignment=[list(dict.fromkeys(i for uid in shard for i in work.todo_inputs[uid.item])) for shard in shards],
         loads=list(loads), cache_hits=sum(1 for item in work.items if item.content_hash in work.hits),
-        retried_shards=retried)
+        retried_shards=retried, retried_joins=retried_joins)

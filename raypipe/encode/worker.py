@@ -12,11 +12,17 @@ A shard runs in forwards of fixed token budgets where the tower supports them an
 graphs per budget). Otherwise it is encoded eagerly in forwards of at most `MAX_PATCHES_PER_FORWARD`
 patches each, so activation memory follows that bound, not the shard's size (units themselves are
 bounded: images by the processor's pixel limit, video chunks by their size).
+
+An item encoded as several units (slices, crops, tiles, video chunks) is joined here too (`join`),
+on a thread of its own: the process has torch loaded already (a task would start a fresh worker
+process when Ray has none idle, seconds of imports on a request's path), and a join never waits
+behind the next shard's encode.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import ray
@@ -28,6 +34,7 @@ from raypipe.models.base import VisionItem
 from raypipe.models.registry import vision_adapter
 from raypipe.runtime.device import pick_device, resolve_dtype
 
+JOIN_THREADS = 2  # joins run at once per worker (each is a copy of its item's rows: milliseconds)
 CPU_NICE = 10  # added to a CPU worker's niceness (lower scheduling priority; never needs privileges)
 MAX_PATCHES_PER_FORWARD = 65536  # ~16 of Qwen2.5-VL's largest images, or 64 448x448 frame groups
 
@@ -45,6 +52,8 @@ class EncoderWorker:
         self.tower = self.adapter.load_tower(self.device, self.dtype)
         self.budgeted = BudgetedForwards.for_tower(self.tower, budgets)  # None: eager forwards
         self.items_encoded = 0
+        self.items_joined = 0
+        self._join_count_lock = threading.Lock()  # joins run on JOIN_THREADS threads
         # The coordinator's cost calibration is kept per device kind.
         self.device_kind = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
@@ -56,7 +65,8 @@ class EncoderWorker:
     def info(self) -> dict:
         return {"pid": os.getpid(), "device": str(self.device), "dtype": str(self.dtype),
                 "threads": torch.get_num_threads(), "node": ray.get_runtime_context().get_node_id(),
-                "items_encoded": self.items_encoded, "budgets": self.budgeted.stats if self.budgeted else None}
+                "items_encoded": self.items_encoded, "items_joined": self.items_joined,
+                "budgets": self.budgeted.stats if self.budgeted else None}
 
     def encode(self, items: list[VisionItem]):
         """Returns `(*embeddings, receipt)`: call with `num_returns=len(items) + 1`."""
@@ -67,6 +77,15 @@ class EncoderWorker:
         receipt = {"pid": os.getpid(), "items": len(items), "seconds": time.perf_counter() - start,
                    "device": self.device_kind}
         return (*embeddings, receipt)
+
+    @ray.method(concurrency_group="join", num_returns=2)
+    def join(self, item: VisionItem, *parts: torch.Tensor):
+        """`(item's embedding, receipt)` from its units' embeddings (`VisionAdapter.join_units`); Ray
+        resolves the unit refs into this process, so only the units held by other workers move."""
+        joined = self.adapter.join_units(item, list(parts))
+        with self._join_count_lock:
+            self.items_joined += 1
+        return joined, {"pid": os.getpid()}
 
     def _forward_groups(self, items: list[VisionItem]) -> list[list[VisionItem]]:
         """Eager forwards: consecutive runs of `items` of at most `MAX_PATCHES_PER_FORWARD` patches (one item at least)."""
@@ -95,5 +114,5 @@ class EncoderWorker:
         return [sorted(s)[len(s) // 2] for s in samples]
 
 
-# encode() and info() keep the default group (one at a time); ping() has a thread of its own.
-RemoteEncoderWorker = ray.remote(concurrency_groups={"health": 1})(EncoderWorker)
+# encode() and info() keep the default group (one at a time); ping() and join() have threads of their own.
+RemoteEncoderWorker = ray.remote(concurrency_groups={"health": 1, "join": JOIN_THREADS})(EncoderWorker)

@@ -119,6 +119,20 @@ def _tile_every_image(request, given: bool) -> bool:
     return given
 
 
+def load_visuals(visuals: Sequence, vision_adapter: VisionAdapter, image_limits: ImageLimits = ImageLimits(), *,
+                 video: VideoOptions = VideoOptions()) -> list[DecodedVisual]:
+    """Visual items without a prompt (`Pipeline.encode`), decoded as a request's would be: each is an
+    image (PIL image, uint8 array, encoded bytes, data: URL) or a content part (`image` / `image_url`,
+    `video` / `video_url`: a path, encoded bytes, a data: URL or a list of frames), in input order.
+    Items are named per kind (`images[1]`, `videos[0]`)."""
+    raw = []
+    for i, visual in enumerate(visuals):
+        kind = visual.get("type") if isinstance(visual, dict) else None
+        raw.append((VISUAL_PART_KINDS[kind], _visual_of(visual, f"visuals[{i}]")) if kind in VISUAL_PART_KINDS
+                   else ("image", visual))
+    return _load_all(raw, _loaders(vision_adapter, image_limits, video, True, None))
+
+
 def _loaders(vision_adapter: VisionAdapter, image_limits: ImageLimits, video: VideoOptions, resize_images: bool,
              max_video_tokens: int | None):
     """kind -> `(raw, item) -> DecodedVisual`, each decoded at the size the tower consumes, where it is
