@@ -2,8 +2,9 @@
 
 Which frames are kept and at what size is the model family's decision (`PlanFrames`: Qwen2.5-VL
 follows transformers' Qwen2-VL video processor); this module reads the container's header, refuses
-what is over the limits before decoding anything, then decodes only the kept frames and resizes them
-a few at a time as they are decoded, so a long high-resolution video never sits in memory at full size.
+what is over the limits before decoding anything, decodes the first frame (which way up the video is
+shown), asks for the plan, then decodes only the kept frames and resizes them a few at a time as
+they are decoded, so a long high-resolution video never sits in memory at full size.
 Sizes are the upright frame's: a phone video's display matrix is applied to its frames (the frame
 plan, and so the token count, follows the shown frame, not the stored one).
 
