@@ -18,7 +18,7 @@ import av
 import numpy as np
 from av.sidedata.sidedata import Type as SideDataType
 
-_MATRIX = struct.Struct("<9i")  # FFmpeg stores the matrix in native order; PyAV's wheels are little-endian
+_MATRIX = struct.Struct("=9i")  # nine int32 in the machine's byte order, as FFmpeg stores them
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
