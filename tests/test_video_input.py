@@ -118,7 +118,7 @@ def test_extreme_aspect_ratio_is_refused_naming_the_videos_item():
     with pytest.raises(InvalidInput) as err:
         load_video(strip, LIMITS, frame_planner(QwenVideoConfig()), item="videos[0]")
     assert (err.value.item, err.value.code) == ("videos[0]", "bad_aspect_ratio")
-    assert str(err.value) == "videos[0]: video frames are 2000x8, an aspect ratio of 250:1; this model takes at most 200:1"
+    assert err.value.reason == "video frames are 2000x8, an aspect ratio of 250:1; this model takes at most 200:1"
 
 
 def test_plan_keeping_nothing_is_an_empty_video():
