@@ -347,12 +347,31 @@ def test_live_webm_is_counted_from_its_packets():
     data = media_recorder_webm(45)
     seen = []
     visual = load_video(data, LIMITS, every(4, seen=seen))
-    assert (seen[0].total_num_frames, seen[0].fps) == (45, 30.0)
+    assert seen[0].total_num_frames == 45 and seen[0].fps == pytest.approx(30.0)
     assert seen[0].duration_s == pytest.approx(45 / 30, abs=0.002)  # millisecond timestamps
     reference = all_frames(data)
     kept = list(range(0, 45, 4))
     np.testing.assert_array_equal(visual.pixels, np.stack([reference[i] for i in kept]))
     assert [frame_index(frame) for frame in visual.pixels] == kept
+
+
+def test_live_webm_whose_rate_drops_is_sampled_over_its_whole_length():
+    """One second at 30 fps, then one at 10 fps (a background tab): the probed header rate says 30, but
+    the plan's clock runs at the recording's average rate, so its frame indices reach the end."""
+    times = [i / 30 for i in range(30)] + [1 + i / 10 for i in range(10)]
+    data = make_video(index_frames(40), 30, codec="libvpx", container="webm", pts=times, live=True)
+    with av.open(io.BytesIO(data)) as container:
+        assert container.streams.video[0].average_rate == 30 and container.duration is None
+    seen = []
+    visual = load_video(data, LIMITS, every(1, seen=seen))
+    fps = seen[0].fps
+    assert seen[0].total_num_frames == 40 and fps == pytest.approx(40 / seen[0].duration_s)
+    assert 1.9 < seen[0].duration_s < 2.0
+    # The rule: a frame's index is its (millisecond) timestamp times the rate, rounded; index i shows the
+    # frame that starts then (the first, where the recording was denser than the rate), else the one before.
+    starts = [round(round(t * 1000) / 1000 * fps) for t in times]
+    shown = [starts.index(i) if i in starts else max(j for j, k in enumerate(starts) if k < i) for i in range(40)]
+    assert [frame_index(frame) for frame in visual.pixels] == shown and shown[-1] >= 38
 
 
 def test_live_webm_over_the_duration_limit_is_refused_while_demuxing(opened):

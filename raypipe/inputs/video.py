@@ -178,6 +178,9 @@ def _read_metadata(container: av.container.InputContainer, stream: av.VideoStrea
     demuxed = not frames and not duration
     if demuxed:
         frames, duration = demuxed_extent(container, stream, limits.max_duration_s, item)
+        # The whole recording's rate: the header's is guessed from the first packets, and a live recording's
+        # rate drifts (a browser records fewer frames in a background tab); frame indices must span it all.
+        rate = frames / duration if frames and duration else rate
     fps = float(rate) if rate else (frames / duration if frames and duration else 0.0)
     total = frames or round(duration * fps)  # Matroska/WebM headers give no frame count
     context = stream.codec_context
