@@ -58,8 +58,8 @@ class VideoLimits:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VideoMetadata:
-    """What the container's header says about its video stream (a list of frames: what the caller says);
-    width and height are the upright frame's."""
+    """What the container's header (or, lacking duration and frame count, its packets) says about its video
+    stream (a list of frames: what the caller says); width and height are the upright frame's."""
 
     total_num_frames: int
     fps: float  # average frame rate of the source
