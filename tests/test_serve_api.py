@@ -357,6 +357,8 @@ def _bad_videos(video_url: str) -> dict:
         "audio-only": (one(data_url(make_audio_only(), "video/x-matroska")), "no_video_stream"),
         "cut-before-first-frame": (one(data_url(cut_before_first_frame(mkv), "video/x-matroska")), "corrupt_video"),
         "unknown-codec": (one(data_url(make_unknown_codec_video(), "video/x-matroska")), "unsupported_codec"),
+        "250-to-1": (one(data_url(make_video([np.full((8, 2000, 3), 128, np.uint8)] * 2), "video/mp4")),
+                     "bad_aspect_ratio"),
         "bad-base64": (one("data:video/mp4;base64,@@not-base64@@"), "invalid_base64"),
         "http-url": (one("http://example.com/cat.mp4"), "url_not_allowed"),
         "three-videos": (_chat(messages=[{"role": "user", "content": [video_part(video_url)] * 3}]),
@@ -372,12 +374,16 @@ def _bad_videos(video_url: str) -> dict:
 def test_bad_videos_get_their_own_codes(server, http, client, video_url):
     from raypipe.testing.sample_videos import make_long_4k_video
 
-    failures = []
+    failures, errors = [], {}
     for name, (body, code) in _bad_videos(video_url).items():
         response = http.post("/v1/chat/completions", json=body)
         if response.status_code != 400 or response.json()["error"]["code"] != code:
             failures.append(f"{name}: {response.status_code} {response.text[:300]}")
+        else:
+            errors[name] = response.json()["error"]
     assert not failures, "\n".join(failures)
+    # The frame plan's refusal names the field the request sent, in raypipe's words (not transformers').
+    assert errors["250-to-1"]["param"] == "videos[0]" and "at most 200:1" in errors["250-to-1"]["message"]
     long_4k = data_url(make_long_4k_video(), "video/x-matroska")  # 2 h of 4K in its header, two frames inside
     start = time.monotonic()
     response = http.post("/v1/chat/completions", json=_chat(messages=[{"role": "user", "content": [

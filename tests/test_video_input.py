@@ -1,6 +1,7 @@
 """Videos: the kept frames are the source frames at the planned indices, whatever the container, start
-time or decoding path (sequential or seeking); every bad video is an InvalidInput with its own code,
-and what the header shows is over the limits is refused before any frame is decoded."""
+time or decoding path (sequential or seeking), turned upright as the display matrix asks; every bad
+video is an InvalidInput with its own code, and what the header shows is over the limits is refused
+before any frame is decoded."""
 
 from __future__ import annotations
 
@@ -109,6 +110,17 @@ def test_bad_videos_are_named_and_coded(name):
     assert str(err.value).startswith(f"{err.value.item}: ") and err.value.reason
 
 
+def test_extreme_aspect_ratio_is_refused_naming_the_videos_item():
+    """A frame plan does not know the request's field: `load_video` names its refusals after the item."""
+    from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner
+
+    strip = make_video([np.full((8, 2000, 3), 128, np.uint8)] * 2)  # 250:1
+    with pytest.raises(InvalidInput) as err:
+        load_video(strip, LIMITS, frame_planner(QwenVideoConfig()), item="videos[0]")
+    assert (err.value.item, err.value.code) == ("videos[0]", "bad_aspect_ratio")
+    assert err.value.reason == "video frames are 2000x8, an aspect ratio of 250:1; this model takes at most 200:1"
+
+
 def test_plan_keeping_nothing_is_an_empty_video():
     with pytest.raises(InvalidInput) as err:
         load_video(sample(), LIMITS, keeping())
@@ -120,6 +132,7 @@ def no_decoding(monkeypatch):
     """Fail the test if any frame would be decoded."""
     def refuse(*args, **kwargs):
         raise AssertionError("a frame was decoded")
+    monkeypatch.setattr(video_module, "start_decoding", refuse)
     monkeypatch.setattr(video_module, "kept_frames", refuse)
 
 
@@ -259,6 +272,25 @@ def test_truncated_stream_repeats_its_last_decoded_frame():
     np.testing.assert_array_equal(visual.pixels, np.stack([decoded[0], decoded[-1], decoded[-1]]))
 
 
+def test_truncated_faststart_mp4_keeps_the_frames_before_the_cut():
+    """An MP4 with its index first lists every frame; cut in half, the frames wholly before the cut are
+    kept and the plan is padded with the last of them (the module docstring's promise), not refused."""
+    whole = sample("mp4", count=60, gop_size=10, faststart=True)
+    assert whole.index(b"moov") < whole.index(b"mdat")
+    cut = whole[:len(whole) // 2]
+    with av.open(io.BytesIO(whole)) as container:  # the oracle: which frames' data lies wholly before the cut
+        stream = container.streams.video[0]
+        ticks = 1 / (float(stream.time_base) * 10)
+        complete = {round((packet.pts - stream.start_time) / ticks) for packet in container.demux(stream)
+                    if packet.size and packet.pos + packet.size <= len(cut)}
+    last = max(complete)
+    assert 3 < last < 25 and complete == set(range(last + 1))
+    reference = all_frames(whole)
+    visual = load_video(cut, LIMITS, keeping(0, 3, 25, 59))
+    np.testing.assert_array_equal(visual.pixels, np.stack([reference[0], reference[3], reference[last],
+                                                           reference[last]]))
+
+
 def test_frames_are_resized_a_few_at_a_time():
     batches = []
 
@@ -297,6 +329,99 @@ def test_frame_plan_checks():
 def test_video_limits_must_be_positive():
     with pytest.raises(ValueError):
         VideoLimits(max_frames=0)
+
+
+# --- a live recording's header: no duration, no frame count ---------------------------------------------
+
+def media_recorder_webm(count: int, fps: int = 30) -> bytes:
+    """A WebM as a browser's MediaRecorder writes it: VP8, millisecond timestamps, written live (no
+    duration, no cues, no frame count in its header)."""
+    data = make_video(index_frames(count), fps, codec="libvpx", container="webm", pts=[i / fps for i in range(count)],
+                      live=True)
+    with av.open(io.BytesIO(data)) as container:
+        assert container.duration is None and container.streams.video[0].frames == 0
+    return data
+
+
+def test_live_webm_is_counted_from_its_packets():
+    data = media_recorder_webm(45)
+    seen = []
+    visual = load_video(data, LIMITS, every(4, seen=seen))
+    assert seen[0].total_num_frames == 45 and seen[0].fps == pytest.approx(30.0)
+    assert seen[0].duration_s == pytest.approx(45 / 30, abs=0.002)  # millisecond timestamps
+    reference = all_frames(data)
+    kept = list(range(0, 45, 4))
+    np.testing.assert_array_equal(visual.pixels, np.stack([reference[i] for i in kept]))
+    assert [frame_index(frame) for frame in visual.pixels] == kept
+
+
+def test_live_webm_whose_rate_drops_is_sampled_over_its_whole_length():
+    """One second at 30 fps, then one at 10 fps (a background tab): the probed header rate says 30, but
+    the plan's clock runs at the recording's average rate, so its frame indices reach the end."""
+    times = [i / 30 for i in range(30)] + [1 + i / 10 for i in range(10)]
+    data = make_video(index_frames(40), 30, codec="libvpx", container="webm", pts=times, live=True)
+    with av.open(io.BytesIO(data)) as container:
+        assert container.streams.video[0].average_rate == 30 and container.duration is None
+    seen = []
+    visual = load_video(data, LIMITS, every(1, seen=seen))
+    fps = seen[0].fps
+    assert seen[0].total_num_frames == 40 and fps == pytest.approx(40 / seen[0].duration_s)
+    assert 1.9 < seen[0].duration_s < 2.0
+    # The rule: a frame's index is its (millisecond) timestamp times the rate, rounded; index i shows the
+    # frame that starts then (the first, where the recording was denser than the rate), else the one before.
+    starts = [round(round(t * 1000) / 1000 * fps) for t in times]
+    shown = [starts.index(i) if i in starts else max(j for j, k in enumerate(starts) if k < i) for i in range(40)]
+    assert [frame_index(frame) for frame in visual.pixels] == shown and shown[-1] >= 38
+
+
+def test_live_webm_over_the_duration_limit_is_refused_while_demuxing(opened):
+    data = media_recorder_webm(60, fps=10)  # 6 s
+    with pytest.raises(InvalidInput) as err:
+        load_video(data, VideoLimits(max_duration_s=2.0), every(1))
+    assert err.value.code == "video_too_long" and err.value.item == "video"
+    assert opened[0].packets <= 2 * 10 + 2  # stopped right past the limit, not at the end
+
+
+# --- phone videos: the display matrix is applied ---------------------------------------------------------
+
+ORIENTATIONS = {  # (degrees counter-clockwise, hflip) -> the shown frame, from the decoded one (numpy)
+    (90, False): lambda frame: np.rot90(frame, 1),
+    (-90, False): lambda frame: np.rot90(frame, -1),  # what an iPhone held upright writes
+    (180, False): lambda frame: np.rot90(frame, 2),
+    (0, True): np.fliplr,
+    (90, True): lambda frame: np.fliplr(np.rot90(frame, 1)),  # PyAV: the mirror applies after the turn
+}
+INVERSE = {(90, False): lambda frame: np.rot90(frame, -1), (-90, False): lambda frame: np.rot90(frame, 1),
+           (180, False): lambda frame: np.rot90(frame, 2), (0, True): np.fliplr,
+           (90, True): lambda frame: np.rot90(np.fliplr(frame), -1)}
+
+
+@pytest.mark.parametrize("rotation, hflip", sorted(ORIENTATIONS), ids=str)
+def test_display_matrix_turns_the_kept_frames_upright(rotation, hflip):
+    upright = index_frames(12, 48, 64)  # what the camera saw; the file stores it as the sensor did
+    stored = [np.ascontiguousarray(INVERSE[rotation, hflip](frame)) for frame in upright]
+    data = make_video(stored, 10, rotation=rotation, hflip=hflip)
+    seen = []
+    visual = load_video(data, LIMITS, every(3, seen=seen))
+    assert (seen[0].height, seen[0].width) == (48, 64)  # the plan is made for the upright frame
+    reference = all_frames(data)  # PyAV's decode, as stored (it applies no display matrix)
+    assert reference[0].shape[:2] == stored[0].shape[:2]
+    shown = ORIENTATIONS[rotation, hflip]
+    np.testing.assert_array_equal(visual.pixels, np.stack([shown(reference[i]) for i in range(0, 12, 3)]))
+    assert [frame_index(frame) for frame in visual.pixels] == [0, 3, 6, 9]
+
+
+def test_portrait_phone_video_is_planned_as_its_upright_frames():
+    """Qwen's frame size and token grid for a portrait clip stored sideways (an iPhone's -90 degrees) are
+    those of the same clip sent upright."""
+    from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner
+
+    upright = index_frames(8, 64, 48)
+    sideways = make_video([np.ascontiguousarray(np.rot90(frame, 1)) for frame in upright], 2, rotation=-90)
+    planner = frame_planner(QwenVideoConfig())
+    phone, sent_upright = load_video(sideways, LIMITS, planner), load_video(upright, LIMITS, planner, frames_fps=2)
+    assert phone.pixels.shape == sent_upright.pixels.shape and phone.height > phone.width
+    assert [frame_index(frame) for frame in phone.pixels] == [frame_index(frame) for frame in sent_upright.pixels]
 
 
 # --- every accepted way of sending a video -------------------------------------------------------------

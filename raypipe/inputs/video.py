@@ -2,8 +2,11 @@
 
 Which frames are kept and at what size is the model family's decision (`PlanFrames`: Qwen2.5-VL
 follows transformers' Qwen2-VL video processor); this module reads the container's header, refuses
-what is over the limits before decoding anything, then decodes only the kept frames and resizes them
-a few at a time as they are decoded, so a long high-resolution video never sits in memory at full size.
+what is over the limits before decoding anything, decodes the first frame (which way up the video is
+shown), asks for the plan, then decodes only the kept frames and resizes them a few at a time as
+they are decoded, so a long high-resolution video never sits in memory at full size.
+Sizes are the upright frame's: a phone video's display matrix is applied to its frames (the frame
+plan, and so the token count, follows the shown frame, not the stored one).
 
 Accepted: encoded bytes, `data:` URLs and allow-listed `http(s)://`/`file://` URLs (as for images,
 `raypipe.inputs.urls`), a `pathlib.Path` (a trusted local file, read by the caller's own process:
@@ -27,14 +30,18 @@ from PIL import Image
 from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual, pixel_hash
 from raypipe.inputs.urls import read_url
-from raypipe.inputs.video_decode import kept_frames, open_container, video_stream
+from raypipe.inputs.video_decode import demuxed_extent, kept_frames, open_container, start_decoding, video_stream
 
 RESIZE_BATCH = 8  # kept frames held at source size at once, before `FramePlan.resize` shrinks them
+# What a family's frame plan names the video it refuses (it does not know the request's field): `load_video`
+# renames it to the item it was given (`videos[0]`).
+PLAN_ITEM = "video"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VideoLimits:
-    """What a server accepts as one video; everything but `max_frames` is checked from the header alone."""
+    """What a server accepts as one video; everything but `max_frames` is checked before any frame is decoded
+    (from the header, or from the packets where a header gives no duration)."""
 
     max_bytes: int = 512 * 1024 * 1024  # encoded size
     max_duration_s: float = 3600.0  # a 2-hour upload is refused
@@ -51,7 +58,8 @@ class VideoLimits:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VideoMetadata:
-    """What the container's header says about its video stream (a list of frames: what the caller says)."""
+    """What the container's header (or, lacking duration and frame count, its packets) says about its video
+    stream (a list of frames: what the caller says); width and height are the upright frame's."""
 
     total_num_frames: int
     fps: float  # average frame rate of the source
@@ -133,16 +141,31 @@ def _load_encoded(source: bytes | pathlib.Path, size: int, limits: VideoLimits, 
                            code="video_too_large")
     with open_container(source, item) as container:
         stream = video_stream(container, item)
-        metadata = _read_metadata(container, stream, item)
-        plan = _plan(plan_frames, metadata, limits, item)
-        distinct = sorted(set(plan.indices))
-        frames = kept_frames(container, stream, distinct, metadata.fps, item)
-        pixels = _resize_in_batches(frames, len(distinct), plan)
+        metadata, demuxed = _read_metadata(container, stream, limits, item)
+        if not demuxed:
+            return _decode_planned(container, stream, metadata, limits, plan_frames, item)
+    # Counting the packets read the file to its end, and not every format seeks back: decode a fresh reading.
+    with open_container(source, item) as container:
+        return _decode_planned(container, video_stream(container, item), metadata, limits, plan_frames, item)
+
+
+def _decode_planned(container: av.container.InputContainer, stream: av.VideoStream, metadata: VideoMetadata,
+                    limits: VideoLimits, plan_frames: PlanFrames, item: str) -> DecodedVisual:
+    """Check the header against the limits, then decode the first frame (its orientation), plan, decode the rest."""
+    _check_header(metadata, limits, item)
+    decoding = start_decoding(container, stream, item)
+    width, height = decoding.orientation.size(metadata.width, metadata.height)
+    metadata = dataclasses.replace(metadata, width=width, height=height)
+    plan = _plan(plan_frames, metadata, limits, item)
+    distinct = sorted(set(plan.indices))
+    pixels = _resize_in_batches(kept_frames(decoding, distinct, metadata.fps, item), len(distinct), plan)
     return _visual(pixels, distinct, plan, metadata)
 
 
-def _read_metadata(container: av.container.InputContainer, stream: av.VideoStream, item: str) -> VideoMetadata:
-    """The header's word on frame count, rate, duration and size; nothing is decoded."""
+def _read_metadata(container: av.container.InputContainer, stream: av.VideoStream, limits: VideoLimits,
+                   item: str) -> tuple[VideoMetadata, bool]:
+    """The header's word on frame count, rate, duration and stored size, and whether the packets had to be
+    counted for want of it (a live recording's header gives neither duration nor frame count)."""
     rate = stream.average_rate or stream.guessed_rate
     if stream.duration:
         duration = float(stream.duration * stream.time_base)
@@ -151,15 +174,22 @@ def _read_metadata(container: av.container.InputContainer, stream: av.VideoStrea
         duration = (container.duration - max(container.start_time or 0, 0)) / av.time_base
     else:
         duration = 0.0
-    fps = float(rate) if rate else (stream.frames / duration if stream.frames and duration else 0.0)
-    total = stream.frames or round(duration * fps)  # Matroska/WebM headers give no frame count
+    frames = stream.frames
+    demuxed = not frames and not duration
+    if demuxed:
+        frames, duration = demuxed_extent(container, stream, limits.max_duration_s, item)
+        # The whole recording's rate: the header's is guessed from the first packets, and a live recording's
+        # rate drifts (a browser records fewer frames in a background tab); frame indices must span it all.
+        rate = frames / duration if frames and duration else rate
+    fps = float(rate) if rate else (frames / duration if frames and duration else 0.0)
+    total = frames or round(duration * fps)  # Matroska/WebM headers give no frame count
     context = stream.codec_context
     metadata = VideoMetadata(total_num_frames=total, fps=fps, duration_s=duration, width=context.width,
                              height=context.height, codec=context.name)
     if fps <= 0 or context.width <= 0 or context.height <= 0:
         raise InvalidInput(f"video header gives no frame rate or frame size ({metadata})", item=item,
                            code="corrupt_video")
-    return metadata
+    return metadata, demuxed
 
 
 def _load_frame_list(frames: list | tuple, limits: VideoLimits, plan_frames: PlanFrames, item: str,
@@ -175,6 +205,7 @@ def _load_frame_list(frames: list | tuple, limits: VideoLimits, plan_frames: Pla
     height, width = sizes[0]
     metadata = VideoMetadata(total_num_frames=len(frames), fps=fps, duration_s=len(frames) / fps, width=width,
                              height=height, codec="frames")
+    _check_header(metadata, limits, item)
     plan = _plan(plan_frames, metadata, limits, item)
     distinct = sorted(set(plan.indices))
     pixels = _resize_in_batches((_frame_rgb(frames[i]) for i in distinct), len(distinct), plan)
@@ -196,8 +227,8 @@ def _frame_rgb(frame: np.ndarray | Image.Image) -> np.ndarray:
     return np.asarray(frame.convert("RGB")) if isinstance(frame, Image.Image) else frame
 
 
-def _plan(plan_frames: PlanFrames, metadata: VideoMetadata, limits: VideoLimits, item: str) -> FramePlan:
-    """Refuse what the header shows is over the limits, then ask the family which frames to keep."""
+def _check_header(metadata: VideoMetadata, limits: VideoLimits, item: str) -> None:
+    """Refuse what the header shows is over the limits (nothing decoded yet)."""
     if metadata.duration_s > limits.max_duration_s:
         raise InvalidInput(f"video is {metadata.duration_s:.1f} s long; the limit is {limits.max_duration_s:g} s",
                            item=item, code="video_too_long")
@@ -206,7 +237,16 @@ def _plan(plan_frames: PlanFrames, metadata: VideoMetadata, limits: VideoLimits,
                            f"{limits.max_source_pixels} pixels per frame", item=item, code="video_resolution_too_large")
     if metadata.total_num_frames <= 0:
         raise InvalidInput("video has no frames", item=item, code="empty_video")
-    plan = plan_frames(metadata)
+
+
+def _plan(plan_frames: PlanFrames, metadata: VideoMetadata, limits: VideoLimits, item: str) -> FramePlan:
+    """Ask the family which frames to keep, naming its refusals after `item`; refuse too many kept frames."""
+    try:
+        plan = plan_frames(metadata)
+    except InvalidInput as err:
+        if err.item != PLAN_ITEM:
+            raise
+        raise InvalidInput(err.reason, item=item, code=err.code) from None
     if not plan.indices:
         raise InvalidInput(f"no frame of this {metadata.duration_s:.2f} s video is kept", item=item,
                            code="empty_video")

@@ -11,12 +11,21 @@ to RGB. When the next kept frame is further ahead than the longest keyframe inte
 (and more than a second), the demuxer seeks to it instead: decoding restarts at the keyframe before
 it, which skips whole groups of pictures. Where a seek lands teaches how long groups are at least
 (no keyframe lies between the landing and the target), so a gap that short is not sought again.
-Only containers with a keyframe index are sought in; should a seek still land past its target, the
-stream is rewound to its start and decoded on from there, seeking no more.
+Only containers with a keyframe index are sought in; should a seek still land past its target, or
+find no frame at all (the index lists frames past the end of a truncated file), the stream is rewound
+to its start and decoded on from there, seeking no more.
 
 If the stream ends before a kept index (its header promised more frames than it holds, e.g. a
 truncated upload), the last decoded frame is repeated for the missing ones -- the video stays on its
-last picture -- but only if some frame was decoded at all; otherwise the video is corrupt.
+last picture. An upload cut short inside a frame (an MP4 whose index, written first, lists frames
+past the cut) ends in a packet the demuxer flags corrupt: when the decoder refuses such a packet, it
+is dropped (its frame is lost, not the ones before it) rather than the video refused. A video none
+of whose frames decodes is corrupt.
+
+The first frame is decoded before the frame plan is made (`start_decoding`): its display matrix tells
+which way up the video is shown (`raypipe.inputs.video_orientation`), and every kept frame is turned
+upright. Where a header gives neither duration nor frame count (a live recording, e.g. a browser's
+MediaRecorder WebM), they are counted from the packets first (`demuxed_extent`), decoding nothing.
 
 The decoder keeps PyAV's default threading (slices only). Frame threading ("AUTO") was measured
 slower on a 30 s 640x360 h264 clip sampled at 2 fps on a 2-core host (0.52 s against 0.39 s), and a
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import pathlib
 from collections.abc import Iterator, Sequence
 
@@ -35,6 +45,7 @@ import av.error
 import numpy as np
 
 from raypipe.errors import InvalidInput
+from raypipe.inputs.video_orientation import Orientation
 
 MIN_SEEK_GAP_S = 1.0  # closer kept frames are reached by decoding on: a seek flushes the decoder's pipeline
 # Containers with an index of keyframes, where a backward seek lands on the keyframe before its target.
@@ -78,9 +89,62 @@ def video_stream(container: av.container.InputContainer, item: str) -> av.VideoS
     return stream
 
 
-def kept_frames(container: av.container.InputContainer, stream: av.VideoStream, indices: Sequence[int],
-                fps: float, item: str) -> Iterator[np.ndarray]:
-    """RGB (H, W, 3) uint8 frames at `indices` (ascending, distinct), in order; see the module docstring."""
+def demuxed_extent(container: av.container.InputContainer, stream: av.VideoStream, max_duration_s: float,
+                   item: str) -> tuple[int, float]:
+    """(frames, seconds) of a stream whose header gives neither, from its packets: one packet per frame,
+    from the first timestamp to the end of the last frame. Nothing is decoded; the bytes read are bounded
+    by the encoded size checked before opening, and reading stops as soon as a timestamp passes
+    `max_duration_s` (`video_too_long`), so an over-long stream is refused without reading it all."""
+    time_base = float(stream.time_base)
+    count, first, last, last_duration = 0, None, None, 0
+    try:
+        for packet in container.demux(stream):
+            if packet.size == 0:  # the empty packet that ends the demuxing
+                continue
+            count += 1
+            if packet.pts is None:
+                continue
+            first = packet.pts if first is None else min(first, packet.pts)
+            if last is None or packet.pts >= last:
+                last, last_duration = packet.pts, packet.duration or 0
+            if (last - first) * time_base > max_duration_s:
+                raise InvalidInput(f"video runs past {max_duration_s:g} s (its header gives no duration; read up "
+                                   f"to there); the limit is {max_duration_s:g} s", item=item, code="video_too_long")
+    except av.error.FFmpegError as exc:
+        raise _corrupt(exc, item) from None
+    if first is None:
+        return count, 0.0
+    span = (last - first) * time_base
+    # A recorder that writes no frame durations (MediaRecorder): the last frame lasts as long as the average one.
+    last_s = last_duration * time_base if last_duration else (span / (count - 1) if count > 1 else 0.0)
+    return count, span + last_s
+
+
+@dataclasses.dataclass(slots=True)
+class Decoding:
+    """A video stream being decoded from its start, its first frame already decoded."""
+
+    container: av.container.InputContainer
+    stream: av.VideoStream
+    orientation: Orientation  # from the first frame's display matrix
+    frames: Iterator[av.VideoFrame]  # the decoded frames from the start, the first one included
+
+
+def start_decoding(container: av.container.InputContainer, stream: av.VideoStream, item: str) -> Decoding:
+    """Decode up to the first frame, which tells the orientation; refuse a video with no decodable frame."""
+    frames = _decoded(container, stream)
+    try:
+        first = next(frames, None)
+    except av.error.FFmpegError as exc:
+        raise _corrupt(exc, item) from None
+    if first is None:
+        raise InvalidInput("video holds no decodable frame (truncated or corrupt)", item=item, code="corrupt_video")
+    return Decoding(container, stream, Orientation.of_frame(first), itertools.chain([first], frames))
+
+
+def kept_frames(decoding: Decoding, indices: Sequence[int], fps: float, item: str) -> Iterator[np.ndarray]:
+    """Upright RGB (H, W, 3) uint8 frames at `indices` (ascending, distinct), in order; see the module docstring."""
+    container, stream, upright = decoding.container, decoding.stream, decoding.orientation.apply
     ticks_per_frame = 1 / (float(stream.time_base) * fps)
     start = stream.start_time  # None: the first decoded frame's timestamp is the start
     min_seek_gap = fps * MIN_SEEK_GAP_S
@@ -88,13 +152,15 @@ def kept_frames(container: av.container.InputContainer, stream: av.VideoStream, 
     next_kept, seek_to, position = 0, None, -1  # position: index of the last decoded frame
     last = None  # the last decoded frame
     seekable = container.format.name in _INDEXED_FORMATS
+    frames = decoding.frames
     try:
         while next_kept < len(indices):
             if seek_to is not None:
                 container.seek(start + max(0, round((seek_to - 0.5) * ticks_per_frame)), stream=stream,
                                backward=True)
+                frames = _decoded(container, stream)
             landing, last_key, shown = seek_to is not None, None, None  # shown: on screen before this frame
-            for frame in _decoded(container, stream):
+            for frame in frames:
                 if start is None:
                     start = frame.pts or 0
                 index = position + 1 if frame.pts is None else round((frame.pts - start) / ticks_per_frame)
@@ -109,7 +175,7 @@ def kept_frames(container: av.container.InputContainer, stream: av.VideoStream, 
                 current, kept_before = _Decoded(frame), next_kept
                 while next_kept < len(indices) and indices[next_kept] <= index:
                     # On screen at the kept index's time: this frame if it starts then, else the one before it.
-                    yield (current if indices[next_kept] == index or shown is None else shown).rgb()
+                    yield upright((current if indices[next_kept] == index or shown is None else shown).rgb())
                     next_kept += 1
                 shown = last = current
                 # Decide on seeking only after a kept frame (or the first frame): never twice towards one target.
@@ -120,15 +186,14 @@ def kept_frames(container: av.container.InputContainer, stream: av.VideoStream, 
                         seek_to = indices[next_kept]
                         break
             else:
+                if landing and seekable:  # the seek found no frame (its target lies past a truncated end): rewind
+                    seek_to, seekable = 0, False
+                    continue
                 break  # end of stream
     except av.error.FFmpegError as exc:
-        raise InvalidInput(f"video data is corrupt ({exc.strerror})", item=item, code="corrupt_video") from None
-    if next_kept < len(indices):
-        if last is None:
-            raise InvalidInput("video holds no decodable frame (truncated or corrupt)", item=item,
-                               code="corrupt_video")
-        for _ in range(len(indices) - next_kept):
-            yield last.rgb()
+        raise _corrupt(exc, item) from None
+    for _ in range(len(indices) - next_kept):  # the stream ended early: it stays on its last picture
+        yield upright(last.rgb())
 
 
 @dataclasses.dataclass(slots=True)
@@ -144,10 +209,20 @@ class _Decoded:
         return self.pixels
 
 
+def _corrupt(exc: av.error.FFmpegError, item: str) -> InvalidInput:
+    return InvalidInput(f"video data is corrupt ({exc.strerror})", item=item, code="corrupt_video")
+
+
 def _decoded(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:
     """Decoded frames from the demuxer's current position (its last, empty packet flushes the decoder)."""
     for packet in container.demux(stream):
-        yield from packet.decode()
+        try:
+            frames = packet.decode()
+        except av.error.FFmpegError:
+            if not packet.is_corrupt:
+                raise
+            continue  # cut short by the end of the data: its frame is lost, the frames before it are not
+        yield from frames
 
 
 def _head(path: pathlib.Path) -> bytes:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import fractions
 import io
+import pathlib
+import tempfile
 
 import av
 import numpy as np
@@ -54,30 +56,39 @@ def frame_index(frame: np.ndarray) -> int:
 
 
 def make_video(frames, fps: int = 10, *, codec: str = "libx264", container: str = "mp4", gop_size: int | None = None,
-               start_pts: int = 0, pts: list[int] | None = None) -> bytes:
+               start_pts: int = 0, pts: list[int] | None = None, live: bool = False, faststart: bool = False,
+               rotation: int = 0, hflip: bool = False) -> bytes:
     """Encode `frames` ((H, W, 3) uint8 each) into an in-memory file.
 
     `gop_size` puts a keyframe every so many frames (seek tests); `start_pts` shifts every timestamp
     (in frames), like a clip cut from a longer stream; `pts` gives each frame's timestamp in seconds
-    instead (a sparse or variable-rate stream, e.g. two frames two hours apart).
+    instead (a sparse or variable-rate stream, e.g. two frames two hours apart). `live` writes a
+    WebM/Matroska as a recorder does while recording (a browser's MediaRecorder): no duration, no cues.
+    `faststart` puts an MP4's index (moov) before its frames, as web-ready files have it. `rotation`
+    (degrees counter-clockwise) and `hflip` write a display matrix, as a phone held upright does.
     """
-    buffer = io.BytesIO()
     height, width = frames[0].shape[:2]
-    with av.open(buffer, mode="w", format=_FORMATS[container]) as output:
-        stream = output.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        if pts is not None:
-            stream.codec_context.time_base = fractions.Fraction(1, 1000)
-        if gop_size is not None:
-            stream.codec_context.gop_size = gop_size
-            if codec == "libx264":  # x264 also inserts keyframes at scene cuts; only the fixed GOP is wanted
-                stream.codec_context.options = {"sc_threshold": "0", "keyint_min": str(gop_size)}
-        for i, pixels in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
-            frame.pts = round(pts[i] * 1000) if pts is not None else start_pts + i
-            output.mux(stream.encode(frame))
-        output.mux(stream.encode(None))
-    return buffer.getvalue()
+    options = {"live": "1"} if live else {"movflags": "faststart"} if faststart else {}
+    with tempfile.TemporaryDirectory() as folder:
+        # The MP4 muxer moves its index to the front by reopening its output by name: a file, not a buffer.
+        target = pathlib.Path(folder, "video") if faststart else io.BytesIO()
+        with av.open(target, mode="w", format=_FORMATS[container], options=options) as output:
+            stream = output.add_stream(codec, rate=fps)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            if rotation or hflip:
+                stream.set_display_rotation(rotation, hflip=hflip)
+            if pts is not None:
+                stream.codec_context.time_base = fractions.Fraction(1, 1000)
+            if gop_size is not None:
+                stream.codec_context.gop_size = gop_size
+                if codec == "libx264":  # x264 also inserts keyframes at scene cuts; only the fixed GOP is wanted
+                    stream.codec_context.options = {"sc_threshold": "0", "keyint_min": str(gop_size)}
+            for i, pixels in enumerate(frames):
+                frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
+                frame.pts = round(pts[i] * 1000) if pts is not None else start_pts + i
+                output.mux(stream.encode(frame))
+            output.mux(stream.encode(None))
+        return target.read_bytes() if faststart else target.getvalue()
 
 
 def make_audio_only(seconds: float = 1.0, rate: int = 16_000) -> bytes:

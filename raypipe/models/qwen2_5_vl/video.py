@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from raypipe.errors import InvalidInput
-from raypipe.inputs.video import FramePlan, PlanFrames, VideoMetadata, VideoSampling
+from raypipe.inputs.video import PLAN_ITEM, FramePlan, PlanFrames, VideoMetadata, VideoSampling
 
 VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
 # transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD (the normalization Qwen2.5-VL was trained with)
@@ -37,6 +37,7 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 TOTAL_BUDGET_SHARE = 0.9  # transformers: the total-video budget is 90% of `max_video_tokens` tokens' pixels
 MIN_PIXELS_HEADROOM = 1.05  # transformers: a frame's capped budget never drops below 1.05 * min_pixels
+MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses a longer side over 200 times the shorter
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,7 +148,7 @@ def sample_indices(meta: VideoMetadata, temporal_patch_size: int, *, fps: float 
     """Source frames `Qwen2VLVideoProcessor.sample_frames` keeps (at least one; see the module docstring)."""
     total = meta.total_num_frames
     if total < 1:
-        raise InvalidInput("the video has no frames", item="video", code="invalid_video")
+        raise InvalidInput("the video has no frames", item=PLAN_ITEM, code="invalid_video")
     if num_frames is not None:
         count = round(num_frames / temporal_patch_size) * temporal_patch_size
         if count > total:
@@ -155,7 +156,7 @@ def sample_indices(meta: VideoMetadata, temporal_patch_size: int, *, fps: float 
     else:
         if not meta.fps > 0:
             raise InvalidInput(f"the video's frame rate is {meta.fps}; sampling by fps needs it",
-                               item="video", code="invalid_video")
+                               item=PLAN_ITEM, code="invalid_video")
         ceiling = math.floor(min(max_frames, total) / temporal_patch_size) * temporal_patch_size
         count = min(max(total / meta.fps * fps, min_frames), ceiling, total)
         count = math.floor(count / temporal_patch_size) * temporal_patch_size
@@ -168,10 +169,11 @@ def frame_size(height: int, width: int, factor: int, min_pixels: int, max_pixels
     """(height, width) every sampled frame is resized to (`smart_resize`, as the processor calls it)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    try:
-        return smart_resize(height, width, factor, min_pixels=min_pixels, max_pixels=max_pixels)
-    except ValueError as err:  # an aspect ratio over 200
-        raise InvalidInput(str(err), item="video", code="invalid_video") from err
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise InvalidInput(f"video frames are {width}x{height}, an aspect ratio of {ratio:.0f}:1; this model takes "
+                           f"at most {MAX_ASPECT_RATIO}:1", item=PLAN_ITEM, code="bad_aspect_ratio")
+    return smart_resize(height, width, factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def resize_frames(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
