@@ -2,7 +2,7 @@
 encoder worker, where torch is loaded already, so no request starts a process (a Ray task did: a fresh worker
 process, seconds of imports, whenever Ray had stopped its idle one); a join whose worker died is re-run on a
 live one; `Pipeline.encode` takes videos. Embeddings equal transformers' `get_image_features` /
-`get_video_features`. The session's `tiny-llava-ov` workers serve (starting a pool costs seconds on 2 cores)."""
+`get_video_features` (images encoded one by one are each tiled: transformers' flat image list). The session's `tiny-llava-ov` workers serve (starting a pool costs seconds on 2 cores)."""
 
 import dataclasses
 import time
@@ -62,7 +62,7 @@ def test_multi_unit_items_start_no_process(coordinator, llava_ckpt, llava_hf_mod
         images = random_images(sizes, seed=91 + round_)  # new images: nothing cached
         got = coordinator.encode(load_images(images))
         assert _node_workers(coordinator) <= before, "a process was started on the request's path"
-        for ours, want in zip(got, ref.image_features(llava_hf_model, llava_ckpt, images)):
+        for ours, want in zip(got, ref.image_features(llava_hf_model, llava_ckpt, images, tile_every_image=True)):
             torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-4)
     joined = [after["items_joined"] - info["items_joined"] for after, info in
               zip(ray.get([w.info.remote() for w in workers]), infos)]
@@ -100,7 +100,7 @@ def test_pipeline_encode_takes_videos(patched, coordinator, llava_ckpt, llava_hf
     images = random_images([(160, 100), (56, 56)], seed=96)
     source = np.random.default_rng(97).integers(0, 256, (9, 64, 48, 3), dtype=np.uint8)
     got = pipe.encode([images[0], {"type": "video", "video": list(source)}, {"type": "image", "image": images[1]}])
-    image_rows = ref.image_features(llava_hf_model, llava_ckpt, images)
+    image_rows = ref.image_features(llava_hf_model, llava_ckpt, images, tile_every_image=True)
     want = [image_rows[0], ref.video_features(llava_hf_model, ref.preprocess_video(llava_ckpt, source, FPS)),
             image_rows[1]]
     assert [t.shape for t in got] == [t.shape for t in want]
@@ -130,5 +130,6 @@ def test_join_on_a_dead_worker_is_rerun(llava_workers, llava_ckpt, llava_hf_mode
     encoded, retried_joins = assemble(work, unit_refs, holders, workers, pool, EmbeddingCache(0), adapter,
                                       max_attempts=3)
     assert retried_joins == 2
-    for ours, want in zip(ray.get([e.ref for e in encoded]), ref.image_features(llava_hf_model, llava_ckpt, images)):
+    want = ref.image_features(llava_hf_model, llava_ckpt, images, tile_every_image=True)
+    for ours, want in zip(ray.get([e.ref for e in encoded]), want):
         torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-4)
