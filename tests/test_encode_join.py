@@ -2,7 +2,8 @@
 encoder worker, where torch is loaded already, so no request starts a process (a Ray task did: a fresh worker
 process, seconds of imports, whenever Ray had stopped its idle one); a join whose worker died is re-run on a
 live one; `Pipeline.encode` takes videos. Embeddings equal transformers' `get_image_features` /
-`get_video_features` (images encoded one by one are each tiled: transformers' flat image list). The session's `tiny-llava-ov` workers serve (starting a pool costs seconds on 2 cores)."""
+`get_video_features` (images encoded one by one are each tiled: transformers' flat image list). The
+session's `tiny-llava-ov` workers serve (starting a pool costs seconds on 2 cores)."""
 
 import dataclasses
 import time
