@@ -19,7 +19,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from raypipe import InvalidInput, SamplingParams, StructuredOutput
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
-from raypipe.decode.grammar import GrammarCompiler, grammar_text
+from raypipe.decode.grammar import constraint_value
+from raypipe.decode.grammar_worker import grammar_text
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.models.registry import vision_adapter
 from raypipe.testing.structured_schemas import BAD_SCHEMAS, SCHEMAS
@@ -95,7 +96,7 @@ class GrammarProcessor(LogitsProcessor):
 
     def __init__(self, tokenizer, vocab_size: int, eos: int, structured: StructuredOutput, prompt_len: int):
         self.matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos),
-                                            grammar_text(structured))
+                                            grammar_text(structured.kind, constraint_value(structured)))
         self.mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
         self.prompt_len = prompt_len
 
