@@ -48,7 +48,7 @@ import torch
 from raypipe.decode.block_pool import BlockPool
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.grammar import GrammarCompiler, GrammarLimits
-from raypipe.decode.grammar_worker import first_line
+from raypipe.decode.grammar_worker import readable_error
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
 from raypipe.decode.prefix_hash import placeholder_runs
@@ -381,7 +381,7 @@ class LLMEngine:
         seq.finish_reason = "error"  # finished: its row and blocks are released with the others
         self._counters["finished"] += 1
         self._forget(seq)
-        reason = first_line(seq.matcher.get_error())
+        reason = readable_error(seq.matcher.get_error())
         self._outbox.append((seq, InvalidInput(
             f"the constraint failed after {len(seq.output_ids)} output tokens and cannot finish: {reason}",
             item=seq.params.structured.field, code="grammar_failed")))

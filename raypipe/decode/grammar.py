@@ -45,7 +45,7 @@ import llguidance.torch
 import torch
 
 from raypipe.decode.grammar_pool import CompileRefused, CompilerPool, WorkerSetup
-from raypipe.decode.grammar_worker import first_line
+from raypipe.decode.grammar_worker import readable_error
 from raypipe.errors import InvalidInput
 from raypipe.inputs.structured import StructuredOutput
 from raypipe.inputs.structured_limits import check_limits
@@ -162,7 +162,7 @@ class GrammarCompiler:
         thread.join()
         matcher = result[0]
         if matcher.is_error():  # it compiled in the worker; only a bug here could make it fail
-            raise RuntimeError(f"grammar compiled in the worker but not in the decoder: {first_line(matcher.get_error())}")
+            raise RuntimeError(f"grammar compiled in the worker but not in the decoder: {readable_error(matcher.get_error())}")
         return matcher
 
 

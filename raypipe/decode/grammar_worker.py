@@ -28,11 +28,37 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separa
 FORCED_PREFIX_TOKENS = 256  # forced tokens walked at admission (a dead end right after them is refused here)
 
 
+# `format: date-time` / `date` as patterns that Python's `datetime.fromisoformat` and pydantic's `datetime`
+# accept: llguidance's own formats allow second 60 (RFC 3339 leap seconds), February 29 of any year,
+# year 0000 and lower-case "t"/"z", which both reject. Here: years 0001-9999, days per month with
+# February 29 in leap years only, seconds 00-59, at most 6 fraction digits, "Z" or an offset.
+_YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+FORMAT_PATTERNS = {"date-time": f"^{_DATE}T{_TIME}$", "date": f"^{_DATE}$"}
+
+
+def with_format_patterns(schema):
+    """`schema` with each `format` in FORMAT_PATTERNS replaced by its pattern (where no pattern is set)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("format") in FORMAT_PATTERNS and "pattern" not in node:
+                node["pattern"] = FORMAT_PATTERNS[node.pop("format")]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return schema
+
+
 def grammar_text(kind: str, value) -> str:
     """llguidance's grammar for a constraint of `kind` (`StructuredOutput.kind`) and its value (not yet checked)."""
     matcher = llguidance.LLMatcher
     if kind == "json":
-        return matcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+        return matcher.grammar_from_json_schema(with_format_patterns(json.loads(value)), defaults=JSON_OPTIONS)
     if kind == "json_object":
         return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "regex":
@@ -42,9 +68,10 @@ def grammar_text(kind: str, value) -> str:
     return matcher.grammar_from_lark(value)
 
 
-def first_line(error: str) -> str:
-    """llguidance's error without the parser state dump it appends."""
-    return error.strip().split("\n", 1)[0].split("<state>", 1)[0].strip()
+def readable_error(error: str) -> str:
+    """llguidance's error on one line, without the parser state dump it appends (at most 500 characters)."""
+    text = " ".join(line.strip() for line in error.split("<state>", 1)[0].splitlines() if line.strip())
+    return text if len(text) <= 500 else text[:500] + "..."
 
 
 def trial_compile(tokenizer: llguidance.LLTokenizer, kind: str, value) -> dict:
@@ -52,10 +79,10 @@ def trial_compile(tokenizer: llguidance.LLTokenizer, kind: str, value) -> dict:
     try:
         grammar = grammar_text(kind, value)
     except (ValueError, RuntimeError) as exc:  # a schema llguidance cannot read at all
-        return {"error": first_line(str(exc))}
+        return {"error": readable_error(str(exc))}
     matcher = llguidance.LLMatcher(tokenizer, grammar)
     if matcher.is_error():
-        return {"error": first_line(matcher.get_error())}
+        return {"error": readable_error(matcher.get_error())}
     # A constraint that fails right after its forced tokens (e.g. a recursive $ref with no base case
     # after "{") would otherwise only fail mid-generation.
     forced = matcher.compute_ff_tokens()[:FORCED_PREFIX_TOKENS]
@@ -64,7 +91,7 @@ def trial_compile(tokenizer: llguidance.LLTokenizer, kind: str, value) -> dict:
         if matcher.is_error():
             text = tokenizer.decode_str(forced)
             text = text if len(text) <= 40 else text[:40] + "..."
-            return {"error": f"it allows no output after its forced prefix {text!r}: {first_line(matcher.get_error())}",
+            return {"error": f"it allows no output after its forced prefix {text!r}: {readable_error(matcher.get_error())}",
                     "code": "invalid_grammar"}
     return {"grammar": grammar}
 
