@@ -23,8 +23,6 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from raypipe import InvalidInput, SamplingParams, StructuredOutput
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
-from raypipe.decode.grammar import constraint_value
-from raypipe.decode.grammar_worker import grammar_text
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.models.registry import vision_adapter
 from raypipe.testing.structured_schemas import BAD_SCHEMAS, SCHEMAS
@@ -95,12 +93,20 @@ def test_schemas_hold_greedy_and_sampled_for_any_k_and_batch(engines, prompt):
     assert finished >= 0.9 * 4 * len(SCHEMAS)  # "length" ones need not parse, but most must finish
 
 
+def _grammar_text(structured: StructuredOutput) -> str:
+    """The engine's grammar text for `structured` (imported here: the module also runs against older code)."""
+    from raypipe.decode.grammar import constraint_value
+    from raypipe.decode.grammar_worker import grammar_text
+
+    return grammar_text(structured.kind, constraint_value(structured))
+
+
 class GrammarProcessor(LogitsProcessor):
     """transformers' side of the comparison: an llguidance matcher masking `generate()`'s scores."""
 
     def __init__(self, tokenizer, vocab_size: int, eos: int, structured: StructuredOutput, prompt_len: int):
         self.matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos),
-                                            grammar_text(structured.kind, constraint_value(structured)))
+                                            _grammar_text(structured))
         self.mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
         self.prompt_len = prompt_len
 
@@ -323,7 +329,7 @@ def test_sampling_a_forbidden_token_is_an_assertion(engines, prompt):
         rows.advance(torch.tensor([forbidden]), logits)
 
 
-def test_integral_numbers_deep_schemas_one_of_and_date_time(engines, prompt):
+def test_integral_numbers_deep_schemas_and_one_of(engines, prompt):
     engine = engines[8]
     array = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 1e9, "minItems": 1.0}
     out = asyncio.run(engine.generate_output("1e9", prompt, params=_params(array)))
@@ -338,6 +344,11 @@ def test_integral_numbers_deep_schemas_one_of_and_date_time(engines, prompt):
     with pytest.raises(InvalidInput, match="oneOf") as info:
         engine.check_request(prompt, _params(overlapping))
     assert "coerce_one_of" not in str(info.value)
+
+
+def test_date_time_values_parse_with_python_datetime(engines, prompt):
+    """llguidance's own date-time allows second 60 and February 29 of any year; Python's parser refuses both."""
+    engine = engines[8]
     stamp = {"type": "object", "properties": {"t": {"type": "string", "format": "date-time"}}, "required": ["t"],
              "additionalProperties": False}
     finished = 0
@@ -403,7 +414,7 @@ def test_property_every_finished_output_validates_and_no_token_was_masked(engine
     structured = params.structured
     matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(engine.tokenizer, n_vocab=engine.runner.vocab_size,
                                                                 eos_token=eos),
-                                   grammar_text(structured.kind, constraint_value(structured)))
+                                   _grammar_text(structured))
     mask = llguidance.torch.allocate_token_bitmask(1, engine.runner.vocab_size)
     for i, token in enumerate(out.token_ids):
         if token == eos and i < min_tokens:
