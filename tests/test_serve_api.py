@@ -612,6 +612,10 @@ def test_constraint_defects_of_issue_30_through_the_openai_client(client, http):
         error = http.post("/v1/chat/completions", json=_chat(**field)).json()["error"]
         assert error["param"] == param and "structured" not in error["message"], error
 
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "objectx"}}}
+    error = http.post("/v1/chat/completions", json=_chat(tools=[WEATHER, broken], tool_choice="required")).json()["error"]
+    assert error["param"] == "tools[1].function.parameters" and "objectx" in error["message"], error
+
     array = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 1e9}
     reply = client.chat.completions.create(extra_body={"guided_json": array}, temperature=0, **kwargs).choices[0]
     assert reply.finish_reason == "length" or isinstance(json.loads(reply.message.content), list)

@@ -74,9 +74,11 @@ class _Refusal:
 
     message: str
     code: str
+    part: int | None = None  # index into `StructuredOutput.parts` of the embedded constraint at fault
 
     def error(self, structured: StructuredOutput) -> InvalidInput:
-        return InvalidInput(self.message, item=structured.field, code=self.code)
+        item = structured.parts[self.part].field if self.part is not None else structured.field
+        return InvalidInput(self.message, item=item, code=self.code)
 
 
 class MaskedTokenSampled(AssertionError):
@@ -138,14 +140,22 @@ class GrammarCompiler:
         try:
             check_limits(structured, max_bytes=self.limits.max_bytes, max_depth=self.limits.max_depth,
                          max_ref_depth=self.limits.max_ref_depth, max_rules=self.limits.max_rules)
-        except InvalidInput as exc:
-            return _Refusal(exc.reason, exc.code)
-        try:
             grammar = self.pool.compile(structured.kind, constraint_value(structured))
+        except InvalidInput as exc:
+            return self._blame_part(structured) or _Refusal(exc.reason, exc.code)
         except CompileRefused as exc:
-            return _Refusal(_readable(structured, exc.reason), exc.code)
+            return self._blame_part(structured) or _Refusal(_readable(exc.reason), exc.code)
         self.compiles += 1
         return self._build(grammar)
+
+    def _blame_part(self, structured: StructuredOutput) -> _Refusal | None:
+        """The refusal of the first embedded constraint refused on its own (each is cached like any other)."""
+        for index, part in enumerate(structured.parts):
+            try:
+                self.matcher(part)
+            except InvalidInput as exc:
+                return _Refusal(exc.reason, exc.code, index)
+        return None
 
     def _build(self, grammar: str) -> llguidance.LLMatcher:
         """The decoder's matcher for grammar text that compiled in a worker (on a thread with more stack)."""
@@ -183,7 +193,7 @@ def _tokenizer_json(tokenizer) -> str:
     return backend.to_str()
 
 
-def _readable(structured: StructuredOutput, reason: str) -> str:
+def _readable(reason: str) -> str:
     """llguidance's reason, minus advice about options this API does not expose."""
     if "coerce_one_of" in reason:
         return ("does not compile: its oneOf branches can match the same value, which oneOf forbids; make them "

@@ -32,6 +32,9 @@ class StructuredOutput:
     # The request field errors name ("guided_json", "response_format.json_schema.schema"); None: the
     # engine API's `sampling_params.structured.<kind>`.
     source: str | None = dataclasses.field(default=None, compare=False)
+    # Constraints embedded in this one, each with its own `source` (a tool-call grammar's argument schemas):
+    # when this one is refused, the first of them refused on its own is named instead.
+    parts: tuple["StructuredOutput", ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
         if self.json is not None:
