@@ -397,7 +397,7 @@ def _date_times_parse(value, schema) -> None:
         _date_times_parse(value, sub)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(schema=_schema(), max_tokens=st.integers(4, 48), min_fraction=st.floats(0, 1),
        stop=st.sampled_from([None, [","], ["}"], ["a"]]), seed=st.sampled_from([None, 0, 1]))
 def test_property_every_finished_output_validates_and_no_token_was_masked(engines, prompt, schema, max_tokens,
