@@ -7,7 +7,11 @@ vocabulary), and a mask fill costs ~0.01-0.1 ms per row and step (outlines-core 
 ~0.15 ms per row on the 64k vocabulary when every step reaches a new lexer state), small against a
 decode step of a real model. llguidance also takes what outlines-core
 cannot (Lark grammars, recursive schemas), and its matcher can be copied, which makes the compile
-cache cheap. xgrammar was not taken: it needs triton and apache-tvm-ffi for the same job.
+cache cheap. xgrammar was not taken: it needs triton and apache-tvm-ffi for the same job. It can
+serialize a compiled grammar (`CompiledGrammar.serialize_json`), which would spare the decoder the
+rebuild described below; llguidance cannot (neither `LLMatcher` nor `LLTokenizer` pickles, and
+there is no serialized form), but its rebuild costs ~1 ms for a normal schema, against the Lark
+dialect (tool calls use `%json`) and the transformers-checked masks an engine swap would give up.
 
 JSON is compiled compact (no free whitespace, separators "," and ":"): with flexible whitespace a
 weak model can emit whitespace until `max_tokens`. A finished grammar allows only EOS, a stopped or
