@@ -74,13 +74,15 @@ class _Worker:
         except (BrokenPipeError, OSError, ValueError):  # killed before it read its setup
             pass
 
+    def wait_ready(self) -> bool:
+        """Wait for the worker's start (once); False if it failed to start (it is then killed)."""
+        if not self.ready:
+            self.ready = self._read(START_TIMEOUT_S) is not None
+        return self.ready
+
     def ask(self, request: dict, timeout_s: float) -> dict | None:
         """The answer to `request`, or None if the worker died or did not answer in time (it is then killed)."""
         try:
-            if not self.ready:  # the first compile also waits for the start (not counted against the constraint)
-                if self._read(START_TIMEOUT_S) is None:
-                    return None
-                self.ready = True
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
         except (BrokenPipeError, OSError):
@@ -139,6 +141,10 @@ class CompilerPool:
             worker = self._idle.get(timeout=self.timeout_s)
         except queue.Empty:
             raise CapacityError(f"every grammar compiler has been busy for {self.timeout_s:g} s; retry later") from None
+        if not worker.wait_ready():  # not the constraint's fault: an error of ours, not cached as a refusal
+            death = worker.death()
+            self._replace(worker)
+            raise RuntimeError(f"a grammar compiler process failed to start: {death}")
         start = time.perf_counter()
         answer = worker.ask({"kind": kind, "value": value}, self.timeout_s)
         if answer is None:
