@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--requests", type=int, default=None,
                        help="serve-load: requests per run (default 100; 20 with --quick); encode: latency "
                             "requests (default 60; 8 with --quick)")
+    bench.add_argument("--images", type=int, default=None,
+                       help="encode --latency: new images per request (default 2)")
     bench.add_argument("--side", type=int, default=None,
                        help="serve-load: image side in pixels (default 4096; 2048 with --quick)")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
