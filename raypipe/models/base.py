@@ -144,7 +144,9 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
     """Config-level knowledge of a model family's vision side."""
 
     checkpoint: pathlib.Path
-    hidden_size: int  # width of each embedding row (= the language model's hidden size)
+    # width of each embedding row: the language model's hidden size (times 1 + deepstack levels for Qwen3-VL,
+    # whose rows carry those levels on their columns)
+    hidden_size: int
     split_units: bool = False  # balance an item's units separately (slices of one image on several workers)
 
     @abc.abstractmethod
@@ -214,6 +216,8 @@ class LanguageAdapter(PlaceholderTokens, abc.ABC):
         self.text_config = self.config.text_config
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
         self.hidden_size = self.text_config.hidden_size
+        # width of a visual item's embedding rows: the hidden size, unless the rows carry more (Qwen3-VL's deepstack)
+        self.embedding_width = self.hidden_size
         self.vocab_size = self.text_config.vocab_size
         self.max_position_embeddings = self.text_config.max_position_embeddings
         self.image_token_id = self.config.image_token_id

@@ -1,0 +1,96 @@
+"""Qwen3-VL vision side: Qwen2.5-VL's image geometry, a tower with deepstack levels, over transformers.
+
+The tower is transformers' `Qwen3VLVisionModel`: 16-pixel patches, learned position embeddings
+interpolated to each grid plus 2-D rope, full attention within each image or temporal group (no
+windows), then the spatial merger. Deepstack: after the blocks named in `deepstack_visual_indexes`
+the hidden states also go through one merger each; the language model adds those levels to its
+hidden states at the visual positions after its first layers.
+
+An item's embedding stays ONE tensor: `(tokens, out_hidden * (1 + levels))`, the merger's output then
+each deepstack level, side by side on the columns. Every path that moves embeddings by rows (the
+encode cache, ObjectRefs, joins of units, batch rows, EVS row selection, the engine's chunked prefill
+slicing a prompt's rows) then carries the levels unchanged and in step with their tokens; only the
+language model splits the columns (`language.DeepstackTextDecoder`). A tower without deepstack
+(Qwen3.5's) yields the main embedding alone.
+
+Geometry, resize, units (an image whole; a video as chunks of temporal groups, which attend only
+within themselves here too) are Qwen2.5-VL's, with this checkpoint's patch size.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+from raypipe.inputs.video import PlanFrames, VideoSampling
+from raypipe.models.base import VisionAdapter, VisionItem, VisionTower
+from raypipe.models.checkpoint import load_module_weights, load_tensors
+from raypipe.models.qwen2_5_vl.vision import VISION_PREFIXES, Qwen2_5_VLVisionAdapter, tower_inputs
+
+
+def deepstack_levels(vision_config) -> int:
+    """How many deepstack levels the tower yields besides its main embedding (0 without deepstack)."""
+    return len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+
+
+class Qwen3VLVisionAdapter(Qwen2_5_VLVisionAdapter):
+    def __init__(self, checkpoint: str | pathlib.Path):
+        super().__init__(checkpoint)
+        self.levels = deepstack_levels(self.vision_config)
+        self.hidden_size = self.vision_config.out_hidden_size * (1 + self.levels)  # the columns of every level
+
+    def flops_model(self):
+        return _attention_flops_model(self.vision_config, deepstack_levels(self.vision_config))
+
+    def plan_frames(self, sampling: VideoSampling) -> PlanFrames:
+        # Qwen3-VL samples frames by its own video processor's rules and puts timestamps in the prompt:
+        # not built yet, so videos are refused rather than encoded by Qwen2.5-VL's rules.
+        return VisionAdapter.plan_frames(self, sampling)
+
+    def load_tower(self, device: torch.device, dtype: torch.dtype) -> "Qwen3VLVisionTower":
+        return Qwen3VLVisionTower(self, device, dtype)
+
+
+def _attention_flops_model(vc, levels: int):
+    """FLOPs of one unit through the tower: every block attends over its whole temporal group (O(N^2)
+    per group), linear layers are O(N); the merger runs once plus once per deepstack level."""
+    d, m = vc.hidden_size, vc.intermediate_size
+    patch_in = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+    merge_unit = vc.spatial_merge_size**2
+
+    def flops(grid: tuple[int, int, int]) -> float:
+        t, h, w = grid
+        n, group = t * h * w, h * w
+        linear = 2 * n * (4 * d * d + 2 * d * m) * vc.depth  # qkv + proj, two-layer MLP
+        attention = 4 * n * group * d * vc.depth
+        embed = 2 * n * patch_in * d
+        merger = 2 * (n // merge_unit) * (d * merge_unit) * (d * merge_unit + vc.out_hidden_size) * (1 + levels)
+        return float(linear + attention + embed + merger)
+
+    return flops
+
+
+class Qwen3VLVisionTower(VisionTower):
+    def __init__(self, adapter: Qwen3VLVisionAdapter, device: torch.device, dtype: torch.dtype):
+        from transformers.initialization import no_init_weights
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        self.adapter = adapter
+        self.device = torch.device(device)
+        self.dtype = dtype
+        with no_init_weights():  # weights come from the checkpoint; skip the random init
+            model = Qwen3VLVisionModel._from_config(adapter.vision_config, dtype=dtype, attn_implementation="sdpa")
+        state = load_tensors(adapter.checkpoint, VISION_PREFIXES, dtype=dtype)
+        load_module_weights(model, state, what=f"{adapter.checkpoint} vision tower")
+        self.model = model.to(self.device).eval()
+
+    @torch.inference_mode()
+    def encode(self, items: list[VisionItem]) -> list[torch.Tensor]:
+        """One forward over a shard; per item its rows with every deepstack level on the columns."""
+        if not items:
+            return []
+        pixel_values, grid_thw = tower_inputs(self.adapter, items)
+        out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw.to(self.device))
+        embeddings = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+        return [chunk.cpu() for chunk in torch.split(embeddings, [item.num_tokens for item in items])]
