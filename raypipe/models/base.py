@@ -54,6 +54,8 @@ class VisionItem:
     num_tokens: int  # embedding rows this item yields (before any EVS pruning)
     unit_index: int = 0  # which of its item's units this is (`VisionAdapter.units` order); 0 for a whole item
     kind: VisualKind = "image"
+    # video: each temporal group's time in seconds, for a family whose prompt writes it (Qwen3-VL); () otherwise
+    group_times_s: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -196,6 +198,12 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
         """`item`'s embedding from its units' embeddings (in `units` order): concatenated, unless the family
         assembles them otherwise (LLaVA-OneVision lays tiles side by side)."""
         return torch.cat(parts)
+
+    def replaced_around(self, kind: VisualKind) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Tokens a chat template puts right before and after a placeholder of `kind` that the placeholder's
+        expansion replaces with it (Qwen3-VL's video: the template's `<|vision_start|>`/`<|vision_end|>`
+        around it, since every temporal group brings its own); none by default."""
+        return (), ()
 
     def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
         """Prompt tokens that stand for the `index`-th visual item of its kind in a prompt (placeholder tokens included)."""

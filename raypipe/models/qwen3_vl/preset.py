@@ -12,6 +12,8 @@ import pathlib
 
 from raypipe.models.presets import build_byte_tokenizer, chat_template, padded_vocab_size, save_preset
 from raypipe.models.qwen2_5_vl.preset import QWEN_SPECIAL_TOKENS
+from raypipe.models.qwen2_5_vl.video import VIDEO_PROCESSOR_CONFIG
+from raypipe.models.qwen3_vl.video import Qwen3VideoConfig
 
 # Qwen3-VL's chat template, reduced to what raypipe serves: no default system turn (Qwen3-VL has none).
 QWEN3_VL_CHAT_TEMPLATE = chat_template("<|vision_start|><|image_pad|><|vision_end|>",
@@ -22,26 +24,32 @@ _TINY_VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, 
 _TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, mrope_section=[2, 3, 3])
 
-# name -> (vision kwargs, text kwargs, MoE kwargs or None, image-processor pixel bounds)
+# name -> (vision kwargs, text kwargs, MoE kwargs or None, image-processor pixel bounds, video-processor
+# whole-clip pixel bounds)
 SHAPES = {
     "tiny-qwen3-vl": dict(vision=_TINY_VISION, text=_TINY_TEXT, moe=None,
-                          min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 256),
+                          min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 256,
+                          video_min_pixels=32 * 32 * 8, video_max_pixels=32 * 32 * 16 * 64),
     "tiny-qwen3-vl-moe": dict(vision=_TINY_VISION, text=_TINY_TEXT,
                               moe=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                        decoder_sparse_step=1),
-                              min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 256),
+                              min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 256,
+                              video_min_pixels=32 * 32 * 8, video_max_pixels=32 * 32 * 16 * 64),
     # Realistic proportions scaled to a CPU (Qwen3-VL-2B: depth 24, deepstack 5/11/17): benchmarks, not tests.
     "small-qwen3-vl": dict(
         vision=dict(depth=8, hidden_size=256, intermediate_size=688, num_heads=4, num_position_embeddings=2304,
                     deepstack_visual_indexes=[1, 3, 5]),
         text=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=64, mrope_section=[8, 12, 12]),
-        moe=None, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 1024),
+        moe=None, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 1024,
+        video_min_pixels=32 * 32 * 16, video_max_pixels=32 * 32 * 256 * 128),  # Qwen3-VL ships 32*32*768*32
 }
 PRESETS = tuple(SHAPES)
 
 
 def write(folder: pathlib.Path, name: str) -> None:
+    import json
+
     import torch
     from transformers import (
         Qwen3VLConfig,
@@ -83,3 +91,5 @@ def write(folder: pathlib.Path, name: str) -> None:
     Qwen2VLImageProcessorPil(min_pixels=shape["min_pixels"], max_pixels=shape["max_pixels"], patch_size=16,
                              merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5],
                              image_std=[0.5, 0.5, 0.5]).save_pretrained(folder)
+    video = Qwen3VideoConfig(min_pixels=shape["video_min_pixels"], max_pixels=shape["video_max_pixels"])
+    (folder / VIDEO_PROCESSOR_CONFIG).write_text(json.dumps(video.to_json(), indent=2))

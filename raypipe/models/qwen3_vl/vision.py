@@ -13,8 +13,10 @@ slicing a prompt's rows) then carries the levels unchanged and in step with thei
 language model splits the columns (`language.DeepstackTextDecoder`). A tower without deepstack
 (Qwen3.5's) yields the main embedding alone.
 
-Geometry, resize, units (an image whole; a video as chunks of temporal groups, which attend only
-within themselves here too) are Qwen2.5-VL's, with this checkpoint's patch size.
+Image geometry, resize and units (an image whole; a video as chunks of temporal groups, which attend
+only within themselves here too) are Qwen2.5-VL's, with this checkpoint's patch size; videos are
+sampled and sized by Qwen3-VL's own rules (`video.py`), and their placeholders carry each temporal
+group's timestamp.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import pathlib
 
 import torch
 
+from raypipe.inputs.media import DecodedVisual, VisualKind
 from raypipe.inputs.video import PlanFrames, VideoSampling
-from raypipe.models.base import VisionAdapter, VisionItem, VisionTower
+from raypipe.models.base import VisionItem, VisionTower
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 from raypipe.models.qwen2_5_vl.vision import VISION_PREFIXES, Qwen2_5_VLVisionAdapter, tower_inputs
+from raypipe.models.qwen3_vl import video
+from raypipe.models.qwen3_vl.video import Qwen3VideoConfig
 
 
 def deepstack_levels(vision_config) -> int:
@@ -37,16 +42,40 @@ def deepstack_levels(vision_config) -> int:
 class Qwen3VLVisionAdapter(Qwen2_5_VLVisionAdapter):
     def __init__(self, checkpoint: str | pathlib.Path):
         super().__init__(checkpoint)
+        self.video_config = Qwen3VideoConfig.from_checkpoint(self.checkpoint)
         self.levels = deepstack_levels(self.vision_config)
         self.hidden_size = self.vision_config.out_hidden_size * (1 + self.levels)  # the columns of every level
+        self.vision_start_token_id = self.config.vision_start_token_id
+        self.vision_end_token_id = self.config.vision_end_token_id
 
     def flops_model(self):
         return _attention_flops_model(self.vision_config, deepstack_levels(self.vision_config))
 
     def plan_frames(self, sampling: VideoSampling) -> PlanFrames:
-        # Qwen3-VL samples frames by its own video processor's rules and puts timestamps in the prompt:
-        # not built yet, so videos are refused rather than encoded by Qwen2.5-VL's rules.
-        return VisionAdapter.plan_frames(self, sampling)
+        return video.frame_planner(self.video_config, sampling)
+
+    def make_item(self, image: DecodedVisual) -> VisionItem:
+        item = super().make_item(image)
+        if item.kind == "video":
+            # frames handed over already decoded carry no source times: their sampled rate stands in
+            times = image.frame_times_s or tuple(i / image.fps for i in range(image.num_frames))
+            item.group_times_s = video.group_times(times, self.video_config.temporal_patch_size)
+        return item
+
+    def replaced_around(self, kind: VisualKind) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        # The template wraps a video's placeholder in vision start/end, and every temporal group brings its own:
+        # the model's original processor replaces the three tokens (transformers 5.23's keeps the outer pair).
+        return ((self.vision_start_token_id,), (self.vision_end_token_id,)) if kind == "video" else ((), ())
+
+    def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
+        """An image's run of image tokens; a video's temporal groups, each as `<t seconds>`, vision start, its
+        run of video tokens, vision end (`Qwen3VLProcessor.replace_video_token`)."""
+        if item.kind != "video":
+            return super().placeholder_ids(item, index, tokenizer)
+        _, h, w = item.grid
+        run = [self.vision_start_token_id, *[self.video_token_id] * (h * w // self.merge**2), self.vision_end_token_id]
+        return [token for seconds in item.group_times_s
+                for token in tokenizer.encode(video.timestamp_text(seconds), add_special_tokens=False) + run]
 
     def load_tower(self, device: torch.device, dtype: torch.dtype) -> "Qwen3VLVisionTower":
         return Qwen3VLVisionTower(self, device, dtype)
