@@ -1,6 +1,6 @@
 """The OpenAI endpoint serving the Qwen3-VL MoE preset: the official `openai` client gets transformers' own
-greedy answer for images (sent as data: URLs), whole and streamed, and a structured output that parses;
-a video is refused with its code (Qwen3-VL's frame plan and timestamps are not built yet)."""
+greedy answer for images and a video (sent as data: URLs), whole and streamed, and a structured output
+that parses."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 
 import openai
 import pytest
+import torch
 
 from raypipe.models.registry import preset_checkpoint
 from raypipe.testing.sample_videos import make_video
@@ -79,10 +80,29 @@ def test_structured_output_parses(server, expected):
     assert set(json.loads(reply.choices[0].message.content)) == {"color"}
 
 
-def test_video_is_refused_with_its_code(server):
-    video = make_video(random_images([(64, 64)] * 8, seed=3), fps=4)
+def test_video_answer_is_transformers_greedy(server):
+    """A video as a data: URL: sampled, timestamped and encoded by the endpoint; transformers generates from the
+    same decoded frames (decoded here by raypipe's reader, which `test_qwen3_vl_video` checks) and prompt."""
+    from transformers import AutoModelForImageTextToText
+
+    from raypipe.models.prompt import build_prompt
+    from raypipe.models.qwen2_5_vl.video import process_video
+    from raypipe.models.registry import vision_adapter
+
+    video = make_video(random_images([(64, 96)] * 12, seed=3), fps=4)
     messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data_url(video, "video/mp4")}},
                                              {"type": "text", "text": "What happens?"}]}]
-    with pytest.raises(openai.BadRequestError) as refused:
-        server.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
-    assert refused.value.body["code"] == "video_not_supported"
+    reply = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+
+    ckpt = preset_checkpoint(MODEL)
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+    tokenizer = ref.hf_processor(ckpt).tokenizer
+    vision = vision_adapter(ckpt)
+    prompt = build_prompt(messages, tokenizer, vision)
+    rows, grid = process_video(prompt.visuals[0].pixels, vision.video_config)
+    ids = torch.tensor([prompt.prompt_token_ids])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values_videos": rows,
+              "video_grid_thw": torch.tensor([grid]), "mm_token_type_ids": 2 * (ids == hf.config.video_token_id).int()}
+    want = ref.hf_generate(hf, inputs, MAX_TOKENS, hf.generation_config.eos_token_id)
+    assert reply.usage.prompt_tokens == ids.shape[1]
+    assert reply.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
