@@ -28,10 +28,10 @@ import torch
 from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual, VisualKind
 from raypipe.inputs.video import PlanFrames, VideoSampling
-from raypipe.models.base import VisionItem, VisionTower, VisualLayout
+from raypipe.models.base import PreparedForward, VisionItem, VisionTower, VisualLayout
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 from raypipe.models.qwen2_5_vl.vision import VISION_PREFIXES, Qwen2_5_VLVisionAdapter, tower_inputs
-from raypipe.models.qwen3_vl import video
+from raypipe.models.qwen3_vl import tower_metadata, video
 from raypipe.models.qwen3_vl.video import Qwen3VideoConfig
 
 
@@ -110,6 +110,7 @@ def _attention_flops_model(vc, levels: int):
 
 
 class Qwen3VLVisionTower(VisionTower):
+    packs_to_budgets = True  # metadata outside the forward: `tower_metadata.py`
     def __init__(self, adapter: Qwen3VLVisionAdapter, device: torch.device, dtype: torch.dtype):
         from transformers.initialization import no_init_weights
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
@@ -132,3 +133,16 @@ class Qwen3VLVisionTower(VisionTower):
         out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw.to(self.device))
         embeddings = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
         return [chunk.cpu() for chunk in torch.split(embeddings, [item.num_tokens for item in items])]
+
+    def budget_tokens(self, item: VisionItem) -> int:
+        """Patches through the tower: t * h * w."""
+        t, h, w = item.grid
+        return t * h * w
+
+    def prepare(self, items: list[VisionItem], budget: int, static: bool = False) -> PreparedForward:
+        pixel_values, grid_thw = tower_inputs(self.adapter, items)
+        tensors, scalars = tower_metadata.prepare(self.model, pixel_values, grid_thw, budget, static)
+        return PreparedForward(budget, tensors, scalars, [item.num_tokens for item in items])
+
+    def forward_prepared(self, tensors: dict[str, torch.Tensor], scalars: dict[str, int]) -> torch.Tensor:
+        return tower_metadata.forward(self.model, **tensors, **scalars)
