@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from raypipe import Pipeline
 from raypipe.inputs.media import DecodedVisual, pixel_hash
-from raypipe.models.registry import preset_checkpoint
+from raypipe.models.registry import preset_checkpoint, vision_adapter
 from tests import qwen3_vl_reference as ref
 from tests.conftest import random_images
 
@@ -42,14 +41,27 @@ def reference():
     return ckpt, visuals, expected
 
 
+@pytest.fixture(scope="module")
+def pool(ray_local, reference):
+    """Three encoder workers started once; each test balances over the first 1, 2 or 3 of them."""
+    from raypipe.encode.pool import EncoderPool, WorkerOptions
+
+    started = EncoderPool.start(WorkerOptions(str(reference[0]), "auto", num_threads=1, num_gpus=0), 3)
+    yield started
+    started.shutdown()
+
+
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_sharded_embeddings_match_transformers(ray_local, reference, workers):
+def test_sharded_embeddings_match_transformers(pool, reference, workers):
+    from raypipe.encode.coordinator import Coordinator
+    from raypipe.encode.pool import EncoderPool
+
     ckpt, visuals, expected = reference
-    with Pipeline.from_pretrained(ckpt, num_encoders=workers) as pipe:
-        adapter = pipe.coordinator.adapter
-        adapter.video_chunk_patches = 96  # 4 temporal groups of 4x6 patches per chunk: the long video is 5 chunks
-        got = pipe.coordinator.encode(visuals)
-        assignment = pipe.coordinator.last_report.assignment
+    adapter = vision_adapter(ckpt)
+    adapter.video_chunk_patches = 96  # 4 temporal groups of 4x6 patches per chunk: the long video is 5 chunks
+    coordinator = Coordinator(adapter, EncoderPool(pool.workers[:workers], pool.options))
+    got = coordinator.encode(visuals)
+    assignment = coordinator.last_report.assignment
     assert len(adapter.units(adapter.make_item(visuals[2]))) == 5
     assert sum(bool(shard) for shard in assignment) == workers  # every worker took part
     assert sum(1 for shard in assignment if 2 in shard) == min(workers, 5)  # the long video's chunks spread
