@@ -66,5 +66,9 @@ def prepare(model, pixel_values: torch.Tensor, grid_thw: torch.Tensor, budget: i
 def forward(model, pixel_values: torch.Tensor, max_seqlen: int | None, **precomputed: torch.Tensor) -> torch.Tensor:
     """The tower's forward on prepared metadata: every row (padding's last), the merger's output then each
     deepstack level on the columns."""
-    out = model(pixel_values, grid_thw=None, max_seqlen=max_seqlen, **precomputed)
-    return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+    return with_levels(model(pixel_values, grid_thw=None, max_seqlen=max_seqlen, **precomputed))
+
+
+def with_levels(out) -> torch.Tensor:
+    """The merger's rows with each deepstack level (none for a tower without deepstack) on the next columns."""
+    return torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or ())], dim=-1)

@@ -86,6 +86,12 @@ class Qwen3VLVisionAdapter(Qwen2_5_VLVisionAdapter):
         return [token for seconds in item.group_times_s
                 for token in tokenizer.encode(video.timestamp_text(seconds), add_special_tokens=False) + run]
 
+    def tower_class(self):
+        """transformers' vision model this tower runs (Qwen3.5's shares everything here but its class)."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel
+
     def load_tower(self, device: torch.device, dtype: torch.dtype) -> "Qwen3VLVisionTower":
         return Qwen3VLVisionTower(self, device, dtype)
 
@@ -113,13 +119,12 @@ class Qwen3VLVisionTower(VisionTower):
     packs_to_budgets = True  # metadata outside the forward: `tower_metadata.py`
     def __init__(self, adapter: Qwen3VLVisionAdapter, device: torch.device, dtype: torch.dtype):
         from transformers.initialization import no_init_weights
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
         self.adapter = adapter
         self.device = torch.device(device)
         self.dtype = dtype
         with no_init_weights():  # weights come from the checkpoint; skip the random init
-            model = Qwen3VLVisionModel._from_config(adapter.vision_config, dtype=dtype, attn_implementation="sdpa")
+            model = adapter.tower_class()._from_config(adapter.vision_config, dtype=dtype, attn_implementation="sdpa")
         state = load_tensors(adapter.checkpoint, VISION_PREFIXES, dtype=dtype)
         load_module_weights(model, state, what=f"{adapter.checkpoint} vision tower")
         self.model = model.to(self.device).eval()
@@ -131,7 +136,7 @@ class Qwen3VLVisionTower(VisionTower):
             return []
         pixel_values, grid_thw = tower_inputs(self.adapter, items)
         out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw.to(self.device))
-        embeddings = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+        embeddings = tower_metadata.with_levels(out)
         return [chunk.cpu() for chunk in torch.split(embeddings, [item.num_tokens for item in items])]
 
     def budget_tokens(self, item: VisionItem) -> int:
