@@ -4,8 +4,9 @@ A Qwen3-VL prompt puts a text timestamp (`<t seconds>`) before each temporal gro
 so time is carried by text and each group is positioned as an image: its tokens at `s + (0, row,
 column)` from the position `s` where it starts, the text after it one past its largest position
 (`s + max(rows, columns)` in merged patches). That is Qwen3-VL's original rule (vLLM's
-`Qwen3VLForConditionalGeneration.get_mrope_input_positions`, and transformers 5.23's
-`get_rope_index`, which splits `video_grid_thw` into one `t = 1` grid per group and agrees here);
+`Qwen3VLForConditionalGeneration.get_mrope_input_positions`: one `(1, h, w)` grid per image or frame
+group, text from the largest position so far + 1), and transformers 5.23's `get_rope_index`, which
+splits `video_grid_thw` into one `t = 1` grid per group, agrees (tests check both);
 decode position = cache index + rope_delta as for Qwen2.5-VL. The language model interleaves the
 three axes over the rotary frequencies (`mrope_interleaved`), which is its own business: positions
 are the same either way.

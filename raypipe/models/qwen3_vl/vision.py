@@ -7,11 +7,11 @@ the hidden states also go through one merger each; the language model adds those
 hidden states at the visual positions after its first layers.
 
 An item's embedding stays ONE tensor: `(tokens, out_hidden * (1 + levels))`, the merger's output then
-each deepstack level, side by side on the columns. Every path that moves embeddings by rows (the
-encode cache, ObjectRefs, joins of units, batch rows, EVS row selection, the engine's chunked prefill
-slicing a prompt's rows) then carries the levels unchanged and in step with their tokens; only the
-language model splits the columns (`language.DeepstackTextDecoder`). A tower without deepstack
-(Qwen3.5's) yields the main embedding alone.
+each deepstack level, side by side on the columns (vLLM's Qwen3-VL keeps them the same way: `visual_dim`
+then `multiscale_dim`). Every path that moves embeddings by rows (the encode cache, ObjectRefs, joins
+of units, batch rows, the engine's chunked prefill slicing a prompt's rows) then carries the levels
+unchanged and in step with their tokens; only the language model splits the columns
+(`language.DeepstackTextDecoder`). A tower without deepstack (Qwen3.5's) yields the main embedding alone.
 
 Image geometry, resize and units (an image whole; a video as chunks of temporal groups, which attend
 only within themselves here too) are Qwen2.5-VL's, with this checkpoint's patch size; videos are
