@@ -546,6 +546,108 @@ def test_openai_parse_with_a_pydantic_model(client):
     assert Pet.model_validate_json(message.content) == message.parsed
 
 
+# --- issue 30: constraints from strangers -------------------------------------------------------------
+
+def _ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"k": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["k"]}
+            for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def test_grammar_bombs_beside_normal_streams_leave_the_decoder_up(server, client):
+    """The two bombs of issue 30 (a 2,000-deep $defs chain, 5,000 chained Lark rules: each segfaulted the
+    decoder) 5 times each beside 4 normal streaming requests: the bombs get 400s naming the field, the
+    streams the tokens they get alone, and the Decoder replica is the same process before and after."""
+    pid = _deployment("Decoder").pid.remote().result()
+    lark = "start: r0\n" + "\n".join(f'r{i}: "x" r{i + 1} | "y"' for i in range(5000)) + '\nr5000: "z"'
+    bombs = [{"guided_json": _ref_chain(2000)}, {"guided_grammar": lark}] * 5
+    normal = [dict(model="tiny", messages=user(f"Count to {i}."), max_tokens=24, temperature=0) for i in range(4)]
+    expected = [client.chat.completions.create(**kwargs).choices[0].message.content for kwargs in normal]
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        async def stream(kwargs):
+            chunks = await aclient.chat.completions.create(stream=True, **kwargs)
+            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+        async def bomb(extra):
+            return await aclient.chat.completions.create(model="tiny", messages=user("x"), max_tokens=64,
+                                                         extra_body=extra)
+
+        try:
+            return await asyncio.gather(*map(stream, normal), *map(bomb, bombs), return_exceptions=True)
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run())
+    assert results[:4] == expected
+    for extra, refused in zip(bombs, results[4:]):
+        assert isinstance(refused, openai.BadRequestError), refused
+        assert refused.body["code"] == "grammar_too_complex" and refused.body["param"] == next(iter(extra))
+    assert _deployment("Decoder").pid.remote().result() == pid
+
+
+def test_constraint_defects_of_issue_30_through_the_openai_client(client, http):
+    """A dead-end schema is a 400, not "stop" with "{"; min_tokens does not override a choice; a 500-deep schema
+    is refused by its depth limit (not as invalid JSON); errors name the field sent; maxItems 1e9 is an
+    integer; no advice about options the API lacks; date-time values parse with pydantic's datetime."""
+    import datetime
+
+    import pydantic
+
+    kwargs = dict(model="tiny", messages=user("x"), max_tokens=64)
+    no_base = {"$defs": {"a": {"type": "object", "properties": {"k": {"$ref": "#/$defs/a"}}, "required": ["k"]}},
+               "$ref": "#/$defs/a"}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(extra_body={"guided_json": no_base}, **kwargs)
+    assert info.value.body["code"] == "invalid_grammar" and info.value.body["param"] == "guided_json"
+
+    for seed in range(3):
+        reply = client.chat.completions.create(extra_body={"guided_choice": ["yes", "no"], "min_tokens": 8},
+                                               temperature=1, seed=seed, **kwargs).choices[0]
+        assert reply.message.content in ("yes", "no") and reply.finish_reason == "stop", reply.message.content
+
+    deep = '{"type":"integer"}'
+    for _ in range(250):  # 500 levels of JSON, written by hand: json.dumps stops at Python's recursion limit
+        deep = '{"type":"object","properties":{"a":' + deep + '}}'
+    body = '{"model":"tiny","messages":[{"role":"user","content":"x"}],"max_tokens":8,"guided_json":' + deep + '}'
+    reply = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "grammar_too_complex", reply.text
+    assert reply.json()["error"]["param"] == "guided_json" and "grammar_max_depth" in reply.text
+
+    bad = {"type": "objectx"}
+    for field, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad}}},
+                          "response_format.json_schema.schema"), ({"guided_json": bad}, "guided_json"),
+                         ({"guided_json": "[1]"}, "guided_json")):
+        error = http.post("/v1/chat/completions", json=_chat(**field)).json()["error"]
+        assert error["param"] == param and "structured" not in error["message"], error
+
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "objectx"}}}
+    error = http.post("/v1/chat/completions", json=_chat(tools=[WEATHER, broken], tool_choice="required")).json()["error"]
+    assert error["param"] == "tools[1].function.parameters" and "objectx" in error["message"], error
+
+    array = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 1e9}
+    reply = client.chat.completions.create(extra_body={"guided_json": array}, temperature=0, **kwargs).choices[0]
+    assert reply.finish_reason == "length" or isinstance(json.loads(reply.message.content), list)
+
+    overlapping = {"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                             {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    error = http.post("/v1/chat/completions", json=_chat(guided_json=overlapping)).json()["error"]
+    assert error["code"] == "invalid_structured_output" and "coerce_one_of" not in error["message"], error
+
+    class Stamp(pydantic.BaseModel):
+        at: datetime.datetime
+
+    parsed = 0
+    for seed in range(8):
+        completion = client.chat.completions.parse(response_format=Stamp, temperature=1, seed=seed, **kwargs)
+        if completion.choices[0].finish_reason == "stop":
+            assert isinstance(completion.choices[0].message.parsed.at, datetime.datetime)
+            parsed += 1
+    assert parsed >= 6
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
                                      "days": {"type": "integer", "minimum": 1, "maximum": 7}},

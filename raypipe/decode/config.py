@@ -36,13 +36,29 @@ class EngineConfig:
     compiled_decode: bool | None = None
     decode_batch_buckets: tuple[int, ...] | None = None  # None: compiled_step's defaults up to max_num_seqs
     decode_kv_buckets: tuple[int, ...] | None = None  # None: doubling from 256 up to max_model_len
-    # Wall-clock seconds a request's structured-output constraint may take to compile (a normal schema takes
-    # ~1 ms); one that overruns is refused with `InvalidInput` code "grammar_too_complex" (HTTP 400).
-    # llguidance's own fuel limits (`LLParserLimits` defaults) bound the work; this bounds the wait.
+    # Structured outputs (raypipe/decode/grammar.py). Every constraint is first trial-compiled in one of
+    # `grammar_compile_workers` warm worker processes (never in this one: llguidance can segfault), each
+    # under an address-space limit and a compile thread of `grammar_compile_stack_bytes` (the decoder's
+    # own build gets 4x). A compile past `grammar_compile_timeout_s` (a normal schema takes ~1 ms) is
+    # killed with its worker and refused with `InvalidInput` code "grammar_too_complex" (HTTP 400), as is
+    # one that crashes its worker; a request that finds every worker busy for that long gets `QueueFull`-
+    # like `CapacityError` (503, retryable).
     grammar_compile_timeout_s: float = 2.0
+    grammar_compile_workers: int = 2
+    grammar_compile_memory_bytes: int = 1 << 30
+    grammar_compile_stack_bytes: int = 8 << 20
+    # Static limits checked before any compile (raypipe/inputs/structured_limits.py), also "grammar_too_complex":
+    # a constraint's bytes, a schema's JSON nesting (llguidance's reader stops at 128), the longest $ref
+    # chain (llguidance 1.9.1 segfaults from ~1,000) and a Lark grammar's rules (it segfaults from ~3,000).
+    grammar_max_bytes: int = 256 << 10
+    grammar_max_depth: int = 100
+    grammar_max_ref_depth: int = 100
+    grammar_max_rules: int = 1000
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting", "block_size",
+                     "grammar_compile_workers", "grammar_compile_memory_bytes", "grammar_compile_stack_bytes",
+                     "grammar_max_bytes", "grammar_max_depth", "grammar_max_ref_depth", "grammar_max_rules"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")

@@ -47,7 +47,8 @@ import torch
 
 from raypipe.decode.block_pool import BlockPool
 from raypipe.decode.config import EngineConfig
-from raypipe.decode.grammar import GrammarCompiler
+from raypipe.decode.grammar import GrammarCompiler, GrammarLimits
+from raypipe.decode.grammar_worker import readable_error
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
 from raypipe.decode.prefix_hash import placeholder_runs
@@ -84,8 +85,11 @@ class LLMEngine:
                                    prefix_caching=self._prefix_caching())
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
-        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.adapter.eos_token_ids,
-                                        timeout_s=self.config.grammar_compile_timeout_s)
+        c = self.config
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.adapter.eos_token_ids, GrammarLimits(
+            c.grammar_compile_timeout_s, c.grammar_compile_workers, c.grammar_compile_memory_bytes,
+            c.grammar_compile_stack_bytes, c.grammar_max_bytes, c.grammar_max_depth, c.grammar_max_ref_depth,
+            c.grammar_max_rules))
         self._counters = dict(rounds=0, prefills=0, prefill_tokens=0, decode_steps=0, decode_row_steps=0,
                               max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0,
                               prefill_seconds=0.0, decode_seconds=0.0)
@@ -231,6 +235,7 @@ class LLMEngine:
             self._cond.notify()
         self._thread.join(timeout=30)
         self._prefill_thread.shutdown(wait=False)
+        self.grammars.close()
         with self._cond:
             left, self._live = list(self._live.values()), {}
         for seq in left:
@@ -356,11 +361,25 @@ class LLMEngine:
             seq.num_computed = seq.cache_len
 
     def _emit(self, seq: Sequence, delta: RequestDelta) -> None:
+        if seq.matcher is not None and seq.matcher.is_error():
+            self._fail_constraint(seq)
+            return
         self._counters["tokens_generated"] += len(delta.token_ids)
         if delta.finish_reason is not None:
             self._counters["finished"] += 1
             self._forget(seq)
         self._outbox.append((seq, delta))
+
+    def _fail_constraint(self, seq: Sequence) -> None:
+        """End a request whose matcher hit an error mid-output: an error to its caller, never "stop" with
+        text the constraint did not finish (its mask allowed only EOS from there on)."""
+        seq.finish_reason = "error"  # finished: its row and blocks are released with the others
+        self._counters["finished"] += 1
+        self._forget(seq)
+        reason = readable_error(seq.matcher.get_error())
+        self._outbox.append((seq, InvalidInput(
+            f"the constraint failed after {len(seq.output_ids)} output tokens and cannot finish: {reason}",
+            item=seq.params.structured.field, code="grammar_failed")))
 
     def _flush(self) -> None:
         # After rows are freed, so a caller that sees a request finish also sees its row free.

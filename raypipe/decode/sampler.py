@@ -5,9 +5,13 @@ every step; per-row state that changes per step (output token counts, output len
 device tensors updated in place, so the step loop has no per-row Python. Each step:
 
     raw logits -> log-probabilities (when asked; of the raw logits, vLLM's default)
-    -> logit_bias -> repetition penalty -> presence/frequency penalties -> min_tokens mask
-    -> grammar mask (constrained rows only, `raypipe.decode.grammar`)
+    -> logit_bias -> repetition penalty -> presence/frequency penalties
+    -> grammar mask (constrained rows only, `raypipe.decode.grammar`) -> min_tokens mask
     -> greedy rows: argmax | other rows: temperature -> top-k -> top-p -> min-p -> sample
+
+The constraint always wins over `min_tokens`: where the grammar allows nothing but a stop token
+(the output is complete) before `min_tokens`, the stop stays allowed and the row finishes as the
+grammar says. Otherwise every logit of the row would be -inf and argmax would pick token 0.
 
 transformers' order (SequenceBias, RepetitionPenalty, MinNewTokens, then the warpers), so greedy
 with any of these equals `generate()` with its processors. Rows are sampled with the
@@ -165,7 +169,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.num_output is not None:
         batch.num_output += 1
     if batch.grammar is not None:
-        batch.grammar.advance(tokens)
+        batch.grammar.advance(tokens, logits)
     return tokens
 
 
@@ -184,12 +188,15 @@ def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             logits = torch.where(seen, penalized, logits)
         counts = batch.counts.to(logits.dtype)
         logits = logits - batch.frequency * counts - batch.presence * (counts > 0).to(logits.dtype)
+    if batch.grammar is not None:
+        logits = batch.grammar.apply(logits)
     if batch.min_tokens is not None:
         rows, tokens, minimum = batch.min_tokens
         masked = batch.num_output[rows] < minimum
+        if batch.grammar is not None:  # the grammar wins: keep the stop tokens of a row that has nothing else
+            others = logits.index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device))
+            masked &= torch.isfinite(others).any(dim=-1)[rows]
         logits[rows, tokens] = torch.where(masked, float("-inf"), logits[rows, tokens])
-    if batch.grammar is not None:
-        logits = batch.grammar.apply(logits)
     return logits
 
 

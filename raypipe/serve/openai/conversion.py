@@ -9,6 +9,8 @@ the engine's default, except where OpenAI's default differs (temperature and top
 
 from __future__ import annotations
 
+import json
+
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.inputs.structured import StructuredOutput
 from raypipe.serve.openai.schemas import ChatCompletionRequest, Common
@@ -40,18 +42,27 @@ def structured_output(request: Common) -> StructuredOutput | None:
     """The request's one output constraint (`refusals` turned away requests naming several)."""
     forced = request.forced_tools() if isinstance(request, ChatCompletionRequest) else None
     if forced:  # OpenAI's default allows parallel calls
-        return StructuredOutput(grammar=tool_call_grammar(forced, parallel=request.parallel_tool_calls is not False))
+        # Each tool's arguments schema read as a constraint of its own: normalized like any schema, and
+        # named `tools[i].function.parameters` if it is the reason the call grammar is refused.
+        index = {tool.function.name: i for i, tool in enumerate(request.tools)}
+        parts = tuple(StructuredOutput(json=schema, source=f"tools[{index[name]}].function.parameters")
+                      for name, schema in forced.items())
+        schemas = {name: json.loads(part.json) for name, part in zip(forced, parts)}
+        return StructuredOutput(grammar=tool_call_grammar(schemas, parallel=request.parallel_tool_calls is not False),
+                                source="tools", parts=parts)
     if isinstance(request, ChatCompletionRequest) and request.response_format is not None:
         form = request.response_format
         if form.type == "json_object":
-            return StructuredOutput(json_object=True)
+            return StructuredOutput(json_object=True, source="response_format")
         if form.type == "json_schema":
-            return StructuredOutput(json=form.json_schema.schema_)
+            return StructuredOutput(json=form.json_schema.schema_, source="response_format.json_schema.schema")
     if request.structured_outputs is not None:
         fields = request.structured_outputs.model_dump(exclude_none=True, by_alias=True)
-        return StructuredOutput(**{key: value for key, value in fields.items() if key != "json_object" or value})
+        fields = {key: value for key, value in fields.items() if key != "json_object" or value}
+        source = f"structured_outputs.{next(iter(fields))}" if len(fields) == 1 else "structured_outputs"
+        return StructuredOutput(**fields, source=source)
     for kind in ("json", "regex", "choice", "grammar"):
         value = getattr(request, f"guided_{kind}")
         if value is not None:
-            return StructuredOutput(**{kind: value})
+            return StructuredOutput(**{kind: value}, source=f"guided_{kind}")
     return None

@@ -7,6 +7,8 @@ else `invalid_type`; the field is written as a client writes it (`messages[0].co
 
 from __future__ import annotations
 
+import json
+
 from pydantic import ValidationError
 
 from raypipe.errors import InvalidInput
@@ -22,9 +24,25 @@ def parse_request(body: bytes, model: type[Common] = ChatCompletionRequest) -> C
     try:
         request = model.model_validate_json(body)
     except ValidationError as exc:
-        raise _invalid_input(exc.errors(include_url=False)) from None
+        errors = exc.errors(include_url=False)
+        if errors[0]["type"] != "json_invalid" or "recursion limit" not in errors[0]["msg"]:
+            raise _invalid_input(errors) from None
+        request = _validate_deep(body, model)
     check_supported(request)
     return request
+
+
+def _validate_deep(body: bytes, model: type[Common]) -> Common:
+    """A body nested deeper than pydantic's JSON reader goes (~200 levels, e.g. a deep JSON schema), read
+    by the standard library's instead (to Python's recursion limit); deeper still is refused with its own code."""
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise InvalidInput("request body nests too deep to read", code="json_too_deep") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid_input(exc.errors(include_url=False)) from None
 
 
 def _invalid_input(errors: list[dict]) -> InvalidInput:
