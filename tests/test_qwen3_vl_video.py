@@ -145,3 +145,17 @@ def test_evs_is_refused_with_its_code(model):
         build_prompt([{"role": "user", "content": parts}], model.processor.tokenizer, model.vision,
                      video=VideoOptions(pruning_rate=0.5))
     assert refused.value.code == "invalid_video_pruning_rate"
+
+
+def test_raw_token_ids_with_the_templates_video_part_expand_the_same(model):
+    """A `prompt_token_ids` request carrying the template's `<|vision_start|><|video_pad|><|vision_end|>` (or
+    the bare `<|video_pad|>`) gets the same ids as the chat: the three tokens replaced by the timestamped groups."""
+    chat, ids, _ = _prompt(model, 3, False)
+    tokenizer = model.processor.tokenizer
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                       {"type": "text", "text": "What happens?"}]}],
+                                         add_generation_prompt=True, tokenize=False)
+    for template in (text, text.replace("<|vision_start|><|video_pad|><|vision_end|>", "<|video_pad|>")):
+        raw = tokenizer(template, add_special_tokens=False)["input_ids"]
+        prompt = build_prompt({"prompt_token_ids": raw, "videos": [encoded(3)]}, tokenizer, model.vision)
+        assert prompt.prompt_token_ids == ids == chat.prompt_token_ids
