@@ -299,6 +299,17 @@ def test_llava_ov_tiles_local_folder_matches_pipeline(tmp_path, ray_local, llava
     _multi_unit_batch_matches_pipeline(tmp_path, "tiny-llava-ov", llava_ckpt, [(100, 60), (300, 290), (40, 170)])
 
 
+def test_qwen3_vl_rows_carry_deepstack_levels(tmp_path, ray_local):
+    """Qwen3-VL through the same batch job: a row's embedding is the merger's mean then each deepstack level's
+    (the item's embedding columns, pooled), equal to `Pipeline`'s (itself checked against transformers)."""
+    from raypipe.models.registry import preset_checkpoint, vision_adapter
+
+    ckpt = preset_checkpoint("tiny-qwen3-vl")
+    rows = _multi_unit_batch_matches_pipeline(tmp_path, "tiny-qwen3-vl", ckpt, [(60, 50), (300, 290), (40, 170)])
+    adapter = vision_adapter(ckpt)
+    assert {len(row["embedding"]) for row in rows.values()} == {adapter.vision_config.out_hidden_size * 3}
+
+
 def _multi_unit_batch_matches_pipeline(tmp_path, preset, ckpt, sizes):
     from raypipe import Pipeline
 
@@ -325,6 +336,7 @@ def _multi_unit_batch_matches_pipeline(tmp_path, preset, ckpt, sizes):
         assert row["num_tokens"] == emb.shape[0]
         np.testing.assert_allclose(np.asarray(row["embedding"], np.float32), emb.float().mean(0).numpy(),
                                    atol=1e-5, rtol=0)
+    return rows
 
 
 def test_kill_driver_and_resume_exactly_once(photos, videos, s3, env, tiny_ckpt):

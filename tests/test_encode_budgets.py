@@ -1,6 +1,6 @@
 """Encoder forwards at token budgets: packed, padded forwards on metadata prepared outside the tower give
-each unit exactly the rows of transformers' own tower (Qwen2.5-VL images and video chunks, MiniCPM-V
-overviews and slices), for mixes that fill, underfill and exceed the largest budget; torch.compile on
+each unit exactly the rows of transformers' own tower (Qwen2.5-VL and Qwen3-VL images and video chunks,
+MiniCPM-V overviews and slices), for mixes that fill, underfill and exceed the largest budget; torch.compile on
 equals off; CUDA graphs (GPU only) equal eager forwards."""
 
 from __future__ import annotations
@@ -144,3 +144,30 @@ def test_minicpmv_packed_equals_transformers(minicpmv_ckpt, hf_minicpmv, budgets
     above = budgets.max_tokens < 240
     assert (forwards.stats["eager_units"] > 0) == above
     assert (forwards.stats["packed_forwards"] > 0 and forwards.stats["padding_tokens"] > 0) == (not above)
+
+
+def test_qwen3_vl_packed_equals_transformers():
+    """Qwen3-VL (deepstack levels on the columns): images and a video's chunks packed into budgets equal
+    transformers' `get_image_features` / `get_video_features`, every level."""
+    from transformers import AutoModelForImageTextToText
+
+    from raypipe.models.registry import preset_checkpoint
+    from tests import qwen3_vl_reference as ref
+
+    ckpt = preset_checkpoint("tiny-qwen3-vl")
+    adapter = vision_adapter(ckpt)
+    tower = adapter.load_tower(torch.device("cpu"), torch.float32)
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+    processor = ref.hf_processor(ckpt)
+    images = random_images([(64, 64), (100, 200), (300, 90), (32, 32), (256, 256)], seed=3)
+    pixels = np.random.default_rng(3).integers(0, 256, (12, 64, 96, 3), dtype=np.uint8)
+    adapter.video_chunk_patches = 48  # 2 temporal groups of 4x6 patches per chunk: 3 chunks
+    chunks = adapter.units(adapter.make_item(DecodedVisual(pixels, pixel_hash(pixels), kind="video", fps=2.0)))
+    forwards = BudgetedForwards(tower, SMALL)
+    got = forwards.encode([*_items(adapter, images), *chunks])
+    want = ref.features(hf, dict(processor.image_processor(images=images, return_tensors="pt")))
+    video_rows, video_grid = ref.video_pixels(processor.video_processor, pixels)
+    want += ref.video_features(hf, video_rows, [video_grid])
+    for ours, theirs in zip([*got[:len(images)], torch.cat(got[len(images):])], want, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    assert forwards.stats["padding_tokens"] > 0 and forwards.stats["packed_forwards"] >= 2

@@ -147,7 +147,7 @@ def chat_turns(engine, vision, image: np.ndarray, seed: int, max_tokens: int, qu
         messages.append({"role": "user", "content": content})
         prompt = build_prompt(messages, engine.tokenizer, vision)
         if not turns:
-            embeds = [torch.randn((adapter.tokens_per_image(layout.grid), adapter.hidden_size), generator=rng)
+            embeds = [torch.randn((adapter.tokens_per_image(layout.grid), adapter.embedding_width), generator=rng)
                       for layout in prompt.visual_layouts]
 
         async def first_token_and_text():

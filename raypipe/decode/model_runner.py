@@ -106,8 +106,8 @@ class ModelRunner:
         visual_embeds = torch.cat(visual).to(self.device) if visual else None
         ids, positions = ids.to(self.device), positions.to(self.device)
         self.prefill_cache.prepare_prefill(seqs[0].row, starts, lengths, [s.block_table for s in seqs])
-        hidden = self.model(self.model.embed(ids, visual_embeds), positions, self.prefill_cache.masks(self.dtype),
-                            self.prefill_cache)
+        hidden = self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
+                                    self.prefill_cache)
         rows = [seqs.index(s) for s in sampled]
         last = hidden[torch.tensor(rows, dtype=torch.long, device=self.device),
                       torch.tensor([lengths[r] - 1 for r in rows], dtype=torch.long, device=self.device)]

@@ -69,7 +69,7 @@ def visual_rows(embeds: Sequence[torch.Tensor], layouts: list[VisualLayout], ada
                            code="image_count_mismatch")
     rows, kept = [], []
     for i, (embed, layout) in enumerate(zip(embeds, layouts)):
-        want = (adapter.tokens_per_image(layout.grid), adapter.hidden_size)
+        want = (adapter.tokens_per_image(layout.grid), adapter.embedding_width)
         if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != want:
             got = tuple(embed.shape) if isinstance(embed, torch.Tensor) else type(embed).__name__
             raise InvalidInput(f"embedding is {got}, expected {want}", item=f"images[{i}]",

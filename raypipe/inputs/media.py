@@ -33,6 +33,9 @@ class DecodedVisual:
     # a family's processing of the item chosen per prompt (`VisionAdapter.prompt_visuals`; LLaVA-OneVision's
     # "base_view"), already in `pixels` and `content_hash`; None: the family's default
     variant: str | None = None
+    # video: each kept frame's time in the source (its index / the source's rate), in `pixels` order; a family that
+    # writes times in the prompt (Qwen3-VL's timestamps) reads them
+    frame_times_s: tuple[float, ...] | None = None
 
     @property
     def num_frames(self) -> int:

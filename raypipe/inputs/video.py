@@ -282,4 +282,5 @@ def _visual(pixels: np.ndarray, distinct: list[int], plan: FramePlan, metadata: 
         pixels = pixels[np.searchsorted(distinct, plan.indices)]
     pixels = np.ascontiguousarray(pixels)
     fps = len(plan.indices) / metadata.total_num_frames * metadata.fps
-    return DecodedVisual(pixels, pixel_hash(pixels), "video", fps, metadata.frames_duration_s)
+    return DecodedVisual(pixels, pixel_hash(pixels), "video", fps, metadata.frames_duration_s,
+                         frame_times_s=tuple(i / metadata.fps for i in plan.indices))

@@ -54,6 +54,8 @@ class VisionItem:
     num_tokens: int  # embedding rows this item yields (before any EVS pruning)
     unit_index: int = 0  # which of its item's units this is (`VisionAdapter.units` order); 0 for a whole item
     kind: VisualKind = "image"
+    # video: each temporal group's time in seconds, for a family whose prompt writes it (Qwen3-VL); () otherwise
+    group_times_s: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,7 +146,9 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
     """Config-level knowledge of a model family's vision side."""
 
     checkpoint: pathlib.Path
-    hidden_size: int  # width of each embedding row (= the language model's hidden size)
+    # width of each embedding row: the language model's hidden size (times 1 + deepstack levels for Qwen3-VL,
+    # whose rows carry those levels on their columns)
+    hidden_size: int
     split_units: bool = False  # balance an item's units separately (slices of one image on several workers)
 
     @abc.abstractmethod
@@ -195,6 +199,12 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
         assembles them otherwise (LLaVA-OneVision lays tiles side by side)."""
         return torch.cat(parts)
 
+    def replaced_around(self, kind: VisualKind) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Tokens a chat template puts right before and after a placeholder of `kind` that the placeholder's
+        expansion replaces with it (Qwen3-VL's video: the template's `<|vision_start|>`/`<|vision_end|>`
+        around it, since every temporal group brings its own); none by default."""
+        return (), ()
+
     def placeholder_ids(self, item: VisionItem, index: int, tokenizer) -> list[int]:
         """Prompt tokens that stand for the `index`-th visual item of its kind in a prompt (placeholder tokens included)."""
         return [self.placeholder_token_ids[item.kind]] * item.num_tokens
@@ -214,6 +224,8 @@ class LanguageAdapter(PlaceholderTokens, abc.ABC):
         self.text_config = self.config.text_config
         self.tokenizer = AutoTokenizer.from_pretrained(self.checkpoint)
         self.hidden_size = self.text_config.hidden_size
+        # width of a visual item's embedding rows: the hidden size, unless the rows carry more (Qwen3-VL's deepstack)
+        self.embedding_width = self.hidden_size
         self.vocab_size = self.text_config.vocab_size
         self.max_position_embeddings = self.text_config.max_position_embeddings
         self.image_token_id = self.config.image_token_id

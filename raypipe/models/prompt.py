@@ -402,8 +402,13 @@ def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_a
             raise InvalidInput(f"placeholder {i} has {length} image tokens; image {i} needs 1 (to expand) or its "
                                f"full expansion ({item.num_tokens} image tokens)", item=f"images[{i}]",
                                code="image_count_mismatch")
+        before, after = vision_adapter.replaced_around(image.kind)
+        end = start + 1
+        if before and after and start - len(before) >= cursor and ids[start - len(before): start] == list(before) \
+                and ids[end: end + len(after)] == list(after):
+            start, end = start - len(before), end + len(after)
         out += ids[cursor:start] + expansion
-        cursor = start + 1
+        cursor = end
     for kind, pad in pads.items():
         if pad in ids[cursor:]:
             raise _count_mismatch(ids, pad, sum(1 for image in images if image.kind == kind))

@@ -56,6 +56,12 @@ class TextDecoder(torch.nn.Module):
             embeds = embeds.masked_scatter(mask, visual_embeds.to(embeds.dtype))
         return embeds
 
+    def prefill(self, input_ids: torch.Tensor, visual_embeds: torch.Tensor | None, position_ids: torch.Tensor,
+                attention_mask: dict, cache) -> torch.Tensor:
+        """Final hidden states of a prefill: `input_ids` embedded with `visual_embeds` scattered at their
+        placeholders, then `forward` (families whose visual rows do more override this: Qwen3-VL's deepstack)."""
+        return self(self.embed(input_ids, visual_embeds), position_ids, attention_mask, cache)
+
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, attention_mask: dict, cache) -> torch.Tensor:
         """Final hidden states `(B, L, hidden)`; `attention_mask` maps each layer type to its mask (4-D
         additive for attention), which transformers passes to the layers as-is."""

@@ -31,7 +31,11 @@ class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
         self.vision_end_token_id = self.config.vision_end_token_id
         self.video_token_id = self.config.video_token_id
         self.merge = self.config.vision_config.spatial_merge_size
-        self.tokens_per_second = self.config.vision_config.tokens_per_second
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Rope time steps per second of video (Qwen2.5-VL's; Qwen3-VL carries time in text instead)."""
+        return self.config.vision_config.tokens_per_second
 
     def token_runs(self, grid: Sequence[int]) -> list[int]:
         t, h, w = grid

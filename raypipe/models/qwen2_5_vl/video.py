@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import pathlib
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +44,8 @@ MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses a longer side over 
 @dataclasses.dataclass(frozen=True, slots=True)
 class QwenVideoConfig:
     """A checkpoint's video processor settings; defaults are `Qwen2VLVideoProcessor`'s (fps: qwen-vl-utils')."""
+
+    processor_type: ClassVar[str] = "Qwen2VLVideoProcessor"  # the transformers class these settings are for
 
     fps: float | None = 2.0
     num_frames: int | None = None  # a fixed frame count instead of fps
@@ -87,7 +90,7 @@ class QwenVideoConfig:
     def to_json(self) -> dict:
         """This config under the keys of transformers' `Qwen2VLVideoProcessor` (`size`, `fps`, ...), for presets."""
         out = dataclasses.asdict(self)
-        out.update(video_processor_type="Qwen2VLVideoProcessor", do_sample_frames=True,
+        out.update(video_processor_type=self.processor_type, do_sample_frames=True,
                    size={"shortest_edge": out.pop("min_pixels"), "longest_edge": out.pop("max_pixels")})
         return out
 
@@ -96,8 +99,21 @@ def _invalid(message: str) -> InvalidInput:
     return InvalidInput(message, item="video_sampling", code="invalid_video_sampling")
 
 
-def frame_planner(config: QwenVideoConfig, sampling: VideoSampling | None = None) -> PlanFrames:
-    """The `PlanFrames` of one request: its `sampling` knobs over the model's `config` (None: the model's)."""
+class Sampling(NamedTuple):
+    """A request's sampling knobs resolved over the model's config and checked."""
+
+    fps: float | None
+    num_frames: int | None
+    min_frames: int
+    max_frames: int
+    min_pixels: int
+    max_pixels: int
+    total_pixels: int
+
+
+def resolve_sampling(config: QwenVideoConfig, sampling: VideoSampling | None = None) -> Sampling:
+    """`sampling`'s knobs over `config`'s (None: the model's), refused with `invalid_video_sampling` when they
+    cannot sample a video (shared by the Qwen frame plans)."""
     sampling = sampling or VideoSampling()
     if sampling.fps is not None and sampling.num_frames is not None:
         raise _invalid("fps and num_frames are mutually exclusive")
@@ -129,6 +145,12 @@ def frame_planner(config: QwenVideoConfig, sampling: VideoSampling | None = None
                            f"got {value}")
     if min_pixels > max_pixels:
         raise _invalid(f"min_pixels ({min_pixels}) is above max_pixels ({max_pixels})")
+    return Sampling(fps, num_frames, min_frames, max_frames, min_pixels, max_pixels, total_pixels)
+
+
+def frame_planner(config: QwenVideoConfig, sampling: VideoSampling | None = None) -> PlanFrames:
+    """The `PlanFrames` of one request: its `sampling` knobs over the model's `config` (None: the model's)."""
+    fps, num_frames, min_frames, max_frames, min_pixels, max_pixels, total_pixels = resolve_sampling(config, sampling)
 
     def plan(meta: VideoMetadata) -> FramePlan:
         indices = sample_indices(meta, config.temporal_patch_size, fps=fps, num_frames=num_frames,

@@ -54,7 +54,11 @@ class Qwen2_5_VLVisionAdapter(VisionAdapter):
         self.processor = AutoImageProcessor.from_pretrained(self.checkpoint)
         self.video_config = QwenVideoConfig.from_checkpoint(self.checkpoint)
         self.merge = self.vision_config.spatial_merge_size
-        self._flops = _attention_flops_model(self.vision_config)
+        self._flops = self.flops_model()
+
+    def flops_model(self):
+        """`grid -> FLOPs` of this tower (the `attention` cost model)."""
+        return _attention_flops_model(self.vision_config)
 
     def make_item(self, image: DecodedVisual) -> VisionItem:
         grid = self.video_grid(image) if image.kind == "video" else self.grid_for(image.height, image.width)
@@ -195,7 +199,7 @@ class Qwen2_5_VLVisionTower(VisionTower):
         """One forward over a shard mixing images and video chunks: pixel rows and grids in shard order."""
         if not items:
             return []
-        pixel_values, grid_thw = self._pixels(items)
+        pixel_values, grid_thw = tower_inputs(self.adapter, items)
         embeddings = self.model(pixel_values.to(self.device, self.dtype),
                                 grid_thw=grid_thw.to(self.device)).pooler_output
         sizes = [item.num_tokens for item in items]
@@ -207,7 +211,7 @@ class Qwen2_5_VLVisionTower(VisionTower):
         return t * h * w
 
     def prepare(self, items: list[VisionItem], budget: int, static: bool = False) -> PreparedForward:
-        pixel_values, grid_thw = self._pixels(items)
+        pixel_values, grid_thw = tower_inputs(self.adapter, items)
         meta = tower_metadata.prepare(self.model, pixel_values, grid_thw, budget, static)
         return PreparedForward(budget, meta.tensors(), {"max_seqlen": meta.max_seqlen,
                                                         "max_window_seqlen": meta.max_window_seqlen},
@@ -216,26 +220,29 @@ class Qwen2_5_VLVisionTower(VisionTower):
     def forward_prepared(self, tensors: dict[str, torch.Tensor], scalars: dict[str, int]) -> torch.Tensor:
         return tower_metadata.forward(self.model, **tensors, **scalars)
 
-    def _pixels(self, items: list[VisionItem]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pixel rows, grid_thw) of images and video chunks, in the order given, on the CPU."""
-        rows, grids = [], []
-        image_parts = iter(self._process_images([item.pixels for item in items if item.kind != "video"]))
-        for item in items:
-            pixels, grid = (process_video(item.pixels, self.adapter.video_config) if item.kind == "video"
-                            else next(image_parts))
-            if tuple(grid) != tuple(item.grid):
-                raise RuntimeError(f"{item.kind} processor produced grid {grid}, predicted {item.grid}")
-            rows.append(pixels)
-            grids.append(grid)
-        vc = self.adapter.vision_config
-        pixel_values = torch.cat(rows) if rows else torch.zeros(0, vc.in_channels * vc.temporal_patch_size * vc.patch_size**2)
-        return pixel_values, torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
 
-    def _process_images(self, images: list[np.ndarray]) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """(pixel rows, grid) per image, through the checkpoint's own image processor."""
-        if not images:
-            return []
-        processed = self.adapter.processor(images=images, return_tensors="pt")
-        grids = processed["image_grid_thw"]
-        return list(zip(torch.split(processed["pixel_values"], grids.prod(-1).tolist()),
-                        [tuple(g) for g in grids.tolist()]))
+def tower_inputs(adapter: Qwen2_5_VLVisionAdapter, items: list[VisionItem]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel rows, grid_thw) of images and video chunks, in the order given, on the CPU: images through the
+    checkpoint's own image processor, videos through `process_video` (shared by the Qwen towers)."""
+    rows, grids = [], []
+    image_parts = iter(_process_images(adapter.processor, [item.pixels for item in items if item.kind != "video"]))
+    for item in items:
+        pixels, grid = (process_video(item.pixels, adapter.video_config) if item.kind == "video"
+                        else next(image_parts))
+        if tuple(grid) != tuple(item.grid):
+            raise RuntimeError(f"{item.kind} processor produced grid {grid}, predicted {item.grid}")
+        rows.append(pixels)
+        grids.append(grid)
+    vc = adapter.vision_config
+    pixel_values = torch.cat(rows) if rows else torch.zeros(0, vc.in_channels * vc.temporal_patch_size * vc.patch_size**2)
+    return pixel_values, torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+
+
+def _process_images(processor, images: list[np.ndarray]) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """(pixel rows, grid) per image, through the checkpoint's own image processor."""
+    if not images:
+        return []
+    processed = processor(images=images, return_tensors="pt")
+    grids = processed["image_grid_thw"]
+    return list(zip(torch.split(processed["pixel_values"], grids.prod(-1).tolist()),
+                    [tuple(g) for g in grids.tolist()]))
