@@ -117,6 +117,7 @@ def _attention_flops_model(vc, levels: int):
 
 class Qwen3VLVisionTower(VisionTower):
     packs_to_budgets = True  # metadata outside the forward: `tower_metadata.py`
+
     def __init__(self, adapter: Qwen3VLVisionAdapter, device: torch.device, dtype: torch.dtype):
         from transformers.initialization import no_init_weights
 
