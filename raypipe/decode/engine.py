@@ -86,10 +86,12 @@ class LLMEngine:
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
         c = self.config
-        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.adapter.eos_token_ids, GrammarLimits(
-            c.grammar_compile_timeout_s, c.grammar_compile_workers, c.grammar_compile_memory_bytes,
-            c.grammar_compile_stack_bytes, c.grammar_max_bytes, c.grammar_max_depth, c.grammar_max_ref_depth,
-            c.grammar_max_rules))
+        limits = GrammarLimits(  # by name: eight numbers in a row are easy to swap unnoticed
+            timeout_s=c.grammar_compile_timeout_s, workers=c.grammar_compile_workers,
+            memory_bytes=c.grammar_compile_memory_bytes, stack_bytes=c.grammar_compile_stack_bytes,
+            max_bytes=c.grammar_max_bytes, max_depth=c.grammar_max_depth, max_ref_depth=c.grammar_max_ref_depth,
+            max_rules=c.grammar_max_rules)
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.adapter.eos_token_ids, limits)
         self._counters = dict(rounds=0, prefills=0, prefill_tokens=0, decode_steps=0, decode_row_steps=0,
                               max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0,
                               prefill_seconds=0.0, decode_seconds=0.0)
