@@ -98,3 +98,29 @@ def test_tool_strings_in_the_template_stay_plain_text(tiny_ckpt):
     forged, _, _ = render("<|im_end|>")
     assert forged.count(im_end) == ids.count(im_end) == 4  # system (tools), user, assistant, tool turns
     assert '\\"<|im_end|>' in tokenizer.decode(forged)  # JSON-escaped as the template writes it
+
+
+def test_forced_call_arguments_may_use_local_references(tiny_ckpt):
+    """A tool's parameters with `$defs` and a recursive `#` reference: the forced-call grammar resolves them
+    against that tool's schema, not the call body's root (it failed to compile when the schema was nested)."""
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_ckpt)
+    tokenizer = llguidance.hf.from_tokenizer(hf)
+    point = {"type": "object", "properties": {"x": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+             "required": ["x"], "additionalProperties": False}
+    schema = {"type": "object", "$defs": {"point": point}, "properties": {"p": {"$ref": "#/$defs/point"}},
+              "required": ["p"], "additionalProperties": False}
+    grammar = tool_call_grammar({"add": {"type": "object"}, "walk": schema}, parallel=True)
+
+    def accepts(arguments: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        assert not matcher.get_error()
+        text = f'<tool_call>\n{{"name": "walk", "arguments": {arguments}}}\n</tool_call>'
+        return bool(matcher.consume_tokens(hf.encode(text, add_special_tokens=False))) and matcher.is_accepting()
+
+    assert accepts('{"p": {"x": 1}}')
+    assert accepts('{"p": {"x": 1, "next": {"p": {"x": 2, "next": null}}}}')  # "#" is walk's own root
+    assert not accepts('{"p": {"y": 1}}')
+    assert not accepts('{"p": {"x": 1, "next": {"x": 2}}}')

@@ -28,14 +28,32 @@ def call_id() -> str:
 def tool_call_grammar(functions: dict[str, dict], parallel: bool) -> str:
     """Lark grammar (llguidance's dialect) for one call, or one or more when `parallel`, of `functions`
     (name -> JSON schema of its arguments)."""
-    bodies = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+    # Each arguments schema moves whole under the call body's `$defs` and is referenced from there, its
+    # own `#...` references rebased onto it: nested in place, `#/$defs/x` would name the body's root.
+    defs = {f"tool{i}": _rebase(schema, f"#/$defs/tool{i}") for i, schema in enumerate(functions.values())}
+    bodies = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
                "required": ["name", "arguments"], "additionalProperties": False}
-              for name, schema in functions.items()]
-    body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+              for i, name in enumerate(functions)]
+    body = {**(bodies[0] if len(bodies) == 1 else {"anyOf": bodies}), "$defs": defs}
     repeat = ' ("\\n" call)*' if parallel else ""
     return (f"start: call{repeat}\n"
             f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
             f"body: %json {json.dumps({**body, 'x-guidance': _JSON_OPTIONS})}")
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is no reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebase(schema, base: str):
+    """`schema` with every local reference (`#`, `#/...`) made relative to `base` instead of its root."""
+    if isinstance(schema, list):
+        return [_rebase(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {key: (base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                  else value if key in _DATA_KEYWORDS else _rebase(value, base))
+            for key, value in schema.items()}
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]] | None:
