@@ -59,20 +59,27 @@ def rule_positions(ids: list[int], visuals: list[tuple], config, kept: list | No
 @torch.no_grad()
 def greedy_at_positions(hf_model, ids: list[int], visual_rows: torch.Tensor | None, positions: torch.Tensor,
                         first_generated: int, max_new: int, eos: int) -> list[int]:
-    """Greedy tokens from transformers' `Qwen2_5_VLTextModel` + `lm_head`: the prompt's embeddings with
-    `visual_rows` (every placeholder's row, in prompt order) scattered in, prefilled at `positions`,
-    then token `n` fed at `first_generated + n`; up to and including `eos`."""
+    """Greedy tokens from transformers' text model (`Qwen2_5_VLTextModel`, `Qwen3VLTextModel`) + `lm_head`: the
+    prompt's embeddings with `visual_rows` (every placeholder's row, in prompt order) scattered in, prefilled
+    at `positions`, then token `n` fed at `first_generated + n`; up to and including `eos`. Rows wider than
+    the hidden size carry Qwen3-VL's deepstack levels after it: they go to the text model's own deepstack
+    inputs (`visual_pos_masks`, `deepstack_visual_embeds`)."""
     text_model = hf_model.model.language_model
     input_ids = torch.tensor([ids])
     embeds = text_model.embed_tokens(input_ids)
+    deepstack = {}
     if visual_rows is not None:
         config = hf_model.config
         slots = (input_ids[0] == config.image_token_id) | (input_ids[0] == config.video_token_id)
         assert int(slots.sum()) == visual_rows.shape[0]
-        embeds[0, slots] = visual_rows.to(embeds.dtype)
+        width = embeds.shape[-1]
+        embeds[0, slots] = visual_rows[:, :width].to(embeds.dtype)
+        if visual_rows.shape[1] > width:
+            deepstack = {"visual_pos_masks": slots[None],
+                         "deepstack_visual_embeds": list(visual_rows[:, width:].split(width, dim=-1))}
     cache = DynamicCache(config=text_model.config)
     hidden = text_model(inputs_embeds=embeds, position_ids=positions[:, None], past_key_values=cache,
-                        use_cache=True).last_hidden_state
+                        use_cache=True, **deepstack).last_hidden_state
     tokens = []
     for step in range(max_new):
         token = int(hf_model.lm_head(hidden[:, -1]).argmax(-1))

@@ -75,7 +75,9 @@ def rule_positions(ids: list[int], grids: list[tuple[int, int, int]], image_toke
                    ) -> tuple[torch.Tensor, int]:
     """`(positions (3, len(ids)), rope_delta)` by Qwen3-VL's rule, in plain loops: text at consecutive
     positions one past the largest so far; a run of image tokens (one per image or video temporal group,
-    `grids` in prompt order, each `(1, h, w)`) at `start + (0, row, column)` over its merged grid."""
+    `grids` in prompt order, each `(1, h, w)`) at `start + (0, row, column)` over its merged grid. A run
+    shorter than its grid (a group EVS pruned; vLLM's `get_mrope_input_positions`) takes the grid's first
+    cells, row by row."""
     placeholders = {image_token} if isinstance(image_token, int) else image_token
     axes = ([], [], [])
     start, i, item = 0, 0, 0
@@ -87,12 +89,14 @@ def rule_positions(ids: list[int], grids: list[tuple[int, int, int]], image_toke
             continue
         _, h, w = grids[item]
         largest = start
-        for row in range(h // merge):
-            for column in range(w // merge):
-                for axis, value in zip(axes, (start, start + row, start + column)):
-                    axis.append(value)
-                largest = max(largest, start + row, start + column)
-                i += 1
+        for cell in range(h // merge * w // merge):
+            if i == len(ids) or ids[i] not in placeholders:
+                break
+            row, column = divmod(cell, w // merge)
+            for axis, value in zip(axes, (start, start + row, start + column)):
+                axis.append(value)
+            largest = max(largest, start + row, start + column)
+            i += 1
         start, item = largest + 1, item + 1
     return torch.tensor(axes), start - len(ids)
 

@@ -139,14 +139,6 @@ def test_greedy_matches_generate_for_videos_and_images(model, k):
     assert [out.token_ids for out in outs] == [c[2] for c in cases]
 
 
-def test_evs_is_refused_with_its_code(model):
-    parts = [{"type": "video", "video": encoded(0)}, {"type": "text", "text": "What happens?"}]
-    with pytest.raises(InvalidInput) as refused:
-        build_prompt([{"role": "user", "content": parts}], model.processor.tokenizer, model.vision,
-                     video=VideoOptions(pruning_rate=0.5))
-    assert refused.value.code == "invalid_video_pruning_rate"
-
-
 def test_raw_token_ids_with_the_templates_video_part_expand_the_same(model):
     """A `prompt_token_ids` request carrying the template's `<|vision_start|><|video_pad|><|vision_end|>` (or
     the bare `<|video_pad|>`) gets the same ids as the chat: the three tokens replaced by the timestamped groups."""

@@ -243,14 +243,12 @@ class LanguageAdapter(PlaceholderTokens, abc.ABC):
         return sum(self.token_runs(grid))
 
     def prompt_runs(self, layout: VisualLayout) -> list[int]:
-        """The placeholder runs `layout` puts in the prompt: its token runs, or a pruned video's shorter run."""
+        """The placeholder runs `layout` puts in the prompt: its token runs, or a pruned video's shorter ones
+        (`evs.run_counts`; a run planned empty is no run)."""
         runs = self.token_runs(layout.grid)
         if layout.pruning_rate <= 0:
             return runs
-        if len(runs) != 1:
-            raise ValueError(f"EVS needs a video to be one placeholder run, this family makes {len(runs)}")
-        groups = layout.grid[0]
-        return [evs.retained_count(groups, runs[0] // groups, layout.pruning_rate)]
+        return [n for n in evs.run_counts(runs, layout.grid[0], layout.pruning_rate) if n]
 
     def positions(self, token_ids, layouts: Sequence[VisualLayout], kept: Sequence[torch.Tensor | None] = ()
                   ) -> tuple[torch.Tensor, int]:

@@ -9,7 +9,16 @@ How many tokens survive depends on the geometry alone, so the prompt's placehold
 before encoding; which ones survive is decided from the embeddings after. The survivors keep their
 original 3-D positions (the positions of the unpruned video, with the pruned columns removed).
 The rule follows vLLM's `video_pruning_rate` (vllm/multimodal/evs.py): count
-`max(tokens_per_group, int(total * (1 - q)))`, ties broken towards earlier tokens.
+`max(tokens_per_group, int(total * (1 - q)))`, ties broken towards earlier tokens. The dissimilarity is
+taken over the whole row the tower yields: for Qwen3-VL that is the merger's output and every deepstack
+level side by side, as vLLM's `compute_retention_mask` gets them (its Qwen3-VL tower returns them
+concatenated), and pruning rows prunes every level alike.
+
+Where the kept count goes in the prompt depends on how the family lays a video out (`run_counts`): one
+run (Qwen2.5-VL) holds all of it; one run per temporal group (Qwen3-VL, each after its `<t seconds>`)
+gets vLLM's Qwen3-VL split (`Qwen3VLMultiModalProcessor._get_prompt_updates`): the first group whole,
+the rest spread evenly over the other groups, the remainder one each to the earliest. The kept rows then
+fill the runs in order, whichever groups they came from.
 """
 
 from __future__ import annotations
@@ -34,6 +43,19 @@ def retained_count(num_groups: int, tokens_per_group: int, rate: float) -> int:
     if rate <= 0:
         return total
     return max(tokens_per_group, int(total * (1.0 - rate)))
+
+
+def run_counts(runs: list[int], num_groups: int, rate: float) -> list[int]:
+    """Tokens each placeholder run of a video of `num_groups` groups keeps (its `runs`: one run, or one per
+    group); a run may plan 0 tokens (Qwen3-VL's later groups at high rates)."""
+    if len(runs) == 1:
+        return [retained_count(num_groups, runs[0] // num_groups, rate)]
+    if len(runs) != num_groups or len(set(runs)) != 1:
+        raise InvalidInput("EVS (video_pruning_rate) is not supported for this model's video layout",
+                           item="video_pruning_rate", code="invalid_video_pruning_rate")
+    per = runs[0]
+    rest, remainder = divmod(retained_count(num_groups, per, rate) - per, max(num_groups - 1, 1))
+    return [per] + [rest + (g < remainder) for g in range(num_groups - 1)]
 
 
 def retention_mask(embeds: torch.Tensor, num_groups: int, rate: float) -> torch.Tensor:

@@ -418,14 +418,17 @@ def _expand(ids: list[int], images: Sequence[DecodedVisual], tokenizer, vision_a
 
 
 def _pruned(expansion: list[int], layout: VisualLayout, pad: int | None) -> list[int]:
-    """A video's placeholder with the token count EVS plans for it (all its tokens when not pruned)."""
+    """A video's placeholder with the token counts EVS plans for its runs of `pad` (`evs.run_counts`; all its
+    tokens when not pruned); the tokens around and between the runs (Qwen3-VL's timestamps) stay."""
     if layout.pruning_rate <= 0:
         return expansion
-    if expansion != [pad] * len(expansion):
-        raise InvalidInput("EVS (video_pruning_rate) is not supported for this model's video layout",
-                           item="video_pruning_rate", code="invalid_video_pruning_rate")
-    groups = layout.grid[0]
-    return [pad] * evs.retained_count(groups, len(expansion) // groups, layout.pruning_rate)
+    runs = token_runs(expansion, pad)
+    counts = evs.run_counts([length for _, length in runs], layout.grid[0], layout.pruning_rate)
+    out, cursor = [], 0
+    for (start, length), count in zip(runs, counts):
+        out += expansion[cursor:start] + [pad] * count
+        cursor = start + length
+    return out + expansion[cursor:]
 
 
 def _count_mismatch(ids: list[int], pad: int, num_images: int) -> InvalidInput:

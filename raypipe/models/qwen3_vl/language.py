@@ -37,8 +37,8 @@ class Qwen3VLLanguageAdapter(Qwen2_5_VLLanguageAdapter):
 
     def positions(self, token_ids: Sequence[int], layouts: Sequence[VisualLayout],
                   kept: Sequence[torch.Tensor | None] = ()) -> tuple[torch.Tensor, int]:
-        if any(mask is not None for mask in kept):
-            raise ValueError("EVS is not supported for Qwen3-VL")
+        """`(position_ids (3, L), rope_delta)`: `positions.py`'s rule; an EVS-pruned video's positions follow from
+        its geometry and rate (vLLM's Qwen3-VL rule), not from the retention masks `kept`."""
         runs = token_runs(token_ids, tuple(self.placeholder_token_ids.values()))
         return qwen3_positions(runs, len(token_ids), layouts, self.merge)
 

@@ -16,7 +16,8 @@ unchanged and in step with their tokens; only the language model splits the colu
 Image geometry, resize and units (an image whole; a video as chunks of temporal groups, which attend
 only within themselves here too) are Qwen2.5-VL's, with this checkpoint's patch size; videos are
 sampled and sized by Qwen3-VL's own rules (`video.py`), and their placeholders carry each temporal
-group's timestamp.
+group's timestamp. EVS (`video_pruning_rate`) plans each group's run as vLLM's Qwen3-VL does
+(`raypipe.models.evs.run_counts`), its timestamp kept before it even when the run is planned empty.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ import pathlib
 
 import torch
 
-from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual, VisualKind
 from raypipe.inputs.video import PlanFrames, VideoSampling
-from raypipe.models.base import PreparedForward, VisionItem, VisionTower, VisualLayout
+from raypipe.models.base import PreparedForward, VisionItem, VisionTower
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 from raypipe.models.qwen2_5_vl.vision import VISION_PREFIXES, Qwen2_5_VLVisionAdapter, tower_inputs
 from raypipe.models.qwen3_vl import tower_metadata, video
@@ -62,14 +62,6 @@ class Qwen3VLVisionAdapter(Qwen2_5_VLVisionAdapter):
             times = image.frame_times_s or tuple(i / image.fps for i in range(image.num_frames))
             item.group_times_s = video.group_times(times, self.video_config.temporal_patch_size)
         return item
-
-    def layout(self, visual: DecodedVisual, item: VisionItem, pruning_rate: float = 0.0) -> VisualLayout:
-        if pruning_rate > 0:
-            # vLLM prunes a Qwen3-VL video per temporal group (the first kept whole), each group its own run
-            # with its timestamp: not built here, so refused rather than pruned by Qwen2.5-VL's one-run rule.
-            raise InvalidInput("EVS (video_pruning_rate) is not supported for Qwen3-VL yet", item="video_pruning_rate",
-                               code="invalid_video_pruning_rate")
-        return super().layout(visual, item)
 
     def replaced_around(self, kind: VisualKind) -> tuple[tuple[int, ...], tuple[int, ...]]:
         # The template wraps a video's placeholder in vision start/end, and every temporal group brings its own:
