@@ -1,6 +1,6 @@
 """The OpenAI endpoint serving the Qwen3-VL MoE preset: the official `openai` client gets transformers' own
 greedy answer for images and a video (sent as data: URLs), whole and streamed, and a structured output
-that parses."""
+that parses; EVS and tool calls through the same endpoint."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def server(ray_local):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": MODEL, "num_encoders": 1, "batch_window_s": 0.02,
-                         "engine": {"max_model_len": 1024, "max_num_seqs": 4}}),
+                         "engine": {"max_model_len": 2048, "max_num_seqs": 4}}),
               name="raypipe-qwen3-vl-test", route_prefix="/")
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
     serve.shutdown()
@@ -106,3 +106,51 @@ def test_video_answer_is_transformers_greedy(server):
     want = ref.hf_generate(hf, inputs, MAX_TOKENS, hf.generation_config.eos_token_id)
     assert reply.usage.prompt_tokens == ids.shape[1]
     assert reply.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_video_pruning_rate_shrinks_the_prompt_by_the_planned_count(server):
+    """`mm_processor_kwargs.video_pruning_rate`: the prompt loses exactly the video tokens vLLM's rule drops
+    (`max(per_group, int(total * (1 - rate)))` kept; timestamps and vision start/end stay)."""
+    from raypipe.models.prompt import build_prompt
+    from raypipe.models.registry import vision_adapter
+
+    video = make_video(random_images([(64, 96)] * 16, seed=4), fps=4)
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data_url(video, "video/mp4")}},
+                                             {"type": "text", "text": "What happens?"}]}]
+    plain = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    pruned = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                            extra_body={"mm_processor_kwargs": {"video_pruning_rate": 0.6}})
+    ckpt = preset_checkpoint(MODEL)
+    vision = vision_adapter(ckpt)
+    grid = vision.make_item(build_prompt(messages, ref.hf_processor(ckpt).tokenizer, vision).visuals[0]).grid
+    total = grid[0] * grid[1] * grid[2] // vision.merge**2
+    saved = total - max(total // grid[0], int(total * (1 - 0.6)))
+    assert grid[0] > 1 and saved > 0
+    assert pruned.usage.prompt_tokens == plain.usage.prompt_tokens - saved
+    assert pruned.usage.completion_tokens >= 1
+
+
+def test_forced_tool_calls_follow_the_schemas_whole_and_streamed(server):
+    """Tools through the Qwen3-VL endpoint (an image in the request): a forced call parses against its tool's
+    schema, and the stream reassembles to the same call."""
+    import jsonschema
+
+    from tests.test_serve_api import ADD, TOOLS, WEATHER, _streamed_choices
+
+    image = random_images([(64, 64)], seed=9)[0]
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(image))}},
+                                             {"type": "text", "text": "Weather in Paris?"}]}]
+    kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER, ADD], max_tokens=120, temperature=0,
+                  parallel_tool_calls=False)
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        choice = server.chat.completions.create(tool_choice=tool_choice, **kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        assert call.id.startswith("call_") and call.type == "function"
+        assert tool_choice == "required" or call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name]["function"]["parameters"])
+        [streamed] = _streamed_choices(server.chat.completions.create(tool_choice=tool_choice, stream=True,
+                                                                      **kwargs)).values()
+        assert streamed["finish"] == "tool_calls"
+        [again] = streamed["calls"].values()
+        assert (again["name"], again["arguments"]) == (call.function.name, call.function.arguments)
