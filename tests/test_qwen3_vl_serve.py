@@ -131,26 +131,11 @@ def test_video_pruning_rate_shrinks_the_prompt_by_the_planned_count(server):
 
 
 def test_forced_tool_calls_follow_the_schemas_whole_and_streamed(server):
-    """Tools through the Qwen3-VL endpoint (an image in the request): a forced call parses against its tool's
-    schema, and the stream reassembles to the same call."""
-    import jsonschema
-
-    from tests.test_serve_api import ADD, TOOLS, WEATHER, _streamed_choices
+    """Tools through the Qwen3-VL endpoint (an image in the request), as `test_serve_api` checks them for Qwen2.5-VL."""
+    from tests.test_serve_api import ADD, WEATHER, check_forced_tool_calls
 
     image = random_images([(64, 64)], seed=9)[0]
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(image))}},
                                              {"type": "text", "text": "Weather in Paris?"}]}]
-    kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER, ADD], max_tokens=120, temperature=0,
-                  parallel_tool_calls=False)
-    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        choice = server.chat.completions.create(tool_choice=tool_choice, **kwargs).choices[0]
-        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
-        call = choice.message.tool_calls[0]
-        assert call.id.startswith("call_") and call.type == "function"
-        assert tool_choice == "required" or call.function.name == "get_weather"
-        jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name]["function"]["parameters"])
-        [streamed] = _streamed_choices(server.chat.completions.create(tool_choice=tool_choice, stream=True,
-                                                                      **kwargs)).values()
-        assert streamed["finish"] == "tool_calls"
-        [again] = streamed["calls"].values()
-        assert (again["name"], again["arguments"]) == (call.function.name, call.function.arguments)
+    check_forced_tool_calls(server, "get_weather", model=MODEL, messages=messages, tools=[WEATHER, ADD],
+                            max_tokens=120, temperature=0, parallel_tool_calls=False)

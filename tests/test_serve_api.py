@@ -675,17 +675,17 @@ def _streamed_choices(chunks) -> dict[int, dict]:
     return out
 
 
-def test_forced_tool_calls_follow_the_tools_schemas(client):
+def check_forced_tool_calls(client, named: str, **kwargs) -> None:
+    """A call forced by `tool_choice` ("required", then the tool `named`) is one call that parses against its
+    tool's schema, and the stream (no empty text chunks) reassembles to the same call and content."""
     import jsonschema
 
-    kwargs = dict(model="tiny", messages=user("Weather in Paris?"), tools=[WEATHER, ADD], max_tokens=120,
-                  temperature=0, parallel_tool_calls=False)
-    for tool_choice in ("required", {"type": "function", "function": {"name": "add"}}):
+    for tool_choice in ("required", {"type": "function", "function": {"name": named}}):
         choice = client.chat.completions.create(tool_choice=tool_choice, **kwargs).choices[0]
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
         call = choice.message.tool_calls[0]
         assert call.id.startswith("call_") and call.type == "function"
-        assert tool_choice == "required" or call.function.name == "add"
+        assert tool_choice == "required" or call.function.name == named
         jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name]["function"]["parameters"])
         chunks = list(client.chat.completions.create(tool_choice=tool_choice, stream=True, **kwargs))
         assert not any(c.choices[0].delta.content == "" for c in chunks[1:])  # held-back text sends no chunks
@@ -694,6 +694,11 @@ def test_forced_tool_calls_follow_the_tools_schemas(client):
         [again] = streamed["calls"].values()
         assert again["id"].startswith("call_")
         assert (again["name"], again["arguments"]) == (call.function.name, call.function.arguments)
+
+
+def test_forced_tool_calls_follow_the_tools_schemas(client):
+    check_forced_tool_calls(client, "add", model="tiny", messages=user("Weather in Paris?"), tools=[WEATHER, ADD],
+                            max_tokens=120, temperature=0, parallel_tool_calls=False)
 
 
 def test_auto_tools_are_in_the_prompt_and_plain_output_stays_content(client):
