@@ -10,7 +10,7 @@ Three measurements, side by side in one run (nothing else should run on the mach
    (1 torch thread each), its units balanced over them (Qwen: chunks of temporal groups; MiniCPM-V:
    each frame's and canvas's overview and slices). Ratio = 1-worker / 2-worker time (vLLM encodes
    one video on one GPU: its ratio is 1 by construction).
-3. EVS at 0.5 / 0.75 against off, for families that support it (Qwen2.5-VL; skipped, saying so,
+3. EVS at 0.5 / 0.75 against off, for families that support it (Qwen2.5-VL, Qwen3-VL; skipped, saying so,
    otherwise), on a shorter clip at a lower per-frame resolution so that the prompt fits the small
    preset's 4096-token context: video tokens in the prompt, the engine's prefill time and the time
    to first token (`max_tokens=1`, embeddings already encoded).
@@ -32,6 +32,7 @@ from raypipe.bench.common import median_seconds, print_table, write_json
 
 SOURCE_FPS = 10
 SOURCE_SIZE = (360, 640)
+EVS_FRAME_PIXELS = 64 * 28 * 28  # per sampled frame in the EVS rows
 
 
 def source_video(seconds: int) -> bytes:
@@ -125,8 +126,11 @@ def evs_rows(checkpoint, adapter, data: bytes, seconds: int, repeats: int) -> li
     from raypipe.inputs.video import VideoLimits, VideoSampling, load_video
     from raypipe.models.prompt import VideoOptions, build_prompt
 
-    sampling = VideoSampling(fps=2.0, max_pixels=64 * 28 * 28)  # fits the small preset's 4096-token context
-    clip = load_video(data, VideoLimits(), adapter.plan_frames(sampling))
+    # a frame's pixel budget that fits the small presets' 4096-token context
+    clip = load_video(data, VideoLimits(), adapter.plan_frames(VideoSampling(fps=2.0, max_pixels=EVS_FRAME_PIXELS)))
+    if clip.height * clip.width < EVS_FRAME_PIXELS / 2:  # max_pixels bounded the whole clip (Qwen3-VL)
+        sampling = VideoSampling(fps=2.0, max_pixels=EVS_FRAME_PIXELS * clip.num_frames)
+        clip = load_video(data, VideoLimits(), adapter.plan_frames(sampling))
     torch.set_num_threads(2)
     tower = adapter.load_tower(torch.device("cpu"), torch.float32)
     embeds = torch.cat(tower.encode(adapter.units(adapter.make_item(clip))))
