@@ -8,7 +8,8 @@ import pytest
 
 from raypipe.errors import InvalidInput
 from raypipe.models.prompt import build_prompt
-from raypipe.serve.openai.reasoning import ReasoningStream, check_constraint, split_reasoning, thinking
+from raypipe.models.registry import FAMILIES
+from raypipe.serve.openai.reasoning import PARSERS, ReasoningStream, check_constraint, split_reasoning
 
 ANSWERS = ["plan</think>\n\nanswer", "</think>\n\nanswer", "plan</think>", "plan only, cut short", "",
            "<think>\nplan</think>answer", "a</think>b</think>c", "thinking about </thin and <think", "x</think>"]
@@ -45,8 +46,10 @@ def test_split_follows_the_qwen3_parser_rule_whole_and_streamed(thinking_on):
 
 
 def test_thinking_is_on_unless_switched_off():
-    assert thinking("qwen3", None) and thinking("qwen3", {"enable_thinking": True})
-    assert not thinking("qwen3", {"enable_thinking": False}) and not thinking("", None)
+    qwen3_5, qwen2_5 = (next(f for f in FAMILIES if f.model_type == kind) for kind in ("qwen3_5", "qwen2_5_vl"))
+    assert qwen3_5.thinks(None) and qwen3_5.thinks({"enable_thinking": True})
+    assert not qwen3_5.thinks({"enable_thinking": False}) and not qwen2_5.thinks(None)
+    assert {f.reasoning for f in FAMILIES} <= {"", *PARSERS}
 
 
 def test_constraints_are_refused_while_thinking():

@@ -31,6 +31,11 @@ class ModelFamily:
     def write(self, folder, name: str) -> None:
         _load(self.write_preset)(folder, name)
 
+    def thinks(self, chat_template_kwargs: dict | None) -> bool:
+        """Whether a chat answer starts inside a thinking block: the family reasons and the request did not
+        switch thinking off (Qwen3.5's template thinks unless `enable_thinking` is false)."""
+        return bool(self.reasoning) and (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+
 
 def _load(target: str):
     module, _, attribute = target.partition(":")

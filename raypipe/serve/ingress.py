@@ -64,7 +64,9 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.chars_per_token = max_chars_per_token(self.tokenizer)
         self.vision_adapter = vision_adapter(checkpoint)
-        self.reasoning_parser = family_of(checkpoint).reasoning
+        self.family = family_of(checkpoint)
+        if self.family.reasoning and self.family.reasoning not in reasoning.PARSERS:
+            raise ValueError(f"no reasoning parser {self.family.reasoning!r} (known: {reasoning.PARSERS})")
         # Names this deployment's model and weights: same checkpoint, same fingerprint.
         self.fingerprint = "fp_" + hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()[:12]
         self.health_timeout_s = health_timeout_s
@@ -82,7 +84,7 @@ class Ingress:
             self._authorize(request)
             chat = parse_request(await self._read_body(request), ChatCompletionRequest)
             self._check_model(chat.model)
-            thinking = reasoning.thinking(self.reasoning_parser, chat.chat_template_kwargs)
+            thinking = self.family.thinks(chat.chat_template_kwargs)
             prompt, params = await self._prepare(chat)
             reasoning.check_constraint(thinking, params.structured.source if params.structured else None)
             visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []

@@ -1,7 +1,7 @@
 """Reasoning output: a chat answer's thinking block told apart from its content, as vLLM's `qwen3`
 reasoning parser does for Qwen3 / Qwen3.5.
 
-Qwen3.5's chat template opens the block in the prompt (`<think>\\n`), so the model writes its reasoning,
+Whether an answer starts thinking is the family's to say (`ModelFamily.thinks`). Qwen3.5's chat template opens the block in the prompt (`<think>\\n`), so the model writes its reasoning,
 `</think>`, then the answer; with `enable_thinking` false the prompt holds an empty, closed block and
 everything generated is the answer. The rule (vLLM's `Qwen3ReasoningParser.extract_reasoning`, and its
 serving layer's check that the prompt already ended the reasoning):
@@ -26,16 +26,8 @@ from __future__ import annotations
 
 from raypipe.errors import InvalidInput
 
-PARSERS = ("qwen3",)  # `ModelFamily.reasoning` values with a parser here
+PARSERS = ("qwen3",)  # `ModelFamily.reasoning` values with a parser here (whether an answer thinks: `thinks`)
 OPEN, CLOSE = "<think>", "</think>"
-
-
-def thinking(parser: str, chat_template_kwargs: dict | None) -> bool:
-    """Whether a chat answer starts inside a thinking block: the family has a parser and the request did not
-    switch thinking off (Qwen3.5's template thinks unless `enable_thinking` is false)."""
-    if parser and parser not in PARSERS:
-        raise ValueError(f"unknown reasoning parser {parser!r}; known: {PARSERS}")
-    return bool(parser) and (chat_template_kwargs or {}).get("enable_thinking", True) is not False
 
 
 def check_constraint(is_thinking: bool, constrained_by: str | None) -> None:
