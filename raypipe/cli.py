@@ -78,6 +78,9 @@ def _add_batch(sub) -> None:
     batch.add_argument("--max-tokens", type=int, default=BATCH["max_tokens"])
     batch.add_argument("--json-schema", type=_file_text, default=BATCH["json_schema"], metavar="FILE",
                        help="generate: every row's text is JSON under this schema, or an error row")
+    batch.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
+                       default=BATCH["enable_thinking"],
+                       help="generate: the chat template's thinking switch (Qwen3.5; default: the template's)")
     batch.add_argument("--pooling", choices=["mean", "none"], default=BATCH["pooling"],
                        help="embedding per image: the mean over its tokens, or the whole token matrix")
     batch.add_argument("--num-decoders", type=replica_range, default=BATCH["num_decoders"], metavar="N|MIN:MAX",
@@ -127,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=SAMPLING["seed"])
     generate.add_argument("--json-schema", type=_file_text, default=None, metavar="FILE",
                           help="constrain the output to JSON under this schema")
+    generate.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction, default=None,
+                          help="the chat template's thinking switch (Qwen3.5; default: the template's)")
     generate.add_argument("--num-scheduler-steps", type=int, default=ENGINE["num_scheduler_steps"])
 
     # The flags override the Serve config file's values; left out, the file's apply (no defaults here).

@@ -1,4 +1,4 @@
-"""Oracles for Qwen3-VL: transformers' own processor, vision tower and `generate()`, and the position rule
+"""Oracles for Qwen3-VL and Qwen3.5 (same processor and tower, no deepstack): transformers' own processor, vision tower and `generate()`, and the position rule
 written out plainly.
 
 `Qwen3VLProcessor` checks on construction that its video processor is of the class its auto-mapping names,
@@ -59,7 +59,7 @@ def features(hf_model, inputs: dict) -> list[torch.Tensor]:
         return []
     with torch.no_grad():
         out = hf_model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
-    return [torch.cat([main, *(level[i] for level in out.deepstack_features)], dim=-1)
+    return [torch.cat([main, *(level[i] for level in _levels(out))], dim=-1)
             for i, main in enumerate(out.pooler_output)]
 
 
@@ -114,6 +114,11 @@ def video_pixels(video_processor, frames) -> tuple[torch.Tensor, tuple[int, int,
     return rows[0], (t, h, w)
 
 
+def _levels(out) -> tuple:
+    """transformers' deepstack levels of a vision output (none from Qwen3.5's tower)."""
+    return getattr(out, "deepstack_features", None) or ()
+
+
 def video_prompt_ids(processor, messages: list[dict], images: list, videos: list[tuple]) -> list[int]:
     """Prompt ids by the processor's own rules: the chat template, each image's `replace_image_token`, each
     video's `replace_video_token` (its grid and `VideoMetadata`: source fps and sampled frame indices) put where
@@ -151,5 +156,5 @@ def video_features(hf_model, pixel_values_videos: torch.Tensor, grids: list[tupl
     """Per video, transformers' `get_video_features` on the whole batch, every deepstack level on the columns."""
     with torch.no_grad():
         out = hf_model.model.get_video_features(pixel_values_videos, torch.tensor(grids))
-    return [torch.cat([main, *(level[i] for level in out.deepstack_features)], dim=-1)
+    return [torch.cat([main, *(level[i] for level in _levels(out))], dim=-1)
             for i, main in enumerate(out.pooler_output)]

@@ -146,15 +146,17 @@ def test_minicpmv_packed_equals_transformers(minicpmv_ckpt, hf_minicpmv, budgets
     assert (forwards.stats["packed_forwards"] > 0 and forwards.stats["padding_tokens"] > 0) == (not above)
 
 
-def test_qwen3_vl_packed_equals_transformers():
-    """Qwen3-VL (deepstack levels on the columns): images and a video's chunks packed into budgets equal
-    transformers' `get_image_features` / `get_video_features`, every level."""
+@pytest.mark.parametrize("preset", ["tiny-qwen3-vl", "tiny-qwen3.5"])
+def test_qwen3_vl_packed_equals_transformers(preset):
+    """Qwen3-VL (deepstack levels on the columns) and Qwen3.5 (the same tower without them): images and a
+    video's chunks packed into budgets equal transformers' `get_image_features` / `get_video_features`,
+    every level."""
     from transformers import AutoModelForImageTextToText
 
     from raypipe.models.registry import preset_checkpoint
     from tests import qwen3_vl_reference as ref
 
-    ckpt = preset_checkpoint("tiny-qwen3-vl")
+    ckpt = preset_checkpoint(preset)
     adapter = vision_adapter(ckpt)
     tower = adapter.load_tower(torch.device("cpu"), torch.float32)
     hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()

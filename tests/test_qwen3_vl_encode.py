@@ -23,10 +23,14 @@ def _video(frames: int, seed: int, height: int = 64, width: int = 96) -> Decoded
 
 @pytest.fixture(scope="module")
 def reference():
+    return reference_batch("tiny-qwen3-vl")
+
+
+def reference_batch(preset: str):
     """The batch (images, a long video, a short odd-length one) and transformers' rows for each item."""
     from transformers import AutoModelForImageTextToText
 
-    ckpt = preset_checkpoint("tiny-qwen3-vl")
+    ckpt = preset_checkpoint(preset)
     hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
     processor = ref.hf_processor(ckpt)
     images = random_images(SIZES, seed=5)
@@ -53,6 +57,11 @@ def pool(ray_local, reference):
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_sharded_embeddings_match_transformers(pool, reference, workers):
+    check_sharded(pool, reference, workers, levels=2)  # the merger's rows + 2 deepstack levels
+
+
+def check_sharded(pool, reference, workers: int, levels: int) -> None:
+    """The batch over the first `workers` of `pool` equals transformers' rows; each row is `1 + levels` wide."""
     from raypipe.encode.coordinator import Coordinator
     from raypipe.encode.pool import EncoderPool
 
@@ -67,5 +76,5 @@ def test_sharded_embeddings_match_transformers(pool, reference, workers):
     assert sum(1 for shard in assignment if 2 in shard) == min(workers, 5)  # the long video's chunks spread
     hidden = adapter.vision_config.out_hidden_size
     for ours, theirs in zip(got, expected, strict=True):
-        assert ours.shape == theirs.shape and ours.shape[1] == 3 * hidden  # the merger's rows + 2 deepstack levels
+        assert ours.shape == theirs.shape and ours.shape[1] == (1 + levels) * hidden
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)

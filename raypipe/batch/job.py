@@ -53,6 +53,7 @@ class BatchOptions:
     id_column: str = "id"  # manifest column with ids (default: the path)
     max_tokens: int = 32
     json_schema: str | None = None  # generate: a JSON schema (its text) every row's output must follow
+    enable_thinking: bool | None = None  # generate: the chat template's thinking switch (Qwen3.5); None: its default
     pooling: Literal["mean", "none"] = "mean"
     num_decoders: tuple[int, int] = (1, 1)  # decode actor pool (min, max)
     batching: Literal["cost", "count"] = "cost"  # how encoder batches are formed
@@ -89,6 +90,8 @@ class BatchOptions:
             fields.update(prompt=self.prompt, prompt_column=self.prompt_column, max_tokens=self.max_tokens)
             if self.json_schema is not None:  # absent otherwise, so outputs written before it existed still match
                 fields["json_schema"] = StructuredOutput(json=self.json_schema).json
+            if self.enable_thinking is not None:  # the same
+                fields["enable_thinking"] = self.enable_thinking
         return fields
 
 
@@ -179,12 +182,17 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
 
     from raypipe.batch import stages
     from raypipe.encode.pool import WorkerOptions
-    from raypipe.models.registry import model_for_actors, resolve_model
+    from raypipe.models.registry import family_of, model_for_actors, resolve_model
     from raypipe.runtime.ray_cluster import connect_ray
 
     config = options.model
     # Copy or write it on this node once, before the actors race to; actors get a name every node can resolve.
-    model = model_for_actors(config.model, resolve_model(config.model))
+    checkpoint = resolve_model(config.model)
+    model = model_for_actors(config.model, checkpoint)
+    template_kwargs = {} if options.enable_thinking is None else {"enable_thinking": options.enable_thinking}
+    if options.task == "generate" and options.json_schema is not None and family_of(checkpoint).thinks(template_kwargs):
+        raise ValueError("json_schema would constrain this model's reasoning, which comes first: set "
+                         "enable_thinking false (--no-thinking) with it")
     connect_ray(ray_address)
     ray.data.DataContext.get_current().enable_progress_bars = True
     budget = (options.batch_cost * stages.max_image_cost(model, config.cost_model)
@@ -220,6 +228,7 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                                                                           pruning_rate=config.video_pruning_rate),
                                                        max_tokens=options.max_tokens,
                                                        json_schema=options.json_schema,
+                                                       chat_template_kwargs=template_kwargs,
                                                        default_prompt=options.prompt),
                             **actor_options)
     return ds.map_batches(stages.write_rows, batch_format="pyarrow", batch_size=options.rows_per_file,

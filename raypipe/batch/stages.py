@@ -161,7 +161,7 @@ class GenerateStage:
     """A decode actor: one `LLMEngine`; every row of a call is one request, all decoded together."""
 
     def __init__(self, model: str, engine_config, image_limits: ImageLimits, video, max_tokens: int,
-                 default_prompt: str, json_schema: str | None = None):
+                 default_prompt: str, json_schema: str | None = None, chat_template_kwargs: dict | None = None):
         from raypipe.decode.engine import LLMEngine
         from raypipe.inputs.sampling import SamplingParams
         from raypipe.models.registry import resolve_model
@@ -174,6 +174,7 @@ class GenerateStage:
         structured = {"json": json_schema} if json_schema is not None else None
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
         self.default_prompt = default_prompt
+        self.chat_template_kwargs = chat_template_kwargs  # e.g. Qwen3.5's enable_thinking; the text keeps any thinking
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -195,7 +196,8 @@ class GenerateStage:
                                                  {"type": "text", "text": row["prompt"] or self.default_prompt}]}]
         embedding = torch.from_numpy(np.frombuffer(row["embedding"], np.float32).reshape(-1, row["hidden"]).copy())
         try:
-            prompt = build_prompt(messages, self.engine.tokenizer, self.vision, self.image_limits, video=self.video)
+            prompt = build_prompt(messages, self.engine.tokenizer, self.vision, self.image_limits, video=self.video,
+                                  chat_template_kwargs=self.chat_template_kwargs)
             out = await self.engine.generate_output(row["id"], prompt.without_pixels(), [embedding], self.params)
         except InvalidInput as exc:
             row.update(error=exc.code, error_message=exc.reason)

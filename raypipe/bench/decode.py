@@ -8,7 +8,9 @@ varied length, greedy, `max_tokens` per request:
     static batch, and against the same engine with eager decode steps; then where the time goes:
     prefill (the same FLOPs one by one or batched: on a CPU it cannot get cheaper per token) and
     decode (the part continuous batching speeds up), from the engine's own timers;
-(b) one decode step (forward + logits) at batch 1, 8 and 32: eager vs the static-shape compiled step;
+(b) one decode step (forward + logits) at batch 1, 8 and 32: eager vs the static-shape compiled step; for a
+    hybrid model (`text_config.layer_types`: Qwen3.5, MiniCPM-V 4.6) also each layer kind's share of the
+    eager step (its decoder layers' time, mixer and MLP, over the whole step's);
 (c) tokens/s through Ray (`Pipeline.generate_stream`, all requests concurrent) with K=1 and K=8.
 Every engine output is checked token for token against the one-at-a-time `generate()` output.
 """
@@ -115,6 +117,39 @@ def step_times(runner, batch: int, kv_len: int, repeats: int) -> tuple[float, fl
     if runner.static_step is None:  # the cache has layer kinds the static step cannot run (engine says why)
         return median_seconds(eager, repeats), float("nan")
     return median_seconds(eager, repeats), median_seconds(compiled, repeats)
+
+
+def layer_kind_shares(runner, batch: int, kv_len: int, repeats: int) -> dict[str, float]:
+    """Each layer kind's share of one eager decode step at `batch` rows (`text_config.layer_types`; every
+    layer one kind where it has none), from timers around its decoder layers: the median over `repeats` of
+    (the kind's layers' seconds) / (the step's seconds); the rest (embedding, norm, lm_head) is "other"."""
+    layers = runner.model.model.layers
+    kinds = list(getattr(runner.model.model.config, "layer_types", None) or ["full_attention"] * len(layers))
+    spent: dict[str, float] = {}
+    started: list[float] = []
+    hooks = [layer.register_forward_pre_hook(lambda *_: started.append(time.perf_counter())) for layer in layers]
+    hooks += [layer.register_forward_hook(
+        lambda *_, kind=kind: spent.__setitem__(kind, spent.get(kind, 0.0) + time.perf_counter() - started.pop()))
+        for layer, kind in zip(layers, kinds)]
+    tokens = torch.zeros(batch, dtype=torch.long)
+    positions = torch.full((3, batch, 1), kv_len - 1, dtype=torch.long)
+    write_index = torch.full((batch,), kv_len - 1, dtype=torch.long)
+    tables = spread_block_tables(runner.cache, batch, kv_len)
+    shares: dict[str, list[float]] = {}
+    try:
+        with torch.inference_mode():
+            for i in range(repeats + 1):  # the first is a warm-up
+                spent.clear()
+                start = time.perf_counter()
+                eager_step(runner, tokens, positions, write_index, kv_len, tables)
+                total = time.perf_counter() - start
+                if i:
+                    for kind, seconds in {**spent, "other": total - sum(spent.values())}.items():
+                        shares.setdefault(kind, []).append(seconds / total)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {kind: statistics.median(values) for kind, values in shares.items()}
 
 
 def eager_step(runner, tokens, positions, write_index, kv_len: int, tables) -> torch.Tensor:
@@ -233,6 +268,15 @@ def main(args) -> int:
         result["step"][b] = {"eager_ms": eager_s * 1e3, "compiled_ms": compiled_s * 1e3, "speedup": eager_s / compiled_s}
         step_rows.append([b, eager_s * 1e3, compiled_s * 1e3, eager_s / compiled_s])
 
+    kinds = set(getattr(engine.runner.model.model.config, "layer_types", None) or ())
+    share_rows = []
+    if len(kinds) > 1:  # a hybrid model
+        result["layer_kind_share"] = {}
+        for b in STEP_BATCHES:
+            shares = layer_kind_shares(engine.runner, b, 100, 5 if args.quick else 20)
+            result["layer_kind_share"][b] = shares
+            share_rows.append([b, *(100 * shares.get(kind, 0.0) for kind in (*sorted(kinds), "other"))])
+
     ray_rows = []
     ray_c = max(CONCURRENCY) if not args.quick else 8
     result["ray"] = {}
@@ -272,6 +316,9 @@ def main(args) -> int:
                   f"warm-up (compile) {step['warmup_seconds']:.1f} s")
         print_table("one decode step (forward + logits), KV length 100, median", ["batch", "eager ms", "compiled ms",
                                                                                   "speed-up"], step_rows)
+        if share_rows:
+            print_table("share of one eager decode step by layer kind, KV length 100, median, %",
+                        ["batch", *sorted(kinds), "other (embed, norm, lm_head)"], share_rows)
         print_table(f"through Ray (Pipeline.generate_stream, {ray_c} concurrent requests)",
                     ["K", "requests", "tokens", "tok/s", "identical"], ray_rows)
         print(f"\nK=8 / K=1 through Ray: {result['ray_k8_vs_k1']:.2f}x; all engine outputs identical to generate(): "

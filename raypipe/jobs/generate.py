@@ -25,7 +25,10 @@ def run_generate(args) -> int:
     with Pipeline.from_config(model_config_from_args(args),
                               engine_config=EngineConfig(num_scheduler_steps=args.num_scheduler_steps)) as pipe:
         try:
-            (out,) = pipe.generate([[{"role": "user", "content": content}]], params)
+            request = {"messages": [{"role": "user", "content": content}]}
+            if args.enable_thinking is not None:
+                request["chat_template_kwargs"] = {"enable_thinking": args.enable_thinking}
+            (out,) = pipe.generate([request], params)
         except InvalidInput as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

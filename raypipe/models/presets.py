@@ -48,11 +48,12 @@ def write_once(target: pathlib.Path, write: Callable[[pathlib.Path], None]) -> p
 
 
 def build_byte_tokenizer(special_tokens: list[str], chat_template: str, *, eos: str, pad: str,
-                         unk: str | None = None, named: dict[str, str] | None = None):
+                         unk: str | None = None, named: dict[str, str] | None = None, added: tuple[str, ...] = ()):
     """Byte-level BPE without merges (lossless for any text) plus a family's special tokens.
 
     `named` are extra special tokens a processor reads as tokenizer attributes (MiniCPM-V's
-    `image_token`, `slice_start_token`, ...)."""
+    `image_token`, `slice_start_token`, ...). `added` are single tokens that are not special, so
+    decoding with `skip_special_tokens` keeps them (Qwen3's `<think>` and `</think>`)."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -61,6 +62,8 @@ def build_byte_tokenizer(special_tokens: list[str], chat_template: str, *, eos: 
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=unk or special_tokens[0], eos_token=eos,
                                pad_token=pad, **extra)
     tokenizer.add_special_tokens({"additional_special_tokens": special_tokens})
+    if added:
+        tokenizer.add_tokens(list(added))
     tokenizer.chat_template = chat_template
     return tokenizer
 
@@ -74,14 +77,16 @@ _TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist with the 
           "<args-json-object>}\n</tool_call>")
 
 
-def chat_template(image_part: str, default_system: str | None = None, video_part: str | None = None) -> str:
+def chat_template(image_part: str, default_system: str | None = None, video_part: str | None = None,
+                  generation_tail: str = "") -> str:
     """A Qwen2.5-style chat template that renders text parts, `image_part` for each image part and
     `video_part` for each video part (families that take videos), and tools as Qwen2.5's does: the
     tools listed in the system turn, an assistant's calls as `<tool_call>` blocks, tool results as
     `<tool_response>` blocks in one user turn.
 
     `default_system`: a system turn put first when the conversation has none (Qwen2.5-VL's); with
-    tools and no system turn, one holding the tools is put first either way."""
+    tools and no system turn, one holding the tools is put first either way. `generation_tail`:
+    what the generation prompt writes after `<|im_start|>assistant\n` (Qwen3.5's thinking switch)."""
     video = ("{% elif part['type'] in ('video', 'video_url') %}" + video_part) if video_part else ""
     content = ("{% if message['content'] is string %}{{ message['content'] }}"
                "{% else %}{% for part in message['content'] %}"
@@ -112,9 +117,25 @@ def chat_template(image_part: str, default_system: str | None = None, video_part
         + "<|im_end|>\n"
         "{% endif %}"
         "{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n" + generation_tail + "{% endif %}"
     )
     return template.replace("%}\n", "%}{{ '\\n' }}")  # transformers renders with trim_blocks: it drops those
+
+
+def slow_linear_attention_decay(layers, seed: int = 1) -> None:
+    """Give every gated-delta-net head of `layers` a slow decay, so the recurrent state remembers the prompt.
+
+    transformers draws each head's decay rate A from [0.01, 16]: most heads forget within a few
+    tokens, and a tiny model's answer would depend only on the chat template's fixed suffix
+    (measured on MiniCPM-V 4.6: the same greedy tokens with or without the image). Slow heads keep the
+    prompt in the state, so a wrong state, order or padding leak changes the output."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    for layer in layers:
+        if hasattr(layer, "linear_attn"):
+            a_log = layer.linear_attn.A_log
+            a_log.data = torch.empty(a_log.shape).uniform_(0.01, 0.2, generator=generator).log()
 
 
 def padded_vocab_size(tokenizer) -> int:

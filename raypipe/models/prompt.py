@@ -78,7 +78,7 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
                  image_limits: ImageLimits = ImageLimits(), *, video: VideoOptions = VideoOptions(),
                  max_text_chars: int | None = None, max_video_tokens: int | None = None,
                  resize_images: bool = True, tools: list[dict] | None = None,
-                 tile_every_image: bool = False) -> PreparedPrompt:
+                 tile_every_image: bool = False, chat_template_kwargs: dict | None = None) -> PreparedPrompt:
     """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it;
     `max_video_tokens` (the context length) refuses a video whose planned frames need more tokens
     than that from its header, before any frame is decoded.
@@ -87,6 +87,8 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     them): only for measuring what resizing here saves (`raypipe bench serve-load`). `tools`: OpenAI
     function tools, which the chat template lists (see `chat_template_ids`). `tile_every_image` (or a request
     dict's `"mm_processor_kwargs": {"tile_every_image": ...}`, which wins): see `VisionAdapter.prompt_visuals`.
+    `chat_template_kwargs` (or a request dict's field of that name, which wins): the template's switches
+    (see `check_template_kwargs`).
     """
     tile_every_image = _tile_every_image(request, tile_every_image)
     loaders = _loaders(vision_adapter, image_limits, video, resize_images, max_video_tokens)
@@ -100,7 +102,9 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     if max_text_chars is not None:
         check_text_chars(sum(len(text) for text in _texts(template_messages)), max_text_chars)
     visuals = _load_all(raw_visuals, loaders)
-    ids = chat_template_ids(tokenizer, template_messages, tools)
+    if isinstance(request, dict) and request.get("chat_template_kwargs") is not None:
+        chat_template_kwargs = request["chat_template_kwargs"]
+    ids = chat_template_ids(tokenizer, template_messages, tools, chat_template_kwargs)
     return _expand(ids, visuals, tokenizer, vision_adapter, video.pruning_rate, tile_every_image,
                    allow_expanded=False)
 
@@ -216,7 +220,32 @@ def plain_text_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+# Chat-template switches a request may set (vLLM's `chat_template_kwargs`), where the template reads them.
+TEMPLATE_SWITCHES = {"enable_thinking": bool}
+
+
+def check_template_kwargs(tokenizer, kwargs: dict | None) -> dict:
+    """`kwargs` for the chat template, or `InvalidInput`: only `TEMPLATE_SWITCHES` of the right type, and only
+    switches this checkpoint's template reads (a model without a thinking switch refuses `enable_thinking`
+    rather than ignore it)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidInput("chat_template_kwargs must be an object", item="chat_template_kwargs",
+                           code="invalid_chat_template_kwargs")
+    for key, value in kwargs.items():
+        kind = TEMPLATE_SWITCHES.get(key)
+        if kind is None or key not in (tokenizer.chat_template or ""):
+            raise InvalidInput(f"this model's chat template has no {key!r} switch", item=f"chat_template_kwargs.{key}",
+                               code="invalid_chat_template_kwargs")
+        if not isinstance(value, kind):
+            raise InvalidInput(f"{key} must be a {kind.__name__}, not {value!r}", item=f"chat_template_kwargs.{key}",
+                               code="invalid_chat_template_kwargs")
+    return dict(kwargs)
+
+
+def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                      template_kwargs: dict | None = None) -> list[int]:
     """Render `messages` with the tokenizer's chat template; only the template's own markers are control tokens.
 
     Each supplied text is swapped for a unique marker before rendering, so the template's markers
@@ -229,7 +258,9 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     Tools and assistant tool calls are supplied text too, which templates write as JSON
     (`| tojson`): every string in a function's name, description, parameters and call arguments
     (keys included) is marked as its JSON-escaped text; the structure the template reads is kept.
+    `template_kwargs`: the template's switches (`check_template_kwargs`), e.g. Qwen3.5's `enable_thinking`.
     """
+    switches = check_template_kwargs(tokenizer, template_kwargs)
     nonce = uuid.uuid4().hex
     texts: list[str] = []
 
@@ -258,7 +289,7 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     marked_tools = [{**tool, "function": mark_function(tool["function"])} for tool in tools] if tools else None
     try:
         rendered = tokenizer.apply_chat_template(marked, tools=marked_tools, add_generation_prompt=True,
-                                                 tokenize=False)
+                                                 tokenize=False, **switches)
     except Exception as exc:  # jinja errors on shapes the template does not know
         raise InvalidInput(f"chat template failed: {exc}", item="messages", code="invalid_request") from None
     control = _control_token_pattern(tokenizer)

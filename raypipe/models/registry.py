@@ -11,14 +11,14 @@ import os
 import pathlib
 
 from raypipe.errors import InvalidInput
-from raypipe.models import llava_onevision, minicpmv4_6, qwen2_5_vl, qwen3_vl, step3
+from raypipe.models import llava_onevision, minicpmv4_6, qwen2_5_vl, qwen3_5, qwen3_vl, step3
 from raypipe.models.base import LanguageAdapter, VisionAdapter
 from raypipe.models.checkpoint import read_config
 from raypipe.models.family import ModelFamily
 from raypipe.models.presets import PRESET_VERSION, default_cache_dir, write_once
 
 FAMILIES: tuple[ModelFamily, ...] = (qwen2_5_vl.FAMILY, minicpmv4_6.FAMILY, step3.FAMILY, llava_onevision.FAMILY,
-                                     qwen3_vl.FAMILY, qwen3_vl.MOE_FAMILY)
+                                     qwen3_vl.FAMILY, qwen3_vl.MOE_FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY)
 
 _BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 _BY_PRESET = {name: family for family in FAMILIES for name in family.presets}

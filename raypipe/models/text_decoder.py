@@ -31,8 +31,9 @@ class TextDecoder(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, adapter, text_model_class, device: torch.device, dtype: torch.dtype, *,
                         prefixes: tuple[str, ...], exclude: tuple[str, ...],
-                        head_prefixes: tuple[str, ...] = LM_HEAD_PREFIXES) -> "TextDecoder":
-        """Build `text_model_class` from `text_config` and load only its tensors (and lm_head's)."""
+                        head_prefixes: tuple[str, ...] = LM_HEAD_PREFIXES, convert=None) -> "TextDecoder":
+        """Build `text_model_class` from `text_config` and load only its tensors (and lm_head's); `convert`
+        maps the checkpoint's tensors to the module's layout where they differ (Qwen3.5 MoE's experts)."""
         from transformers.initialization import no_init_weights
 
         text_config = adapter.text_config
@@ -40,6 +41,8 @@ class TextDecoder(torch.nn.Module):
             model = text_model_class._from_config(text_config, dtype=dtype)
             lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
         state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + head_prefixes)
+        if convert is not None:
+            state = convert(state)
         load_module_weights(model, state, what=f"{adapter.checkpoint} language model")
         if getattr(adapter.config, "tie_word_embeddings", False):
             lm_head.weight = model.embed_tokens.weight

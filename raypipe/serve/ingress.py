@@ -26,12 +26,13 @@ from raypipe.errors import InvalidInput
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.inputs.video import VideoSampling
 from raypipe.models.prompt import VideoOptions, build_prompt, check_text_chars, max_chars_per_token, plain_text_ids
-from raypipe.models.registry import resolve_model, vision_adapter
+from raypipe.models.registry import family_of, resolve_model, vision_adapter
 from raypipe.serve.errors import ApiError, install_handlers
 from raypipe.serve.limits import ServeLimits
 from raypipe.serve.metrics import ServeMetrics
 from raypipe.serve.openai.bodies import completion_id, model_card, models_body
 from raypipe.serve.openai.conversion import sampling_params
+from raypipe.serve.openai import reasoning
 from raypipe.serve.openai.parsing import parse_request
 from raypipe.serve.openai.schemas import ChatCompletionRequest, CompletionRequest
 from raypipe.serve.streaming import CompletionStream
@@ -63,6 +64,9 @@ class Ingress:
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.chars_per_token = max_chars_per_token(self.tokenizer)
         self.vision_adapter = vision_adapter(checkpoint)
+        self.family = family_of(checkpoint)
+        if self.family.reasoning and self.family.reasoning not in reasoning.PARSERS:
+            raise ValueError(f"no reasoning parser {self.family.reasoning!r} (known: {reasoning.PARSERS})")
         # Names this deployment's model and weights: same checkpoint, same fingerprint.
         self.fingerprint = "fp_" + hashlib.sha256((checkpoint / "config.json").read_bytes()).hexdigest()[:12]
         self.health_timeout_s = health_timeout_s
@@ -80,14 +84,16 @@ class Ingress:
             self._authorize(request)
             chat = parse_request(await self._read_body(request), ChatCompletionRequest)
             self._check_model(chat.model)
+            thinking = self.family.thinks(chat.chat_template_kwargs)
             prompt, params = await self._prepare(chat)
+            reasoning.check_constraint(thinking, params.structured.source if params.structured else None)
             visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
             request_id = completion_id()
             # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
             deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n)
             stream = CompletionStream("chat", request_id, self.served_model_name, self.fingerprint, deltas,
                                       prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text,
-                                      chat.tool_names())
+                                      chat.tool_names(), thinking)
             await stream.start()
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return self._error(CHAT, exc)
@@ -213,7 +219,8 @@ class Ingress:
                                          self.vision_adapter, self.image_limits, video=self._video_options(chat),
                                          max_text_chars=model_len * self.chars_per_token,
                                          max_video_tokens=model_len, resize_images=self.resize_images,
-                                         tools=chat.template_tools(), tile_every_image=chat.tile_every_image())
+                                         tools=chat.template_tools(), tile_every_image=chat.tile_every_image(),
+                                         chat_template_kwargs=chat.chat_template_kwargs)
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
         return prompt, sampling_params(chat, max_tokens)
 

@@ -12,6 +12,10 @@ With tools (chat, `tool_choice` not "none"), each choice's text goes through
 `openai.tools`: calls become `message.tool_calls` (finish reason "tool_calls"); streamed, text
 that may be a call is held back and the calls go out when the choice ends, each as a chunk with
 its id and function name, then one with its arguments (OpenAI's delta shape).
+
+For a model that thinks (`thinking`: a reasoning parser and thinking not switched off), each choice's
+text is first split by `openai.reasoning`: the thinking block becomes `reasoning_content` (streamed as
+`reasoning_content` deltas), and only the content after it is parsed for tool calls.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import AsyncIterator
 from raypipe.serve.errors import ApiError
 from raypipe.serve.metrics import ServeMetrics
 from raypipe.serve.openai.bodies import choice_body, chunk_body, completion_body, usage
+from raypipe.serve.openai.reasoning import ReasoningStream, split_reasoning
 from raypipe.serve.openai.tools import ToolCallStream, parse_tool_calls
 
 
@@ -45,13 +50,15 @@ class _Choice:
 
 class CompletionStream:
     """`kind` is "chat" or "text" (see `openai.bodies`); `deltas` one decoder stream per choice;
-    `token_text(id)` renders logprob tokens; `tool_names` (chat) the functions whose calls are parsed."""
+    `token_text(id)` renders logprob tokens; `tool_names` (chat) the functions whose calls are parsed;
+    `thinking` (chat) whether answers start inside a thinking block (`openai.reasoning`)."""
 
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas: list, prompt_tokens: int,
-                 arrival: float, include_usage: bool, token_text=None, tool_names: set[str] | None = None):
+                 arrival: float, include_usage: bool, token_text=None, tool_names: set[str] | None = None,
+                 thinking: bool = False):
         self.kind, self.request_id, self.model, self.fingerprint = kind, request_id, model, fingerprint
         self.choices = [_Choice(index, stream) for index, stream in enumerate(deltas)]
-        self.token_text, self.tool_names = token_text, tool_names
+        self.token_text, self.tool_names, self.thinking = token_text, tool_names, thinking and kind == "chat"
         self.prompt_tokens, self.arrival, self.include_usage = prompt_tokens, arrival, include_usage
         self.created = int(time.time())
         self.first_token_at: float | None = None
@@ -128,10 +135,15 @@ class CompletionStream:
                 entries = (entries or []) + piece_entries
         logprobs = {"content": entries, "refusal": None} if entries is not None else None
         text = "".join(texts)
-        parsed = parse_tool_calls(text, self.tool_names) if self._parses_tools else None
+        reasoning = None
+        if self.thinking:
+            reasoning, text = split_reasoning(text, True)
+        parsed = parse_tool_calls(text, self.tool_names) if self._parses_tools and text else None
         if parsed is not None:
-            return choice_body(self.kind, choice.index, parsed[0], "tool_calls", logprobs, parsed[1])
-        return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs)
+            return choice_body(self.kind, choice.index, parsed[0], "tool_calls", logprobs, parsed[1], reasoning)
+        if not self.thinking:
+            return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs)
+        return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs, reasoning=reasoning)
 
     def record(self, metrics: ServeMetrics, endpoint: str) -> None:
         metrics.record_success(endpoint, self.arrival, self.first_token_at, time.monotonic(), self.prompt_tokens,
@@ -143,10 +155,23 @@ class CompletionStream:
         if self.kind == "chat":
             yield choice.index, {"role": "assistant", "content": ""}, None, None
         calls = ToolCallStream(self.tool_names) if self._parses_tools else None
+        thoughts = ReasoningStream(True) if self.thinking else None
         async for text, entries in self._pieces(choice):
+            if thoughts is not None:
+                reasoning, text = thoughts.feed(text)
+                if reasoning:
+                    yield choice.index, {"reasoning_content": reasoning}, None, entries
+                    entries = None
             text = calls.feed(text) if calls else text
             if text or entries:  # held-back text sends nothing yet
                 yield choice.index, {key: text}, None, entries
+        if thoughts is not None:
+            reasoning, text = thoughts.finish()
+            if reasoning:
+                yield choice.index, {"reasoning_content": reasoning}, None, None
+            text = calls.feed(text) if calls else text
+            if text:
+                yield choice.index, {key: text}, None, None
         finish = choice.finish_reason
         if calls is not None:
             rest, found = calls.finish()

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import pathlib
 
-from raypipe.models.presets import build_byte_tokenizer, chat_template, padded_vocab_size, save_preset
+from raypipe.models.presets import (
+    build_byte_tokenizer,
+    chat_template,
+    padded_vocab_size,
+    save_preset,
+    slow_linear_attention_decay,
+)
 
 # Named tokens the processor reads from the tokenizer (attribute -> token).
 MINICPMV_TOKENS = {
@@ -88,15 +94,7 @@ def write(folder: pathlib.Path, name: str) -> None:
     )
     torch.manual_seed(0)
     model = MiniCPMV4_6ForConditionalGeneration(config).eval()
-    # transformers draws each gated-delta-net head's decay rate A from [0.01, 16]: most heads forget
-    # within a few tokens, and the answer would depend only on the chat template's fixed suffix
-    # (measured: same greedy tokens with or without the image). Slow heads keep the prompt in the
-    # recurrent state, so a wrong state, order or padding leak changes the output.
-    generator = torch.Generator().manual_seed(1)
-    for layer in model.model.language_model.layers:
-        if hasattr(layer, "linear_attn"):
-            a_log = layer.linear_attn.A_log
-            a_log.data = torch.empty(a_log.shape).uniform_(0.01, 0.2, generator=generator).log()
+    slow_linear_attention_decay(model.model.language_model.layers)
     save_preset(folder, model, tokenizer, eos_id=eos, pad_id=pad)
     MiniCPMV4_6ImageProcessorPil(scale_resolution=shape["scale_resolution"], max_slice_nums=9,
                                  patch_size=14).save_pretrained(folder)

@@ -30,11 +30,14 @@ def model_card(model: str, max_model_len: int, created: int) -> dict:
     return {"id": model, "object": "model", "created": created, "owned_by": "raypipe", "max_model_len": max_model_len}
 
 
-def choice_body(kind: str, index: int, text: str, finish_reason: str, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
-    """One choice of a completion; with `tool_calls` (chat), `text` is the content before them, None if none."""
+def choice_body(kind: str, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
+    """One choice of a completion; with `tool_calls` (chat), `text` is the content before them, None if none;
+    `reasoning` (chat, a model that thinks): its thinking, as vLLM's `reasoning_content`."""
     if kind == "chat":
         message = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
         choice = {"index": index, "message": message}

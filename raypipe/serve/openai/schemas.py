@@ -4,7 +4,8 @@ Strict mode makes `"max_tokens": "5"` a 400 rather than a silent coercion, and `
 makes an unknown or misspelled field a 400 naming it. Explicit `null` means "not set", as in
 OpenAI's API. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`), which benchmark tools send, are accepted under vLLM's names, and
-so are video parts (`video_url`) and per-request video sampling (`mm_processor_kwargs`). Structured
+so are video parts (`video_url`), per-request video sampling (`mm_processor_kwargs`) and the chat
+template's switches (`chat_template_kwargs`: Qwen3.5's `enable_thinking`). Structured
 outputs come as OpenAI's `response_format` (chat), vLLM's `structured_outputs` object (vLLM >= 0.12)
 or vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields.
 
@@ -205,6 +206,8 @@ class ChatCompletionRequest(Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # tools given: "auto"
     parallel_tool_calls: bool | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
+    # vLLM's switches for the chat template (`enable_thinking`); `models.prompt.check_template_kwargs` says which
+    chat_template_kwargs: dict | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -1,0 +1,71 @@
+"""The reasoning split (`serve/openai/reasoning.py`) against vLLM's `qwen3` reasoning parser rule written out
+plainly, whole and streamed in pieces of every size; constraints refused while thinking; the thinking switch
+refused by a template without one."""
+
+from __future__ import annotations
+
+import pytest
+
+from raypipe.errors import InvalidInput
+from raypipe.models.prompt import build_prompt
+from raypipe.models.registry import FAMILIES
+from raypipe.serve.openai.reasoning import PARSERS, ReasoningStream, check_constraint, split_reasoning
+
+ANSWERS = ["plan</think>\n\nanswer", "</think>\n\nanswer", "plan</think>", "plan only, cut short", "",
+           "<think>\nplan</think>answer", "a</think>b</think>c", "thinking about </thin and <think", "x</think>"]
+
+
+def vllm_qwen3(text: str, thinking_on: bool) -> tuple[str | None, str | None]:
+    """vLLM's rule: with thinking off the prompt ended the reasoning, so all is content; else a generated
+    `<think>` is dropped with what precedes it, text before `</think>` is reasoning and after it content,
+    and without `</think>` everything is reasoning (cut short); empty parts are None."""
+    if not thinking_on:
+        return None, text or None
+    if "<think>" in text:
+        text = text.split("<think>", 1)[1]
+    if "</think>" not in text:
+        return text or None, None
+    reasoning, content = text.split("</think>", 1)
+    return reasoning or None, content or None
+
+
+def streamed(text: str, size: int, thinking_on: bool) -> tuple[str | None, str | None]:
+    stream = ReasoningStream(thinking_on)
+    parts = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)] + [stream.finish()]
+    reasoning, content = "".join(r for r, _ in parts), "".join(c for _, c in parts)
+    return reasoning or None, content or None
+
+
+@pytest.mark.parametrize("thinking_on", [True, False])
+def test_split_follows_the_qwen3_parser_rule_whole_and_streamed(thinking_on):
+    for text in ANSWERS:
+        want = vllm_qwen3(text, thinking_on)
+        assert split_reasoning(text, thinking_on) == want, text
+        for size in range(1, max(len(text), 1) + 1):
+            assert streamed(text, size, thinking_on) == want, (text, size)
+
+
+def test_thinking_is_on_unless_switched_off():
+    qwen3_5, qwen2_5 = (next(f for f in FAMILIES if f.model_type == kind) for kind in ("qwen3_5", "qwen2_5_vl"))
+    assert qwen3_5.thinks(None) and qwen3_5.thinks({"enable_thinking": True})
+    assert not qwen3_5.thinks({"enable_thinking": False}) and not qwen2_5.thinks(None)
+    assert {f.reasoning for f in FAMILIES} <= {"", *PARSERS}
+
+
+def test_constraints_are_refused_while_thinking():
+    check_constraint(False, "response_format.json_schema.schema")
+    check_constraint(True, None)
+    with pytest.raises(InvalidInput) as refused:
+        check_constraint(True, "response_format.json_schema.schema")
+    assert refused.value.code == "constraint_with_thinking" and refused.value.item == "response_format.json_schema.schema"
+
+
+def test_a_template_without_a_thinking_switch_refuses_it(tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    from raypipe.models.registry import vision_adapter
+
+    with pytest.raises(InvalidInput) as refused:
+        build_prompt([{"role": "user", "content": "hi"}], AutoTokenizer.from_pretrained(tiny_ckpt),
+                     vision_adapter(tiny_ckpt), chat_template_kwargs={"enable_thinking": False})
+    assert refused.value.code == "invalid_chat_template_kwargs"
