@@ -25,9 +25,11 @@ def chain(tag: str, n: int) -> list[bytes]:
 
 
 def test_longest_prefix_wins_and_overload_falls_back():
-    rule = PrefixAffinity(overload_threshold=2, max_tracked_blocks=100)
+    rule = PrefixAffinity(min_match_ratio=0.5, overload_threshold=2, max_tracked_blocks=100)
     conv = chain("a", 6)
     rule.record("A", conv[:2])
+    assert rule.choose(conv, {"A": 0, "B": 0}) is None  # 2 of 6 blocks: a shared head, not worth following
+    assert rule.choose(conv[:4], {"A": 0, "B": 0}) == "A"  # 2 of 4: half
     rule.record("B", conv[:4])
     assert rule.choose(conv, {"A": 0, "B": 0, "C": 0}) == "B"  # 4 leading blocks beat 2
     assert rule.choose(chain("z", 6), {"A": 0, "B": 0}) is None  # no match: the caller's fallback
@@ -36,11 +38,11 @@ def test_longest_prefix_wins_and_overload_falls_back():
     assert rule.choose(conv, {"A": 0, "B": 3, "C": 1}) is None
     rule.record("C", conv[:4])  # equal matches: the shorter queue
     assert rule.choose(conv, {"B": 2, "C": 1}) == "C"
-    assert rule.choose(conv, {"A": 0}) == "A"  # only the candidates count (B and C gone)
+    assert rule.choose(conv[:4], {"A": 0}) == "A"  # only the candidates count (B and C gone)
 
 
 def test_tracked_blocks_are_an_lru_that_keeps_heads_longest():
-    rule = PrefixAffinity(overload_threshold=0, max_tracked_blocks=5)
+    rule = PrefixAffinity(min_match_ratio=1.0, overload_threshold=0, max_tracked_blocks=5)
     rule.record("A", chain("old", 4))
     rule.record("A", chain("new", 3))  # 7 > 5: the old prompt's two tail blocks go, its head stays
     assert rule.tracked("A") == 5
@@ -52,6 +54,8 @@ def test_tracked_blocks_are_an_lru_that_keeps_heads_longest():
 def test_routing_config_is_validated():
     with pytest.raises(ValueError, match="overload_threshold"):
         PrefixRouting(overload_threshold=-1)
+    with pytest.raises(ValueError, match="min_match_ratio"):
+        PrefixRouting(min_match_ratio=0)
 
 
 class StandIn:
@@ -74,7 +78,7 @@ def request(hashes: list[bytes]) -> PendingRequest:
 def router_with(replicas: list[StandIn], threshold: int = 4) -> PrefixAffinityRouter:
     router = PrefixAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA,
                                   use_replica_queue_len_cache=True)
-    router.initialize_state(**{"overload_threshold": threshold, "max_tracked_blocks": 1000})
+    router.initialize_state(min_match_ratio=0.5, overload_threshold=threshold, max_tracked_blocks=1000)
     router.update_replicas(replicas)
     return router
 
@@ -89,9 +93,9 @@ def test_router_ranks_the_prefix_holder_first_then_falls_back_to_two_choices():
         router = router_with([a, b, c])
         conv = chain("conv", 8)
         # Nothing routed yet: one rank, two distinct random replicas (Serve's power of two choices).
-        [pair] = names(await router.choose_replicas(router._replicas_list, request(conv[:3])))
+        [pair] = names(await router.choose_replicas(router._replicas_list, request(conv[:5])))
         assert len(set(pair)) == 2
-        router.on_request_routed(request(conv[:3]), b.replica_id, None)
+        router.on_request_routed(request(conv[:5]), b.replica_id, None)
         ranks = names(await router.choose_replicas(router._replicas_list, request(conv)))
         assert ranks[0] == ["B"] and len(ranks) == 2 and len(set(ranks[1])) == 2
         # B's queue (as Serve's cache knows it) 5 above the shortest: overloaded, only the fallback rank.

@@ -100,5 +100,6 @@ def decoder_options(options: dict, routing: PrefixRouting) -> dict:
                          "set the application's routing.enabled to false to use another router")
     return {**options, "request_router_config": {
         "request_router_class": ROUTER_CLASS,
-        "request_router_kwargs": {"overload_threshold": routing.overload_threshold,
+        "request_router_kwargs": {"min_match_ratio": routing.min_match_ratio,
+                                  "overload_threshold": routing.overload_threshold,
                                   "max_tracked_blocks": routing.max_tracked_blocks}}}

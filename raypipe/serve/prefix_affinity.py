@@ -10,10 +10,16 @@ guess costs one prefill, never a wrong answer.
 
 The rule, for a request with block hashes h_0..h_n over the replicas that can take it:
   1. match(r) = how many leading hashes replica r holds (the chain makes h_j imply h_0..h_j-1);
-  2. the replica with the longest match > 0 wins (ties: the shorter queue);
-  3. unless it is overloaded: its queue exceeds the shortest queue by more than `overload_threshold`
-     requests (waiting that long costs more than recomputing the prefix);
-  4. no match or overloaded: no affinity, the caller falls back to queue length.
+  2. the replica with the longest match wins (ties: the shorter queue),
+  3. if the match covers at least `min_match_ratio` of the n + 1 hashes: a shorter one is mostly a
+     head every prompt shares (chat template, system prompt), cheap to compute once per replica,
+     and following it would pin every new conversation to the first replica that saw it;
+  4. and if that replica is not overloaded: its queue exceeds the shortest queue by at most
+     `overload_threshold` requests (waiting longer costs more than recomputing the prefix);
+  5. otherwise no affinity: the caller falls back to queue length.
+Ray's `PrefixCacheAffinityRouter` has the same two guards (`match_rate_threshold`, 0.1 of the
+characters, and `imbalanced_threshold`); SGLang's cache-aware router too (a cache threshold and
+balance thresholds).
 """
 
 from __future__ import annotations
@@ -28,19 +34,23 @@ class PrefixRouting:
     """Prefix-affinity routing of the Decoder deployment (`AppArgs.routing`, config.yaml's `routing:`)."""
 
     enabled: bool | None = None  # None: on when the Decoder may run more than one replica (max_replicas > 1)
+    min_match_ratio: float = 0.5  # follow a prefix only where it covers at least this share of the key's blocks
     overload_threshold: int = 8  # the replica with the prefix is skipped when its queue exceeds the shortest by more
     max_tracked_blocks: int = 32768  # block hashes remembered per Decoder replica by each router (LRU; ~4 MB)
     max_key_blocks: int = 256  # a request is keyed by at most its first this many blocks (4,096 tokens at 16)
 
     def __post_init__(self):
-        if self.overload_threshold < 0 or self.max_tracked_blocks < 1 or self.max_key_blocks < 1:
-            raise ValueError(f"routing: overload_threshold must be >= 0 and the block counts >= 1, got {self}")
+        if not 0 < self.min_match_ratio <= 1 or self.overload_threshold < 0 or min(self.max_tracked_blocks,
+                                                                                    self.max_key_blocks) < 1:
+            raise ValueError(f"routing: min_match_ratio must be in (0, 1], overload_threshold >= 0 and the block "
+                             f"counts >= 1, got {self}")
 
 
 class PrefixAffinity:
     """Per replica, an LRU of the block hashes routed there; `choose` applies the module's rule."""
 
-    def __init__(self, overload_threshold: int, max_tracked_blocks: int):
+    def __init__(self, min_match_ratio: float, overload_threshold: int, max_tracked_blocks: int):
+        self.min_match_ratio = min_match_ratio
         self.overload_threshold = overload_threshold
         self.max_tracked_blocks = max_tracked_blocks
         self.blocks: dict[Hashable, OrderedDict[bytes, None]] = {}
@@ -62,7 +72,9 @@ class PrefixAffinity:
             match = self.matched(replica, hashes)
             if match > best_match or (match == best_match > 0 and queue < queue_lens[best]):
                 best, best_match = replica, match
-        if best is None or queue_lens[best] > min(queue_lens.values()) + self.overload_threshold:
+        if best is None or best_match < self.min_match_ratio * len(hashes):
+            return None
+        if queue_lens[best] > min(queue_lens.values()) + self.overload_threshold:
             return None
         return best
 

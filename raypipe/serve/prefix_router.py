@@ -50,13 +50,13 @@ def request_hashes(pending_request: PendingRequest | None) -> Sequence[bytes]:
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, *, overload_threshold: int, max_tracked_blocks: int):
+    def initialize_state(self, *, min_match_ratio: float, overload_threshold: int, max_tracked_blocks: int):
         """Serve passes `request_router_kwargs` here (`PrefixRouting`'s fields, from `app.compose`)."""
-        self.affinity = PrefixAffinity(overload_threshold, max_tracked_blocks)
+        self.affinity = PrefixAffinity(min_match_ratio, overload_threshold, max_tracked_blocks)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """Ranks Serve tries in order: the replica holding the prefix (if any and not overloaded), then two
+        """Ranks Serve tries in order: the replica holding the prefix (`PrefixAffinity.choose`), then two
         random ones."""
         ranks = []
         hashes = request_hashes(pending_request)
