@@ -45,10 +45,10 @@ def test_tracked_blocks_are_an_lru_that_keeps_heads_longest():
     rule = PrefixAffinity(min_match_ratio=1.0, overload_threshold=0, max_tracked_blocks=5)
     rule.record("A", chain("old", 4))
     rule.record("A", chain("new", 3))  # 7 > 5: the old prompt's two tail blocks go, its head stays
-    assert rule.tracked("A") == 5
+    assert len(rule.blocks.get("A", ())) == 5
     assert rule.matched("A", chain("old", 4)) == 2 and rule.matched("A", chain("new", 3)) == 3
     rule.retain(["B"])
-    assert rule.tracked("A") == 0
+    assert len(rule.blocks.get("A", ())) == 0
 
 
 def test_routing_config_is_validated():
@@ -109,7 +109,7 @@ def test_router_ranks_the_prefix_holder_first_then_falls_back_to_two_choices():
     asyncio.run(run())
 
 
-def test_router_forgets_replicas_that_leave_and_favours_one_that_joins():
+def test_router_forgets_replicas_that_leave_and_routes_to_one_that_joins():
     async def run():
         a, b = StandIn("A"), StandIn("B")
         router = router_with([a, b])
@@ -119,13 +119,13 @@ def test_router_forgets_replicas_that_leave_and_favours_one_that_joins():
         assert names(await router.choose_replicas(router._replicas_list, request(conv)))[0] == ["A"]
         c = StandIn("C")  # autoscaling adds C and removes A
         router.update_replicas([b, c])
-        assert router.affinity.tracked(a.replica_id) == 0
-        ranks = names(await router.choose_replicas(router._replicas_list, request(conv)))
-        assert ranks == [["C", "B"]]  # no affinity left; the new replica, holding nothing, comes first
+        assert a.replica_id not in router.affinity.blocks
+        [pair] = names(await router.choose_replicas(router._replicas_list, request(conv)))
+        assert sorted(pair) == ["B", "C"]  # no affinity left: two choices among the replicas there are now
         router.on_request_routed(request(conv), c.replica_id, None)
         assert names(await router.choose_replicas(router._replicas_list, request(conv)))[0] == ["C"]
         router.on_replica_actor_died(c.replica_id)
-        assert router.affinity.tracked(c.replica_id) == 0
+        assert c.replica_id not in router.affinity.blocks
         assert names(await router.choose_replicas(router._replicas_list, request(conv))) == [["B"]]
 
     asyncio.run(run())
@@ -165,3 +165,24 @@ def test_ingress_keys_are_the_engines_cache_keys(tiny_ckpt):
         assert set(keys) <= set(engine.pool.cached)
     finally:
         engine.shutdown()
+
+
+def test_routing_is_on_by_default_where_the_decoder_may_scale_out():
+    from raypipe.serve.app import compose
+    from raypipe.serve.prefix_router import ROUTER_CLASS
+
+    def routed(decoder_options: dict, routing: dict | None = None) -> tuple[bool, int]:
+        """(the Decoder's router is ours, blocks the Ingress keys requests by)."""
+        ingress = compose({"routing": routing or {}}, {"Decoder": decoder_options})._bound_deployment
+        decoder = ingress.init_args[1]._bound_deployment
+        router = decoder._deployment_config.request_router_config.request_router_class
+        return router == ROUTER_CLASS, ingress.init_kwargs["prefix_key_blocks"]
+
+    on = (True, PrefixRouting().max_key_blocks)
+    assert routed({"num_replicas": 2}) == on
+    assert routed({"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}) == on
+    assert routed({"num_replicas": 1}) == (False, 0) == routed({"autoscaling_config": {"max_replicas": 1}})
+    assert routed({"num_replicas": 2}, {"enabled": False}) == (False, 0)
+    assert routed({"num_replicas": 1}, {"enabled": True, "max_key_blocks": 7}) == (True, 7)
+    with pytest.raises(ValueError, match="routing.enabled"):
+        routed({"num_replicas": 2, "request_router_config": {"request_router_class": "my.Router"}})

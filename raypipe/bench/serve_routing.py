@@ -5,8 +5,8 @@ its Decoder with Serve's default router (power of two choices) and with raypipe'
 router (`serve/prefix_router.py`). Each deployment gets the same two loads:
 
 (a) Multi-turn chat: C conversations run at once, each a client that sends its turns one after
-    another (a long document and an image in turn 1; every turn re-sends the whole conversation,
-    as chat clients do). Reported: the prefix-cache hit rate (cached / prompt tokens, from each
+    another (a document and an image in turn 1, another passage of its own in every later turn;
+    every turn re-sends the whole conversation, as chat clients do). Reported: the prefix-cache hit rate (cached / prompt tokens, from each
     response's usage), and time to first token p50/p99 of turns >= 2 (the turns a cache can serve).
 (b) Uniform load: distinct one-turn requests (nothing shared but the chat template's head) from K
     clients at once. Reported: each Decoder replica's share of the requests (from /metrics'
@@ -36,17 +36,21 @@ DOC_WORDS = ("river", "stone", "lamp", "orbit", "cedar", "violet", "engine", "ha
              "meadow", "falcon", "copper", "lantern", "glacier")
 
 
+def passage(rng: np.random.Generator, chars: int) -> str:
+    words = []
+    while sum(len(w) + 1 for w in words) < chars:
+        words.append(DOC_WORDS[int(rng.integers(len(DOC_WORDS)))])
+    return " ".join(words)
+
+
 def conversation_starts(count: int, doc_chars: int) -> list[list[dict]]:
     """Per conversation its first user message: its own document (`doc_chars` of text) and its own image."""
     rng = np.random.default_rng(1)
     starts = []
     for c, body in enumerate(make_bodies(count, 1)):
-        words = []
-        while sum(len(w) + 1 for w in words) < doc_chars:
-            words.append(DOC_WORDS[int(rng.integers(len(DOC_WORDS)))])
         image = next(part for part in body["messages"][0]["content"] if part["type"] == "image_url")
         starts.append([{"role": "user", "content": [
-            {"type": "text", "text": f"Document {c}: {' '.join(words)}"}, image,
+            {"type": "text", "text": f"Document {c}: {passage(rng, doc_chars)}"}, image,
             {"type": "text", "text": "What is this document about?"}]}])
     return starts
 
@@ -71,21 +75,24 @@ async def _turn(http, url: str, messages: list[dict], max_tokens: int) -> dict:
             "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-async def multi_turn(url: str, starts: list[list[dict]], turns: int, max_tokens: int) -> list[list[dict]]:
-    """Every conversation at once, each one turn after another; per conversation its turns' results."""
+async def multi_turn(url: str, starts: list[list[dict]], turns: int, max_tokens: int,
+                     turn_chars: int) -> list[list[dict]]:
+    """Every conversation at once, each one turn after another (each later turn brings a passage of
+    `turn_chars`); per conversation its turns' results."""
     import httpx
 
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=len(starts))) as http:
-        async def conversation(messages: list[dict]) -> list[dict]:
+        async def conversation(c: int, messages: list[dict]) -> list[dict]:
+            rng = np.random.default_rng(100 + c)
             results = []
             for turn in range(turns):
                 result = await _turn(http, url, messages, max_tokens)
                 results.append(result)
                 messages = [*messages, {"role": "assistant", "content": result["text"]},
-                            {"role": "user", "content": f"Turn {turn + 2}: and what follows from that?"}]
+                            {"role": "user", "content": f"Turn {turn + 2}: {passage(rng, turn_chars)}. And then?"}]
             return results
 
-        return await asyncio.gather(*(conversation(start) for start in starts))
+        return await asyncio.gather(*(conversation(c, start) for c, start in enumerate(starts)))
 
 
 async def uniform(url: str, bodies: list[dict], clients: int) -> int:
@@ -114,7 +121,7 @@ def replica_requests(base: str) -> dict[str, float]:
 
 
 def run_router(base: str, model: str, decoders: int, affinity: bool, starts: list[list[dict]], turns: int,
-               uniform_bodies: list[dict], clients: int, max_tokens: int) -> dict:
+               turn_chars: int, uniform_bodies: list[dict], clients: int, max_tokens: int) -> dict:
     from ray import serve
 
     from raypipe.serve.app import compose, deployment_options
@@ -132,7 +139,7 @@ def run_router(base: str, model: str, decoders: int, affinity: bool, starts: lis
     url = f"{base}/routing/v1/chat/completions"
     try:
         start = time.perf_counter()
-        conversations = asyncio.run(multi_turn(url, starts, turns, max_tokens))
+        conversations = asyncio.run(multi_turn(url, starts, turns, max_tokens, turn_chars))
         chat_seconds = time.perf_counter() - start
         before = replica_requests(f"{base}/routing")
         failed = asyncio.run(uniform(url, uniform_bodies, clients))
@@ -161,9 +168,9 @@ def main(args) -> int:
 
     model = getattr(args, "model", None) or "small"
     decoders = args.decoders
-    conversations, turns = (8, 4) if args.quick else (16, 5)
+    conversations, turns, turn_chars = (8, 4, 300) if args.quick else (16, 5, 400)
     uniform_count, clients, max_tokens = (32, 8, 8) if args.quick else (96, 16, 16)
-    starts = conversation_starts(conversations, doc_chars=800 if args.quick else 1600)
+    starts = conversation_starts(conversations, doc_chars=400 if args.quick else 800)
     uniform_bodies = [{**body, "model": "bench"} for body in make_bodies(uniform_count, max_tokens)]
     resolve_model(model)
     connect_ray()
@@ -175,8 +182,8 @@ def main(args) -> int:
               "cores": os.cpu_count() or 1, "routers": {}}
     try:
         for name, affinity in ROUTERS:
-            result["routers"][name] = run_router(base, model, decoders, affinity, starts, turns, uniform_bodies,
-                                                 clients, max_tokens)
+            result["routers"][name] = run_router(base, model, decoders, affinity, starts, turns, turn_chars,
+                                                 uniform_bodies, clients, max_tokens)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -87,9 +87,6 @@ class PrefixAffinity:
         while len(held) > self.max_tracked_blocks:
             held.popitem(last=False)
 
-    def tracked(self, replica: Hashable) -> int:
-        return len(self.blocks.get(replica, ()))
-
     def retain(self, replicas: Iterable[Hashable]) -> None:
         """Forget every replica not in `replicas` (they left: scaled down, replaced, dead)."""
         keep = set(replicas)

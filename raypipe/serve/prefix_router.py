@@ -22,7 +22,8 @@ That is still fine: the state is a hint (a miss costs a prefill, never a wrong a
 shared so nothing can go stale across processes, and a conversation whose turns arrive at different
 Ingress replicas only loses hits until each router has seen it once. Replicas that leave (scaled
 down, dead) are forgotten in `update_replicas`/`on_replica_actor_died`; a replica that joins holds
-nothing, so it wins the fallback's ties (fewest tracked blocks first) and takes new prefixes.
+nothing, so it takes new conversations through the fallback (idle, it has the shorter queue) while
+the running ones stay where their blocks are.
 
 The fallback is Serve's power of two choices: two random replicas, the shorter queue (Serve checks
 it, probing replicas whose length it does not know, and skips full ones). A replica whose queue
@@ -66,14 +67,8 @@ class PrefixAffinityRouter(RequestRouter):
             best = self.affinity.choose(hashes, queues)
             if best is not None:
                 ranks.append([r for r in candidate_replicas if r.replica_id == best])
-        ranks.append(self.two_choices(candidate_replicas))
+        ranks.append(random.sample(candidate_replicas, min(2, len(candidate_replicas))))  # Serve's own rule
         return ranks
-
-    def two_choices(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
-        """Two random replicas, the one this router sent fewer blocks first (Serve takes the first of
-        equal queues): a replica that just joined gets new prefixes."""
-        pair = random.sample(candidates, min(2, len(candidates)))
-        return sorted(pair, key=lambda r: self.affinity.tracked(r.replica_id))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self.affinity.record(replica_id, request_hashes(pending_request))
