@@ -3,7 +3,10 @@
 `build_app` is a Serve application builder, so the same graph starts from the CLI
 (`raypipe serve`), from `serve run deployments/config.yaml` (its `args:` are `AppArgs`), or from
 `serve run raypipe.serve.app:build_app model=tiny`. Replica counts, autoscaling and resources are
-deployment options: they live in config.yaml's `deployments:` section only, not in code.
+deployment options: they live in config.yaml's `deployments:` section only, not in code. One
+option follows from the app's args instead: the Decoder's request router (`decoder_options`), which
+is raypipe's prefix-affinity router when `routing` is on, because the Ingress must then key requests
+for it.
 """
 
 from __future__ import annotations
