@@ -4,9 +4,13 @@ One Serve on a local Ray; the same application deployed twice, one after the oth
 its Decoder with Serve's default router (power of two choices) and with raypipe's prefix-affinity
 router (`serve/prefix_router.py`). Each deployment gets the same two loads:
 
-(a) Multi-turn chat: C conversations run at once, each a client that sends its turns one after
-    another (a document and an image in turn 1, another passage of its own in every later turn;
-    every turn re-sends the whole conversation, as chat clients do). Reported: the prefix-cache hit rate (cached / prompt tokens, from each
+(a) Multi-turn chat, interleaved: C conversations, in rounds; each round sends every conversation's
+    next turn at once (a document and an image in turn 1, another passage of its own in every later
+    turn; every turn re-sends the whole conversation, as chat clients do). Rounds, not C closed-loop
+    clients: a client that resends the moment its answer ends finds its own replica one request
+    less busy, so Serve's least-queue choice alone keeps it there while the load is even (measured:
+    the same hit rate as affinity); rounds start every turn from equal queues, as conversations
+    whose users pause between turns do. Reported: the prefix-cache hit rate (cached / prompt tokens, from each
     response's usage), and time to first token p50/p99 of turns >= 2 (the turns a cache can serve).
 (b) Uniform load: distinct one-turn requests (nothing shared but the chat template's head) from K
     clients at once. Reported: each Decoder replica's share of the requests (from /metrics'
@@ -77,22 +81,21 @@ async def _turn(http, url: str, messages: list[dict], max_tokens: int) -> dict:
 
 async def multi_turn(url: str, starts: list[list[dict]], turns: int, max_tokens: int,
                      turn_chars: int) -> list[list[dict]]:
-    """Every conversation at once, each one turn after another (each later turn brings a passage of
+    """`turns` rounds of every conversation's next turn at once (each later turn brings a passage of
     `turn_chars`); per conversation its turns' results."""
     import httpx
 
+    rngs = [np.random.default_rng(100 + c) for c in range(len(starts))]
+    conversations = [list(start) for start in starts]
+    results: list[list[dict]] = [[] for _ in starts]
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=len(starts))) as http:
-        async def conversation(c: int, messages: list[dict]) -> list[dict]:
-            rng = np.random.default_rng(100 + c)
-            results = []
-            for turn in range(turns):
-                result = await _turn(http, url, messages, max_tokens)
-                results.append(result)
-                messages = [*messages, {"role": "assistant", "content": result["text"]},
-                            {"role": "user", "content": f"Turn {turn + 2}: {passage(rng, turn_chars)}. And then?"}]
-            return results
-
-        return await asyncio.gather(*(conversation(c, start) for c, start in enumerate(starts)))
+        for turn in range(turns):
+            answers = await asyncio.gather(*(_turn(http, url, messages, max_tokens) for messages in conversations))
+            for c, answer in enumerate(answers):
+                results[c].append(answer)
+                conversations[c] += [{"role": "assistant", "content": answer["text"]},
+                                     {"role": "user", "content": f"Turn {turn + 2}: {passage(rngs[c], turn_chars)}"}]
+    return results
 
 
 async def uniform(url: str, bodies: list[dict], clients: int) -> int:
@@ -214,7 +217,7 @@ def _report(result: dict) -> None:
     rows.append(["uniform load: requests per replica", "/".join(f"{n:g}" for n in default["uniform_split"]),
                  "/".join(f"{n:g}" for n in affinity["uniform_split"]), ""])
     print_table(f"raypipe bench serve --decoders {result['decoders']}: {result['model']}, {result['conversations']} "
-                f"conversations x {result['turns']} turns at once; uniform load {result['uniform_requests']} requests "
+                f"conversations x {result['turns']} turns interleaved; uniform load {result['uniform_requests']} requests "
                 f"from {result['clients']} clients; {result['cores']} cores",
                 ["", ROUTERS[0][0], ROUTERS[1][0], "affinity / default"], rows)
     print(f"\ngreedy outputs identical under both routers: {result['outputs_identical']}; uniform split within "
