@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="encode --latency: new images per request (default 2)")
     bench.add_argument("--side", type=int, default=None,
                        help="serve-load: image side in pixels (default 4096; 2048 with --quick)")
+    bench.add_argument("--decoders", type=int, default=None,
+                       help="serve: this many Decoder replicas, prefix-affinity routing vs Serve's default router "
+                            "(multi-turn hit rate and TTFT, request split under uniform load)")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
     return parser
 
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         name = args.target.replace("-", "_")
         if args.target == "encode" and (args.budgets or args.latency):
             name = "encode_budgets" if args.budgets else "encode_latency"
+        if args.target == "serve" and args.decoders:
+            name = "serve_routing"
         return importlib.import_module(f"raypipe.bench.{name}").main(args)
     return 2
 

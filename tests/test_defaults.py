@@ -1,8 +1,8 @@
 """Every default is written once, in its config dataclass; the front ends derive theirs from it.
 
 The sources: `ModelConfig` (model, encoders, cache), `EngineConfig` (decode engine), `SamplingParams`
-(sampling), `ServeLimits` (serve limits), `BatchOptions` (batch jobs). CLI flags, Serve's `AppArgs`
-and `Pipeline.from_pretrained` must agree with them.
+(sampling), `ServeLimits` (serve limits), `PrefixRouting` (Decoder routing), `BatchOptions` (batch jobs).
+CLI flags, Serve's `AppArgs` and `Pipeline.from_pretrained` must agree with them.
 
 The rule for deployments/config.yaml: every value under the application's `args:` (and its
 `engine:` and `limits:`) equals the code's default, except the keys in `DELIBERATE`, which are
@@ -28,6 +28,7 @@ from raypipe.config import EngineConfig, ModelConfig, TokenBudgets
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.serve.kuberay import load_serve_config
 from raypipe.serve.limits import ServeLimits
+from raypipe.serve.prefix_affinity import PrefixRouting
 
 SERVE = pathlib.Path(__file__).resolve().parents[1] / "raypipe" / "serve"
 DELIBERATE: set[str] = set()  # config.yaml args keys ("limits.max_body_bytes", ...) that differ from code on purpose
@@ -91,7 +92,8 @@ def test_config_yaml_args_are_the_code_defaults():
 
     [app] = load_serve_config()["applications"]
     code = {name: field.default for name, field in AppArgs.model_fields.items()}
-    nested = {"engine": defaults(EngineConfig), "limits": defaults(ServeLimits), "encoder_budgets": defaults(TokenBudgets)}
+    nested = {"engine": defaults(EngineConfig), "limits": defaults(ServeLimits), "encoder_budgets": defaults(TokenBudgets),
+              "routing": defaults(PrefixRouting)}
     differ = set()
     for key, value in app["args"].items():
         if key in nested:

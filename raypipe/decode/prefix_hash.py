@@ -61,3 +61,13 @@ def extend_block_hashes(hashes: list[bytes], tokens: list[int], block_size: int,
                 h.update(digest)
                 h.update((offset + max(start - run_start, 0)).to_bytes(8, "little"))
         hashes.append(h.digest())
+
+
+def prompt_block_hashes(ids: list[int], layouts, adapter, block_size: int, max_blocks: int) -> list[bytes]:
+    """The hashes the engine looks a prompt's prefix up by (every full block but the one holding its last
+    token, which a prefill always computes), at most the first `max_blocks`: what a request router keys
+    replicas by (`serve/prefix_router.py`), computed where the prompt is built."""
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, ids, block_size, min((len(ids) - 1) // block_size, max_blocks),
+                        placeholder_runs(ids, layouts, adapter))
+    return hashes

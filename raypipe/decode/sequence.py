@@ -34,6 +34,7 @@ class RequestDelta:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (OpenAI usage's `cached_tokens`)
+    replica: str | None = None  # the Serve Decoder replica that runs the request (set on its first delta there)
 
 
 @dataclasses.dataclass(slots=True)

@@ -3,7 +3,10 @@
 `build_app` is a Serve application builder, so the same graph starts from the CLI
 (`raypipe serve`), from `serve run deployments/config.yaml` (its `args:` are `AppArgs`), or from
 `serve run raypipe.serve.app:build_app model=tiny`. Replica counts, autoscaling and resources are
-deployment options: they live in config.yaml's `deployments:` section only, not in code.
+deployment options: they live in config.yaml's `deployments:` section only, not in code. One
+option follows from the app's args instead: the Decoder's request router (`decoder_options`), which
+is raypipe's prefix-affinity router when `routing` is on, because the Ingress must then key requests
+for it.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 from ray.serve import Application
 
-from raypipe.config import ModelConfig, TokenBudgets, defaults
+from raypipe.config import EngineConfig, ModelConfig, TokenBudgets, defaults
 from raypipe.serve.decoder import Decoder
 from raypipe.serve.encoder_group import EncoderGroup
 from raypipe.serve.ingress import Ingress
 from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
+from raypipe.serve.prefix_affinity import PrefixRouting
+from raypipe.serve.prefix_router import ROUTER_CLASS
 
 IMPORT_PATH = "raypipe.serve.app:build_app"
 MODEL = defaults(ModelConfig)  # the model and encoder fields' defaults: written in ModelConfig only
@@ -41,6 +46,7 @@ class AppArgs(BaseModel):
     max_batch_images: int = 64
     engine: dict = {}  # raypipe.decode.config.EngineConfig fields (max_num_seqs, max_model_len, ...)
     limits: dict = {}  # raypipe.serve.limits.ServeLimits fields (body size, images, pixels, default max_tokens)
+    routing: dict = {}  # raypipe.serve.prefix_affinity.PrefixRouting fields: prefix-affinity routing to the Decoders
     resize_images: bool = True  # resize at the ingress to the tower's input size; False only to measure the saving
 
     def as_model_config(self) -> ModelConfig:
@@ -71,9 +77,32 @@ def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Applicatio
     def deployment(d):
         return d.options(**options.get(d.name, {}))
 
+    routing = PrefixRouting(**args.routing)
+    options = {**options, Decoder.name: decoder_options(options.get(Decoder.name, {}), routing)}
+    routed = (options[Decoder.name].get("request_router_config") or {}).get("request_router_class") == ROUTER_CLASS
     encoder = deployment(EncoderGroup).bind(args.as_model_config(), batch_window_s=args.batch_window_s,
                                             max_batch_images=args.max_batch_images)
     decoder = deployment(Decoder).bind(model=args.model, engine=args.engine)
     return deployment(Ingress).bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
                                     api_key=args.api_key, limits=args.limits, resize_images=args.resize_images,
-                                    video_pruning_rate=args.video_pruning_rate)
+                                    video_pruning_rate=args.video_pruning_rate,
+                                    prefix_key_blocks=routing.max_key_blocks if routed else 0,
+                                    block_size=EngineConfig(**args.engine).block_size)
+
+
+def decoder_options(options: dict, routing: PrefixRouting) -> dict:
+    """The Decoder's deployment options with `PrefixAffinityRouter` as its request router when routing is on
+    (`routing.enabled`, or by default when the deployment may run more than one replica)."""
+    scaling = options.get("autoscaling_config") or {}
+    replicas = scaling.get("max_replicas", 1) if scaling else options.get("num_replicas", 1)
+    on = routing.enabled if routing.enabled is not None else replicas == "auto" or replicas > 1
+    if not on:
+        return options
+    if "request_router_config" in options:
+        raise ValueError("the Decoder deployment sets request_router_config and prefix-affinity routing is on: "
+                         "set the application's routing.enabled to false to use another router")
+    return {**options, "request_router_config": {
+        "request_router_class": ROUTER_CLASS,
+        "request_router_kwargs": {"min_match_ratio": routing.min_match_ratio,
+                                  "overload_threshold": routing.overload_threshold,
+                                  "max_tracked_blocks": routing.max_tracked_blocks}}}

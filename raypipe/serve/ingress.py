@@ -6,7 +6,9 @@ chat template (text too long for the context is refused before tokenizing) -> li
 group (image embeddings as `ObjectRef`s, never fetched here) -> one decoder stream per choice (`n`)
 -> JSON body or SSE chunks. The first generated delta is awaited before a streaming response
 starts, so failures up to and including prefill still get a proper 4xx. `/v1/completions` is the
-same without images or chat template.
+same without images or chat template. With prefix-affinity routing on, each decoder call also
+carries the prompt's first block hashes (`prefix_hashes`), which the Decoder's request router reads
+(`prefix_router.py`).
 """
 
 # No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string.
@@ -22,11 +24,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from raypipe.decode.prefix_hash import prompt_block_hashes
 from raypipe.errors import InvalidInput
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.inputs.video import VideoSampling
 from raypipe.models.prompt import VideoOptions, build_prompt, check_text_chars, max_chars_per_token, plain_text_ids
-from raypipe.models.registry import family_of, resolve_model, vision_adapter
+from raypipe.models.registry import family_of, language_adapter, resolve_model, vision_adapter
 from raypipe.serve.errors import ApiError, install_handlers
 from raypipe.serve.limits import ServeLimits
 from raypipe.serve.metrics import ServeMetrics
@@ -35,6 +38,7 @@ from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai import reasoning
 from raypipe.serve.openai.parsing import parse_request
 from raypipe.serve.openai.schemas import ChatCompletionRequest, CompletionRequest
+from raypipe.serve.prefix_router import HASHES_KWARG
 from raypipe.serve.streaming import CompletionStream
 
 app = FastAPI(title="raypipe", docs_url=None, redoc_url=None)
@@ -50,9 +54,7 @@ class Ingress:
     # No defaults for what `AppArgs` carries: `raypipe.serve.app.compose` always passes them.
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, *, model: str,
                  served_model_name: str | None, api_key: str | None, limits: dict, resize_images: bool,
-                 video_pruning_rate: float, health_timeout_s: float = 5.0):
-        from transformers import AutoTokenizer
-
+                 video_pruning_rate: float, prefix_key_blocks: int, block_size: int, health_timeout_s: float = 5.0):
         checkpoint = resolve_model(model)
         self.encoder, self.decoder = encoder, decoder
         self.model_names = {served_model_name or str(model), str(model)}
@@ -61,7 +63,9 @@ class Ingress:
         self.limits = ServeLimits(**limits)
         self.image_limits = self.limits.image_limits
         self.video_options = VideoOptions(self.limits.video_limits, pruning_rate=video_pruning_rate)
-        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.language = language_adapter(checkpoint)  # config and tokenizer only: placeholder runs for the keys
+        self.tokenizer = self.language.tokenizer
+        self.prefix_key_blocks, self.block_size = prefix_key_blocks, block_size  # 0 blocks: routing off
         self.chars_per_token = max_chars_per_token(self.tokenizer)
         self.vision_adapter = vision_adapter(checkpoint)
         self.family = family_of(checkpoint)
@@ -90,11 +94,13 @@ class Ingress:
             visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
             request_id = completion_id()
             # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
-            deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n)
+            deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n,
+                                    self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts))
             stream = CompletionStream("chat", request_id, self.served_model_name, self.fingerprint, deltas,
                                       prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text,
                                       chat.tool_names(), thinking)
             await stream.start()
+            stream.record_routes(self.metrics)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return self._error(CHAT, exc)
         return await self._respond(CHAT, stream, bool(chat.stream))
@@ -108,22 +114,35 @@ class Ingress:
             self._check_model(completion.model)
             prompt, params = await self._prepare_completion(completion)
             request_id = completion_id("cmpl")
-            deltas = self._generate(request_id, prompt, [], params, completion.n)
+            deltas = self._generate(request_id, prompt, [], params, completion.n, self._prefix_key(prompt, []))
             stream = CompletionStream("text", request_id, self.served_model_name, self.fingerprint, deltas,
                                       len(prompt), arrival, completion.include_usage)
             await stream.start()
+            stream.record_routes(self.metrics)
         except Exception as exc:  # noqa: BLE001
             return self._error(COMPLETIONS, exc)
         return await self._respond(COMPLETIONS, stream, bool(completion.stream))
 
-    def _generate(self, request_id: str, prompt, visual_refs: list, params: SamplingParams, n: int | None) -> list:
+    def _prefix_key(self, ids: list[int], layouts) -> dict:
+        """The decoder call's keyword argument the request router reads (none with routing off)."""
+        if not self.prefix_key_blocks:
+            return {}
+        try:
+            hashes = prompt_block_hashes(ids, layouts, self.language, self.block_size, self.prefix_key_blocks)
+        except StopIteration:  # fewer placeholder runs than visual items: the engine refuses it with a 400
+            return {}
+        return {HASHES_KWARG: tuple(hashes)}
+
+    def _generate(self, request_id: str, prompt, visual_refs: list, params: SamplingParams, n: int | None,
+                  key: dict) -> list:
         """One decoder stream per choice: n independent sequences (the prefix cache shares the prompt's blocks
         once they are cached; choices admitted in the same round each compute it); choice i of a seeded request samples with seed + i, so it
         equals a request of its own with that seed."""
         n = n or 1
         return [self.decoder.options(stream=True).generate.remote(
             request_id if n == 1 else f"{request_id}-{i}", prompt, visual_refs,
-            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)) for i in range(n)]
+            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i), **key)
+            for i in range(n)]
 
     async def _respond(self, endpoint: str, stream: CompletionStream, streaming: bool) -> Response:
         if streaming:

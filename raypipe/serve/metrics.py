@@ -6,7 +6,12 @@ several. Engine and encoder state (running/waiting sequences, cache hit rate, pe
 read from those deployments at scrape time, so it is the same whichever replica answers. The prefix
 cache's query and hit token counts are counters (vLLM's `prefix_cache_queries` / `prefix_cache_hits`),
 so a dashboard can show the recent hit rate as the ratio of their rates; the gauge
-`raypipe_prefix_cache_hit_rate` is the lifetime ratio.
+`raypipe_prefix_cache_hit_rate` is the lifetime ratio. Those engine numbers come from whichever
+Decoder replica answered the scrape; with several replicas, the per-replica counters
+`raypipe_decoder_requests_total`, `raypipe_decoder_prefix_cache_queries_total` and
+`raypipe_decoder_prefix_cache_hits_total` (label `replica`: the Decoder replica's id, which each
+request's first delta names) cover them all. They are request-level, so each ingress replica counts
+the requests it sent, whatever router chose the replica.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ class ServeMetrics:
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("raypipe_prompt_tokens", "Prompt tokens (image tokens included)", registry=r)
         self.generation_tokens = Counter("raypipe_generation_tokens", "Generated tokens", registry=r)
+        per_replica = ["replica"]
+        self.decoder_requests = Counter("raypipe_decoder_requests", "Requests (choices) each Decoder replica ran",
+                                        per_replica, registry=r)
+        self.decoder_queries = Counter("raypipe_decoder_prefix_cache_queries",
+                                       "Prompt tokens looked up in each Decoder replica's prefix cache", per_replica,
+                                       registry=r)
+        self.decoder_hits = Counter("raypipe_decoder_prefix_cache_hits",
+                                    "Prompt tokens taken from each Decoder replica's prefix cache", per_replica,
+                                    registry=r)
         self._live: dict = {}
         r.register(_LiveStats(self))
 
@@ -47,6 +61,12 @@ class ServeMetrics:
             self.ttft.observe(first_token - arrival)
             if completion_tokens > 1:
                 self.tpot.observe((finished - first_token) / (completion_tokens - 1))
+
+    def record_route(self, replica: str | None, prompt_tokens: int, cached_tokens: int) -> None:
+        label = replica or "unknown"
+        self.decoder_requests.labels(label).inc()
+        self.decoder_queries.labels(label).inc(prompt_tokens)
+        self.decoder_hits.labels(label).inc(cached_tokens)
 
     def record_error(self, endpoint: str, status: int, code: str) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -145,6 +145,11 @@ class CompletionStream:
             return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs)
         return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs, reasoning=reasoning)
 
+    def record_routes(self, metrics: ServeMetrics) -> None:
+        """Per choice (started already): the Decoder replica that runs it and what its prefix cache gave."""
+        for choice in self.choices:
+            metrics.record_route(choice.first.replica, self.prompt_tokens, choice.first.num_cached_tokens)
+
     def record(self, metrics: ServeMetrics, endpoint: str) -> None:
         metrics.record_success(endpoint, self.arrival, self.first_token_at, time.monotonic(), self.prompt_tokens,
                                self.completion_tokens)

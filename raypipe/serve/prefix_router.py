@@ -1,0 +1,82 @@
+"""`PrefixAffinityRouter`: a Serve request router for the Decoder that sends a prompt where its prefix is cached.
+
+Serve's default router picks the shorter queue of two random replicas, so with several Decoder
+replicas a conversation's next turn lands on a replica holding none of its blocks most of the time.
+This router applies `prefix_affinity.py`'s rule first and Serve's rule as the fallback, through
+Serve's public request-router API (`ray.serve.request_router`, set by `request_router_config` in
+the Decoder's deployment options; `app.compose` does it when routing is on).
+
+Ray's own `PrefixCacheAffinityRouter` (ray.serve.llm) is not used: its public module does not
+import without vLLM or SGLang on Ray 2.60, and it matches the request's message text, so it cannot
+tell two prompts with the same words and different images apart; it also keeps one tree in a
+detached actor that every routing decision calls synchronously.
+
+What the router reads: the Ingress computes the prompt's block hashes (`prompt_block_hashes`, the
+engine's keys, visual items included, the first `max_key_blocks` of them) and passes them to
+`Decoder.generate` as the keyword argument `prefix_hashes` (a tuple of 16-byte digests); the
+router reads them from the pending request's kwargs, nothing else is computed on its path.
+
+Each handle has its own router, so each Ingress replica's router knows only what that Ingress sent
+where, and queue lengths from its own sends plus what replicas report back when they accept one.
+That is still fine: the state is a hint (a miss costs a prefill, never a wrong answer), nothing is
+shared so nothing can go stale across processes, and a conversation whose turns arrive at different
+Ingress replicas only loses hits until each router has seen it once. Replicas that leave (scaled
+down, dead) are forgotten in `update_replicas`/`on_replica_actor_died`; a replica that joins holds
+nothing, so it takes new conversations through the fallback (idle, it has the shorter queue) while
+the running ones stay where their blocks are.
+
+The fallback is Serve's power of two choices: two random replicas, the shorter queue (Serve checks
+it, probing replicas whose length it does not know, and skips full ones). A replica whose queue
+length this router does not know counts as empty in the overload rule: if it is full, Serve's own
+check refuses it and the fallback rank is tried next.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from raypipe.serve.prefix_affinity import PrefixAffinity
+
+ROUTER_CLASS = "raypipe.serve.prefix_router:PrefixAffinityRouter"
+HASHES_KWARG = "prefix_hashes"  # the keyword argument of Decoder.generate the router reads
+
+
+def request_hashes(pending_request: PendingRequest | None) -> Sequence[bytes]:
+    if pending_request is None:
+        return ()
+    return pending_request.kwargs.get(HASHES_KWARG) or ()
+
+
+class PrefixAffinityRouter(RequestRouter):
+    def initialize_state(self, *, min_match_ratio: float, overload_threshold: int, max_tracked_blocks: int):
+        """Serve passes `request_router_kwargs` here (`PrefixRouting`'s fields, from `app.compose`)."""
+        self.affinity = PrefixAffinity(min_match_ratio, overload_threshold, max_tracked_blocks)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """Ranks Serve tries in order: the replica holding the prefix (`PrefixAffinity.choose`), then two
+        random ones."""
+        ranks = []
+        hashes = request_hashes(pending_request)
+        if hashes and candidate_replicas:
+            cache = self.replica_queue_len_cache
+            queues = {r.replica_id: cache.get(r.replica_id) or 0 for r in candidate_replicas}
+            best = self.affinity.choose(hashes, queues)
+            if best is not None:
+                ranks.append([r for r in candidate_replicas if r.replica_id == best])
+        ranks.append(random.sample(candidate_replicas, min(2, len(candidate_replicas))))  # Serve's own rule
+        return ranks
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self.affinity.record(replica_id, request_hashes(pending_request))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.affinity.retain(self.curr_replicas)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.affinity.retain(self.curr_replicas)

@@ -1,0 +1,188 @@
+"""The prefix-affinity routing rule, without Serve: `PrefixAffinity` alone, then `PrefixAffinityRouter` (Serve's
+own `RequestRouter` base, constructed here) driven through the calls Serve makes, with stand-in replicas.
+
+Also: the hashes the Ingress keys a request by are the engine's own cache keys (an engine run here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from raypipe.serve.prefix_affinity import PrefixAffinity, PrefixRouting
+from raypipe.serve.prefix_router import HASHES_KWARG, PrefixAffinityRouter
+
+DEPLOYMENT = DeploymentID(name="Decoder", app_name="test")
+
+
+def chain(tag: str, n: int) -> list[bytes]:
+    """n block hashes of one prompt: a chain, so two prompts share a prefix iff their tags' chains do."""
+    return [f"{tag}:{j}".encode() for j in range(n)]
+
+
+def test_longest_prefix_wins_and_overload_falls_back():
+    rule = PrefixAffinity(min_match_ratio=0.5, overload_threshold=2, max_tracked_blocks=100)
+    conv = chain("a", 6)
+    rule.record("A", conv[:2])
+    assert rule.choose(conv, {"A": 0, "B": 0}) is None  # 2 of 6 blocks: a shared head, not worth following
+    assert rule.choose(conv[:4], {"A": 0, "B": 0}) == "A"  # 2 of 4: half
+    rule.record("B", conv[:4])
+    assert rule.choose(conv, {"A": 0, "B": 0, "C": 0}) == "B"  # 4 leading blocks beat 2
+    assert rule.choose(chain("z", 6), {"A": 0, "B": 0}) is None  # no match: the caller's fallback
+    # B is 2 requests above the shortest queue: still B; 3 above: overloaded, no affinity.
+    assert rule.choose(conv, {"A": 0, "B": 2}) == "B"
+    assert rule.choose(conv, {"A": 0, "B": 3, "C": 1}) is None
+    rule.record("C", conv[:4])  # equal matches: the shorter queue
+    assert rule.choose(conv, {"B": 2, "C": 1}) == "C"
+    assert rule.choose(conv[:4], {"A": 0}) == "A"  # only the candidates count (B and C gone)
+
+
+def test_tracked_blocks_are_an_lru_that_keeps_heads_longest():
+    rule = PrefixAffinity(min_match_ratio=1.0, overload_threshold=0, max_tracked_blocks=5)
+    rule.record("A", chain("old", 4))
+    rule.record("A", chain("new", 3))  # 7 > 5: the old prompt's two tail blocks go, its head stays
+    assert len(rule.blocks.get("A", ())) == 5
+    assert rule.matched("A", chain("old", 4)) == 2 and rule.matched("A", chain("new", 3)) == 3
+    rule.retain(["B"])
+    assert len(rule.blocks.get("A", ())) == 0
+
+
+def test_routing_config_is_validated():
+    with pytest.raises(ValueError, match="overload_threshold"):
+        PrefixRouting(overload_threshold=-1)
+    with pytest.raises(ValueError, match="min_match_ratio"):
+        PrefixRouting(min_match_ratio=0)
+
+
+class StandIn:
+    """What a request router reads of a replica (`RunningReplica`): its id, capacity and queue length."""
+
+    def __init__(self, name: str, queue_len: int = 0, max_ongoing_requests: int = 8):
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+        self.max_ongoing_requests = max_ongoing_requests
+        self.queue_len = queue_len
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len
+
+
+def request(hashes: list[bytes]) -> PendingRequest:
+    metadata = RequestMetadata(request_id="r", internal_request_id="i", call_method="generate")
+    return PendingRequest(args=["r", None, [], None], kwargs={HASHES_KWARG: tuple(hashes)}, metadata=metadata)
+
+
+def router_with(replicas: list[StandIn], threshold: int = 4) -> PrefixAffinityRouter:
+    router = PrefixAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA,
+                                  use_replica_queue_len_cache=True)
+    router.initialize_state(min_match_ratio=0.5, overload_threshold=threshold, max_tracked_blocks=1000)
+    router.update_replicas(replicas)
+    return router
+
+
+def names(ranks) -> list[list[str]]:
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_router_ranks_the_prefix_holder_first_then_falls_back_to_two_choices():
+    async def run():
+        a, b, c = StandIn("A"), StandIn("B"), StandIn("C")
+        router = router_with([a, b, c])
+        conv = chain("conv", 8)
+        # Nothing routed yet: one rank, two distinct random replicas (Serve's power of two choices).
+        [pair] = names(await router.choose_replicas(router._replicas_list, request(conv[:5])))
+        assert len(set(pair)) == 2
+        router.on_request_routed(request(conv[:5]), b.replica_id, None)
+        ranks = names(await router.choose_replicas(router._replicas_list, request(conv)))
+        assert ranks[0] == ["B"] and len(ranks) == 2 and len(set(ranks[1])) == 2
+        # B's queue (as Serve's cache knows it) 5 above the shortest: overloaded, only the fallback rank.
+        router.on_new_queue_len_info(b.replica_id, 5)
+        assert len(await router.choose_replicas(router._replicas_list, request(conv))) == 1
+        router.on_new_queue_len_info(b.replica_id, 4)
+        assert names(await router.choose_replicas(router._replicas_list, request(conv)))[0] == ["B"]
+        # A request without hashes (routing off at the ingress): the fallback only.
+        assert len(await router.choose_replicas(router._replicas_list, request([]))) == 1
+
+    asyncio.run(run())
+
+
+def test_router_forgets_replicas_that_leave_and_routes_to_one_that_joins():
+    async def run():
+        a, b = StandIn("A"), StandIn("B")
+        router = router_with([a, b])
+        for i in range(6):
+            router.on_request_routed(request(chain(f"c{i}", 4)), (a if i % 2 else b).replica_id, None)
+        conv = chain("c1", 4)  # was sent to A
+        assert names(await router.choose_replicas(router._replicas_list, request(conv)))[0] == ["A"]
+        c = StandIn("C")  # autoscaling adds C and removes A
+        router.update_replicas([b, c])
+        assert a.replica_id not in router.affinity.blocks
+        [pair] = names(await router.choose_replicas(router._replicas_list, request(conv)))
+        assert sorted(pair) == ["B", "C"]  # no affinity left: two choices among the replicas there are now
+        router.on_request_routed(request(conv), c.replica_id, None)
+        assert names(await router.choose_replicas(router._replicas_list, request(conv)))[0] == ["C"]
+        router.on_replica_actor_died(c.replica_id)
+        assert c.replica_id not in router.affinity.blocks
+        assert names(await router.choose_replicas(router._replicas_list, request(conv))) == [["B"]]
+
+    asyncio.run(run())
+
+
+def test_ingress_keys_are_the_engines_cache_keys(tiny_ckpt):
+    """`prompt_block_hashes` (what the Ingress sends) equals the hashes the engine registered for the same
+    prompt with an image; another image of the same size changes the key from its block on."""
+    from raypipe import SamplingParams
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from raypipe.decode.prefix_hash import prompt_block_hashes
+    from raypipe.models.prompt import build_prompt
+    from raypipe.models.registry import language_adapter, vision_adapter
+    from tests import decode_reference as ref
+    from tests.conftest import random_images
+
+    block = 8
+    vision, language = vision_adapter(tiny_ckpt), language_adapter(tiny_ckpt)
+    first, other = random_images([(56, 84), (56, 84)], seed=3)
+    prompt = build_prompt(ref.messages("What is in this picture?", [first]), language.tokenizer, vision)
+    twin = build_prompt(ref.messages("What is in this picture?", [other]), language.tokenizer, vision)
+    ids = prompt.prompt_token_ids
+    keys = prompt_block_hashes(ids, prompt.visual_layouts, language, block, max_blocks=1000)
+    assert len(keys) == (len(ids) - 1) // block and prompt_block_hashes(
+        ids, prompt.visual_layouts, language, block, max_blocks=3) == keys[:3]
+    image_block = ids.index(language.image_token_id) // block
+    twin_keys = prompt_block_hashes(twin.prompt_token_ids, twin.visual_layouts, language, block, max_blocks=1000)
+    assert twin.prompt_token_ids == ids and twin_keys[:image_block] == keys[:image_block]
+    assert not set(twin_keys[image_block:]) & set(keys)
+
+    engine = LLMEngine(tiny_ckpt, EngineConfig(max_num_seqs=1, max_model_len=512, block_size=block))
+    try:  # the embedding's values do not enter the keys: random rows of the right shape
+        rows = [torch.randn(language.tokens_per_image(layout.grid), language.embedding_width)
+                for layout in prompt.visual_layouts]
+        asyncio.run(engine.generate_output("k", prompt.without_pixels(), rows, SamplingParams(max_tokens=1)))
+        assert set(keys) <= set(engine.pool.cached)
+    finally:
+        engine.shutdown()
+
+
+def test_routing_is_on_by_default_where_the_decoder_may_scale_out():
+    from raypipe.serve.app import compose
+    from raypipe.serve.prefix_router import ROUTER_CLASS
+
+    def routed(decoder_options: dict, routing: dict | None = None) -> tuple[bool, int]:
+        """(the Decoder's router is ours, blocks the Ingress keys requests by)."""
+        ingress = compose({"routing": routing or {}}, {"Decoder": decoder_options})._bound_deployment
+        decoder = ingress.init_args[1]._bound_deployment
+        router = decoder._deployment_config.request_router_config.request_router_class
+        return router == ROUTER_CLASS, ingress.init_kwargs["prefix_key_blocks"]
+
+    on = (True, PrefixRouting().max_key_blocks)
+    assert routed({"num_replicas": 2}) == on
+    assert routed({"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}) == on
+    assert routed({"num_replicas": 1}) == (False, 0) == routed({"autoscaling_config": {"max_replicas": 1}})
+    assert routed({"num_replicas": 2}, {"enabled": False}) == (False, 0)
+    assert routed({"num_replicas": 1}, {"enabled": True, "max_key_blocks": 7}) == (True, 7)
+    with pytest.raises(ValueError, match="routing.enabled"):
+        routed({"num_replicas": 2, "request_router_config": {"request_router_class": "my.Router"}})

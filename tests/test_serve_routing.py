@@ -1,0 +1,131 @@
+"""Prefix-affinity routing on a real local Serve: two Decoder replicas keep each conversation's cache useful.
+
+One Serve application for the module (tiny preset, one Ingress, one EncoderGroup with one worker, two
+Decoder replicas, routing on with an explicit overload threshold of 8 and match ratio of 0.5) and, as the one-replica
+reference, an `LLMEngine` in the test's process fed by the app's own encoder (one engine: every
+prefix it computed is in its cache).
+
+8 conversations x 5 turns, interleaved: every round sends the 8 conversations' next turns at once.
+Each turn's prompt extends the previous turn's prompt, so a turn that lands where the previous one
+ran takes at least every full block of that prompt from the cache; on the other replica it would
+only find the chat template's head. A first turn shares only that head (under half its blocks), so
+new conversations are spread by queue length; a later turn's previous prompt is over half of it. With 8 requests in flight over 2 replicas no queue can exceed
+another by more than 7, below the threshold, so the overload fallback cannot apply here: every turn
+>= 2 must land on its conversation's replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import openai
+import pytest
+
+from raypipe.decode.config import EngineConfig
+from tests.test_serve_api import free_port, image_url, user
+
+CONVERSATIONS, TURNS, MAX_TOKENS = 8, 5, 4
+ENGINE = {"max_model_len": 1024, "max_num_seqs": 8}
+BLOCK = EngineConfig().block_size
+ROUTING = {"min_match_ratio": 0.5, "overload_threshold": 8}  # explicit: the test's reasoning rests on them
+
+
+@pytest.fixture(scope="module")
+def server(ray_local, tiny_ckpt):
+    from ray import serve
+
+    from raypipe.serve.app import compose, deployment_options
+    from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
+    from raypipe.serve.proxy_errors import CONTROLLER_OPTIONS
+
+    options = deployment_options(load_serve_config(SERVE_CONFIG))
+    for name, replicas in (("Ingress", 1), ("EncoderGroup", 1), ("Decoder", 2)):
+        options[name] = {**{k: v for k, v in options[name].items() if k != "autoscaling_config"},
+                         "num_replicas": replicas}
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
+    app = compose({"num_encoders": 1, "engine": ENGINE, "routing": ROUTING}, options)
+    serve.run(app, name="raypipe-routing", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_replica(server, tiny_ckpt):
+    from raypipe.decode.engine import LLMEngine
+
+    engine = LLMEngine(tiny_ckpt, EngineConfig(**ENGINE))
+    yield engine
+    engine.shutdown()
+
+
+def reference_round(engine, conversations: list[list[dict]], turn: int) -> list:
+    """One replica's outputs for every conversation's next turn at once (images through the app's encoder)."""
+    from ray import serve
+
+    from raypipe import SamplingParams
+    from raypipe.models.prompt import build_prompt
+    from raypipe.models.registry import vision_adapter
+
+    vision = vision_adapter(engine.adapter.checkpoint)
+    prompts = [build_prompt(messages, engine.tokenizer, vision) for messages in conversations]
+    encoder = serve.get_deployment_handle("EncoderGroup", app_name="raypipe-routing")
+    embeds = [encoder.encode.remote(prompt.visuals).result() for prompt in prompts]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+    async def run():
+        return await asyncio.gather(*(engine.generate_output(f"ref-{turn}-{c}", prompt.without_pixels(), rows, params)
+                                      for c, (prompt, rows) in enumerate(zip(prompts, embeds))))
+
+    return asyncio.run(run())
+
+
+def per_replica(text: str, name: str) -> dict[str, float]:
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'^{name}{{replica="([^"]+)"}} ([0-9.e+-]+)$', text, re.M)}
+
+
+async def one_round(server: str, conversations: list[list[dict]]) -> list:
+    """Every conversation's next turn at once."""
+    async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120) as client:
+        return await asyncio.gather(*(client.chat.completions.create(model="tiny", messages=messages,
+                                                                     temperature=0, max_tokens=MAX_TOKENS)
+                                      for messages in conversations))
+
+
+def test_turns_stay_on_their_replica_with_one_replicas_outputs_and_hit_rate(server, one_replica):
+    conversations = [user(f"Conversation {c}: what is in", image_url(56, 56 + 28 * (c % 3), seed=100 + c), "?")
+                     for c in range(CONVERSATIONS)]
+    served, reference = [], []  # per round, per conversation
+    for turn in range(TURNS):
+        responses = asyncio.run(one_round(server, conversations))
+        outputs = reference_round(one_replica, conversations, turn)
+        served.append([(r.choices[0].message.content, r.usage.prompt_tokens,
+                        r.usage.prompt_tokens_details.cached_tokens) for r in responses])
+        reference.append([(o.text, len(o.prompt_token_ids), o.num_cached_tokens) for o in outputs])
+        conversations = [[*messages, {"role": "assistant", "content": r.choices[0].message.content},
+                          {"role": "user", "content": f"Turn {turn + 2}: tell me more."}]
+                         for messages, r in zip(conversations, responses)]
+
+    # Greedy outputs and prompts are those of one replica.
+    assert [[(text, n) for text, n, _ in row] for row in served] == \
+        [[(text, n) for text, n, _ in row] for row in reference]
+    # Every turn >= 2 took at least the previous turn's full prompt blocks from the cache: it ran where that did.
+    for turn in range(1, TURNS):
+        for c in range(CONVERSATIONS):
+            previous = served[turn - 1][c][1]
+            assert served[turn][c][2] >= (previous - 1) // BLOCK * BLOCK, (turn, c, served[turn][c])
+    hit_rate = sum(r[2] for row in served for r in row) / sum(r[1] for row in served for r in row)
+    one_replica = sum(r[2] for row in reference for r in row) / sum(r[1] for row in reference for r in row)
+    assert one_replica > 0.5 and abs(hit_rate - one_replica) <= 0.1 * one_replica, (hit_rate, one_replica)
+
+    # /metrics: requests and prefix-cache tokens per Decoder replica, both replicas used.
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    requests = per_replica(text, "raypipe_decoder_requests_total")
+    hits = per_replica(text, "raypipe_decoder_prefix_cache_hits_total")
+    queries = per_replica(text, "raypipe_decoder_prefix_cache_queries_total")
+    assert len(requests) == 2 and sum(requests.values()) == CONVERSATIONS * TURNS
+    assert all(count % TURNS == 0 for count in requests.values())  # whole conversations per replica
+    assert sum(hits.values()) == sum(r[2] for row in served for r in row)
+    assert sum(queries.values()) == sum(r[1] for row in served for r in row)
