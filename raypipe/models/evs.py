@@ -6,8 +6,8 @@ at the same position one group earlier adds little; with `rate` q the most simil
 keeping `retained_count` tokens. The first group has no predecessor and is always kept whole.
 
 How many tokens survive depends on the geometry alone, so the prompt's placeholders are planned
-before encoding; which ones survive is decided from the embeddings after. The survivors keep their
-original 3-D positions (the positions of the unpruned video, with the pruned columns removed).
+before encoding; which ones survive is decided from the embeddings after. Positions are the family's
+(Qwen2.5-VL: the survivors keep those of the unpruned video; Qwen3-VL: `qwen3_vl/positions.py`).
 The rule follows vLLM's `video_pruning_rate` (vllm/multimodal/evs.py): count
 `max(tokens_per_group, int(total * (1 - q)))`, ties broken towards earlier tokens. The dissimilarity is
 taken over the whole row the tower yields: for Qwen3-VL that is the merger's output and every deepstack
