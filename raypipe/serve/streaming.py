@@ -141,8 +141,6 @@ class CompletionStream:
         parsed = parse_tool_calls(text, self.tool_names) if self._parses_tools and text else None
         if parsed is not None:
             return choice_body(self.kind, choice.index, parsed[0], "tool_calls", logprobs, parsed[1], reasoning)
-        if not self.thinking:
-            return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs)
         return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs, reasoning=reasoning)
 
     def record_routes(self, metrics: ServeMetrics) -> None:
