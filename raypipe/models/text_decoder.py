@@ -31,15 +31,21 @@ class TextDecoder(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, adapter, text_model_class, device: torch.device, dtype: torch.dtype, *,
                         prefixes: tuple[str, ...], exclude: tuple[str, ...],
-                        head_prefixes: tuple[str, ...] = LM_HEAD_PREFIXES) -> "TextDecoder":
-        """Build `text_model_class` from `text_config` and load only its tensors (and lm_head's)."""
+                        head_prefixes: tuple[str, ...] = LM_HEAD_PREFIXES, shard=None) -> "TextDecoder":
+        """Build `text_model_class` from `text_config` and load only its tensors (and lm_head's).
+
+        With `shard` (one rank of a tensor-parallel group, `raypipe.parallel.shards`) the planned
+        layers take this rank's shapes first and only their slices are read; the rest (embeddings,
+        norms, lm_head) is loaded whole on every rank."""
         from transformers.initialization import no_init_weights
 
         text_config = adapter.text_config
         with no_init_weights():  # weights come from the checkpoint; skip the random init
             model = text_model_class._from_config(text_config, dtype=dtype)
             lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
-        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + head_prefixes)
+        if shard is not None:
+            shard.prepare(model)
+        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + head_prefixes, shard=shard)
         load_module_weights(model, state, what=f"{adapter.checkpoint} language model")
         if getattr(adapter.config, "tie_word_embeddings", False):
             lm_head.weight = model.embed_tokens.weight

@@ -1,0 +1,130 @@
+"""One rank's share of the language model's weights, by the checkpoint's own tensor-parallel plan.
+
+transformers' text configs carry `base_model_tp_plan` (Qwen2 / LLaVA-OneVision's text model,
+Qwen2.5-VL, Qwen3.5, the MoE families): module patterns -> a style. We read that plan, not a copy
+of it, and apply its two plain styles ourselves:
+
+- `colwise`: the Linear keeps this rank's slice of its output features (weight rows, bias) —
+  q/k/v keep its heads, gate/up its slice of the MLP's width;
+- `rowwise`: the Linear keeps this rank's slice of its input features (weight columns) and sums
+  the ranks' partial outputs (`all_reduce`), then adds its bias once — o_proj and down_proj.
+
+Why not transformers' own `apply_tensor_parallelism`: it turns parameters into DTensors over a
+DeviceMesh of the process-wide default group and loads them through `from_pretrained` of the whole
+model class (vision tower included); raypipe builds the text model alone, reads only its tensors,
+needs several groups per process (`collectives.py`) and drives the model with its own cache. The
+two styles need nothing of DTensor: a local GEMM, then one all-reduce per row-parallel layer. Any
+other style in a plan (`colwise_gather_output` of Qwen3.5's linear attention, the packed MoE
+expert styles of Step3 and Qwen3-VL-MoE) is refused with its name, so a family is sharded exactly
+or not at all.
+
+Each tensor is read through `safe_open(...).get_slice`: only this rank's rows or columns leave the
+file. Layers outside the plan (embeddings, norms, lm_head) are read whole on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+
+SUPPORTED_STYLES = ("colwise", "rowwise")
+
+
+class ColumnParallelLinear(torch.nn.Linear):
+    """This rank's output features of a Linear (no communication)."""
+
+
+class RowParallelLinear(torch.nn.Linear):
+    """This rank's input features of a Linear; the ranks' partial outputs are summed, the bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, collectives):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        self.collectives = collectives
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.collectives.all_reduce(torch.nn.functional.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
+
+
+def tp_plan(text_config) -> dict[str, str]:
+    """The config's `base_model_tp_plan`, or `ValueError` naming what keeps it from being used."""
+    plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ValueError(f"{type(text_config).__name__} has no base_model_tp_plan: tensor parallelism needs one")
+    styles = {style for style in plan.values() if style not in SUPPORTED_STYLES}
+    if styles:
+        raise ValueError(f"{type(text_config).__name__}'s tensor-parallel plan uses {sorted(styles)}, which "
+                         f"raypipe does not shard yet (only {list(SUPPORTED_STYLES)}): run it with "
+                         f"tensor_parallel_size 1")
+    return plan
+
+
+class WeightShard:
+    """Rank `rank` of `world_size`: which modules are split how, and the reads that take only its slice."""
+
+    def __init__(self, text_config, rank: int, world_size: int, collectives):
+        self.rank, self.world_size, self.collectives = rank, world_size, collectives
+        self.styles = [(re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$"), style)
+                       for pattern, style in tp_plan(text_config).items()]
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(text_config, name)
+            if heads % world_size:
+                raise ValueError(f"{name} = {heads} is not divisible by tensor_parallel_size {world_size}")
+
+    def style(self, module_name: str) -> str | None:
+        return next((style for pattern, style in self.styles if pattern.match(module_name)), None)
+
+    def local_text_config(self, text_config):
+        """What one rank's cache holds: its share of the attention heads (head size unchanged)."""
+        local = copy.copy(text_config)
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        local.head_dim = head_dim
+        local.num_attention_heads = text_config.num_attention_heads // self.world_size
+        local.num_key_value_heads = text_config.num_key_value_heads // self.world_size
+        return local
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Swap every planned Linear for an empty one of this rank's shape (filled by the load that follows)."""
+        for name, module in list(model.named_modules()):
+            style = self.style(name)
+            if style is None:
+                continue
+            if type(module) is not torch.nn.Linear:
+                raise ValueError(f"{name} is a {type(module).__name__}; the {style!r} style shards torch.nn.Linear only")
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            bias, dtype = module.bias is not None, module.weight.dtype
+            if style == "colwise":
+                local = ColumnParallelLinear(module.in_features, self._part(module.out_features, name), bias=bias,
+                                             dtype=dtype)
+            else:
+                local = RowParallelLinear(self._part(module.in_features, name), module.out_features, bias, dtype,
+                                          self.collectives)
+            setattr(parent, child, local)
+
+    def read(self, name: str, tensor_slice) -> torch.Tensor:
+        """Tensor `name` (a state-dict key of the text model) from a safetensors slice: this rank's part."""
+        module, _, param = name.rpartition(".")
+        style = self.style(module)
+        shape = tensor_slice.get_shape()
+        if style == "colwise":
+            size = shape[0] // self.world_size
+            return tensor_slice[self.rank * size: (self.rank + 1) * size]
+        if style == "rowwise" and param == "weight":
+            size = shape[1] // self.world_size
+            return tensor_slice[:, self.rank * size: (self.rank + 1) * size]
+        return tensor_slice[:]
+
+    def _part(self, features: int, name: str) -> int:
+        if features % self.world_size:
+            raise ValueError(f"{name}: {features} features do not split over {self.world_size} ranks")
+        return features // self.world_size
+
+
+def sharded_parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes this process holds in the parameters of the decoder layers (what the plan shards) and in the rest."""
+    layers = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".layers." in f".{n}")
+    everything = sum({p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}.values())
+    return {"decoder_layers": layers, "other": everything - layers}
