@@ -33,6 +33,15 @@ def rank_bundle(device_type: str) -> dict[str, float]:
     return {"GPU": 1} if device_type == "cuda" else {"CPU": CPU_BUNDLE_SHARE}
 
 
+def placement_options(tensor_parallel_size: int, gpus_per_rank: float) -> dict:
+    """Serve deployment options for a replica that hosts a decode group of `tensor_parallel_size` ranks:
+    one bundle per rank (the replica itself in bundle 0), packed on one node."""
+    if tensor_parallel_size == 1:
+        return {}
+    bundle = {"GPU": gpus_per_rank} if gpus_per_rank else rank_bundle("cpu")
+    return {"placement_group_bundles": [bundle] * tensor_parallel_size, "placement_group_strategy": "STRICT_PACK"}
+
+
 class RankGroup:
     def __init__(self, workers: list, placement, owns_placement: bool):
         self.workers, self.placement, self.owns_placement = workers, placement, owns_placement

@@ -13,7 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 from ray.serve import Application
 
-from raypipe.config import ModelConfig, TokenBudgets, defaults
+from raypipe.config import EngineConfig, ModelConfig, TokenBudgets, defaults
+from raypipe.parallel.group import placement_options
 from raypipe.serve.decoder import Decoder
 from raypipe.serve.encoder_group import EncoderGroup
 from raypipe.serve.ingress import Ingress
@@ -65,7 +66,11 @@ def build_app(args: AppArgs | dict | None = None) -> Application:
 
 
 def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Application:
-    """The three deployments bound into one application; `options` per deployment name (autoscaling, ...)."""
+    """The three deployments bound into one application; `options` per deployment name (autoscaling, ...).
+
+    A Decoder whose engine spans `tensor_parallel_size` devices also gets a placement group of that
+    many bundles (one GPU each where its replicas take `num_gpus`), derived here from the engine args
+    so the two cannot disagree."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
 
     def deployment(d):
@@ -73,7 +78,10 @@ def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Applicatio
 
     encoder = deployment(EncoderGroup).bind(args.as_model_config(), batch_window_s=args.batch_window_s,
                                             max_batch_images=args.max_batch_images)
-    decoder = deployment(Decoder).bind(model=args.model, engine=args.engine)
+    decoder_options = options.get(Decoder.name, {})
+    gpus = decoder_options.get("ray_actor_options", {}).get("num_gpus", 0)
+    group = placement_options(EngineConfig(**args.engine).tensor_parallel_size, gpus)
+    decoder = Decoder.options(**decoder_options, **group).bind(model=args.model, engine=args.engine)
     return deployment(Ingress).bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
                                     api_key=args.api_key, limits=args.limits, resize_images=args.resize_images,
                                     video_pruning_rate=args.video_pruning_rate)
