@@ -33,13 +33,28 @@ def rank_bundle(device_type: str) -> dict[str, float]:
     return {"GPU": 1} if device_type == "cuda" else {"CPU": CPU_BUNDLE_SHARE}
 
 
+def group_bundles(tensor_parallel_size: int, gpus_per_rank: float) -> list[dict[str, float]]:
+    """One bundle per rank: `gpus_per_rank` GPUs where rank 0's host asks for GPUs, else a CPU sliver."""
+    return [{"GPU": gpus_per_rank} if gpus_per_rank else rank_bundle("cpu")] * tensor_parallel_size
+
+
 def placement_options(tensor_parallel_size: int, gpus_per_rank: float) -> dict:
     """Serve deployment options for a replica that hosts a decode group of `tensor_parallel_size` ranks:
     one bundle per rank (the replica itself in bundle 0), packed on one node."""
     if tensor_parallel_size == 1:
         return {}
-    bundle = {"GPU": gpus_per_rank} if gpus_per_rank else rank_bundle("cpu")
-    return {"placement_group_bundles": [bundle] * tensor_parallel_size, "placement_group_strategy": "STRICT_PACK"}
+    return {"placement_group_bundles": group_bundles(tensor_parallel_size, gpus_per_rank),
+            "placement_group_strategy": "STRICT_PACK"}
+
+
+def engine_actor_placement(tensor_parallel_size: int, gpus_per_rank: float):
+    """(actor options, placement group to remove when done) for an engine actor that hosts rank 0 in bundle 0
+    of a new placement group (the group's ranks then take the other bundles); ({}, None) for one device."""
+    if tensor_parallel_size == 1:
+        return {}, None
+    placement = placement_group(group_bundles(tensor_parallel_size, gpus_per_rank), strategy="STRICT_PACK")
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}, placement
 
 
 class RankGroup:
