@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="encode --latency: new images per request (default 2)")
     bench.add_argument("--side", type=int, default=None,
                        help="serve-load: image side in pixels (default 4096; 2048 with --quick)")
+    bench.add_argument("--tp", type=int, default=None, metavar="N",
+                       help="decode: a tensor-parallel group of N ranks vs one device (step time, collectives, "
+                            "per-rank memory)")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
     return parser
 
@@ -194,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         name = args.target.replace("-", "_")
         if args.target == "encode" and (args.budgets or args.latency):
             name = "encode_budgets" if args.budgets else "encode_latency"
+        if args.target == "decode" and args.tp is not None:
+            name = "decode_tp"
         return importlib.import_module(f"raypipe.bench.{name}").main(args)
     return 2
 

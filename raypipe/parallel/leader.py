@@ -34,8 +34,8 @@ from raypipe.decode.model_runner import ModelRunner
 from raypipe.errors import GroupFailed
 from raypipe.parallel.collectives import Collectives
 from raypipe.parallel.group import RankGroup
-from raypipe.parallel.rank_runner import RankAdapter, decode_fields, prefill_fields
-from raypipe.parallel.shards import WeightShard, sharded_parameter_bytes
+from raypipe.parallel.rank_runner import RankAdapter, decode_fields, prefill_fields, rank_info
+from raypipe.parallel.shards import WeightShard
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class GroupRunner(ModelRunner):
                                                           self.collectives)), **runner_kwargs)
         self.cuda = False  # ids read on the host after every step: the ranks' collectives stay in one order
         self._lock = threading.Lock()
+        self.decode_collective_seconds = 0.0  # of collectives.seconds, inside decode rounds (the benchmark's share)
         # The other ranks get this pool's exact size (on CUDA free memory differs per device).
         rank_kwargs = dict(runner_kwargs, kv_cache_memory=(self.cache.num_blocks - 1) * self.cache.block_size
                            * self.bytes_per_token, device=None)
@@ -68,8 +69,12 @@ class GroupRunner(ModelRunner):
             return stop
 
         with self._group_work("decode"):
+            before = self.collectives.seconds
             self.collectives.broadcast_object(("decode", [decode_fields(s) for s in seqs], steps))
-            return super().decode(seqs, batch, steps, shared)
+            try:
+                return super().decode(seqs, batch, steps, shared)
+            finally:
+                self.decode_collective_seconds += self.collectives.seconds - before
 
     def move_rows(self, moves) -> None:
         if not moves:
@@ -91,10 +96,8 @@ class GroupRunner(ModelRunner):
                 raise GroupFailed(f"a rank of the decode group failed during {what}: {exc}; retry") from exc
 
     def info(self) -> list[dict]:
-        """Per rank (0 first): pid, device, parameter bytes (decoder layers / the rest), pool blocks, seconds in collectives."""
-        own = {"rank": 0, "pid": self.group.pid, "device": str(self.device), "num_blocks": self.cache.num_blocks,
-               "parameter_bytes": sharded_parameter_bytes(self.model),
-               "collective_seconds": self.collectives.seconds}
+        """Per rank (0 first): `rank_info`, and rank 0's seconds in collectives during decode rounds."""
+        own = dict(rank_info(0, self, self.collectives.seconds), decode_collective_seconds=self.decode_collective_seconds)
         return [own, *self.group.info()]
 
     def close(self) -> None:

@@ -10,10 +10,12 @@ ranks rebuild `Sequence`s from them with only the fields the runner reads (`pref
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from raypipe.decode.sequence import Sequence
-from raypipe.parallel.shards import WeightShard
+from raypipe.parallel.shards import WeightShard, sharded_parameter_bytes
 
 
 class RankAdapter:
@@ -43,3 +45,16 @@ def decode_fields(seq: Sequence) -> dict:
 
 def mirror(fields: dict) -> Sequence:
     return Sequence(params=None, deliver=None, **fields)
+
+
+def rank_info(rank: int, runner, collective_seconds: float = 0.0) -> dict:
+    """What a rank reports about itself, measured in its own process: pid, device, parameter bytes (decoder
+    layers / the rest), its pool (blocks, bytes), resident memory and seconds spent in collectives."""
+    return {"rank": rank, "pid": os.getpid(), "device": str(runner.device), "num_blocks": runner.cache.num_blocks,
+            "parameter_bytes": sharded_parameter_bytes(runner.model), "kv_cache_bytes": runner.cache.nbytes,
+            "rss_bytes": _resident_bytes(), "collective_seconds": collective_seconds}
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -22,8 +22,8 @@ import torch
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.models.registry import language_adapter
 from raypipe.parallel.collectives import Collectives
-from raypipe.parallel.rank_runner import RankAdapter, mirror
-from raypipe.parallel.shards import WeightShard, sharded_parameter_bytes
+from raypipe.parallel.rank_runner import RankAdapter, mirror, rank_info
+from raypipe.parallel.shards import WeightShard
 from raypipe.runtime.device import pick_device
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,7 @@ class RankWorker:
         threading.Thread(target=self._serve, name=f"raypipe-rank-{self.rank}", daemon=True).start()
 
     def info(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.runner.device),
-                "num_blocks": self.runner.cache.num_blocks,
-                "parameter_bytes": sharded_parameter_bytes(self.runner.model),
-                "collective_seconds": self.collectives.seconds}
+        return rank_info(self.rank, self.runner, self.collectives.seconds)
 
     def _serve(self) -> None:
         try:
