@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="HTTP host (default: the config file's http_options)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default: the config file's http_options)")
     serve.add_argument("--api-key", default=None, help="require this bearer token (or set RAYPIPE_API_KEY)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                       help="devices each Decoder replica's language model spans (one GPU each on GPU clusters; "
+                            "default: the config file's engine.tensor_parallel_size)")
 
     _add_batch(sub)
 

@@ -85,3 +85,16 @@ def test_killed_rank_fails_the_stream_retryably_and_the_group_restarts(client):
     ranks = decoder().group_info.remote().result()
     assert rank1["pid"] not in {r["pid"] for r in ranks} and len(ranks) == 2
     assert decoder().stats.remote().result()["group_restarts"] == 1
+
+
+def test_serve_flag_sets_the_engine_and_the_replica_takes_one_bundle_per_rank():
+    from raypipe.cli import build_parser
+    from raypipe.parallel.group import placement_options
+    from raypipe.serve.run import serve_config
+
+    config = serve_config(build_parser().parse_args(["serve", "--tensor-parallel-size", "4"]))
+    engine = config["applications"][0]["args"]["engine"]
+    assert engine["tensor_parallel_size"] == 4 and engine["num_scheduler_steps"] == 8  # the file's others stay
+    assert placement_options(4, 1) == {"placement_group_bundles": [{"GPU": 1}] * 4,
+                                       "placement_group_strategy": "STRICT_PACK"}
+    assert placement_options(1, 1) == {}
