@@ -16,6 +16,13 @@ independent as attention's: each rank keeps its key heads and the value heads th
 rows of the fused projection and of the depthwise conv; z, a, b, A_log, dt_bias rows), the gated
 norm (per head size) whole, and `out_proj` is row-parallel.
 
+Mixture-of-experts layers (Qwen3-VL-MoE) are expert-parallel (`ExpertSplit`): each rank holds E/N
+whole experts (the plan's `packed_colwise` / `moe_tp_experts` entries would cut every expert in N and
+need both an all-gather and an all-reduce per layer); the router is on every rank, so every rank
+routes every token alike. transformers' expert loop already skips a sentinel index (its own
+expert-parallel path): tokens routed to another rank's experts get it, each rank sums its experts'
+share, and one all-reduce adds the ranks' shares.
+
 Why not transformers' own `apply_tensor_parallelism`: it turns parameters into DTensors over a
 DeviceMesh of the process-wide default group and loads them through `from_pretrained` of the whole
 model class (vision tower included); raypipe builds the text model alone, reads only its tensors,
@@ -38,6 +45,7 @@ import torch
 
 SUPPORTED_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")  # the last: replicated (no grads here)
 LINEAR_ATTENTION = ".linear_attn."  # plan entries under a gated delta net: replaced by `DeltaNetHeads`
+EXPERTS = ".mlp.experts"  # plan entries of fused MoE experts: replaced by `ExpertSplit`
 
 
 class ColumnParallelLinear(torch.nn.Linear):
@@ -61,6 +69,8 @@ def tp_plan(text_config) -> dict[str, str]:
     plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
     if "linear_attention" in (getattr(text_config, "layer_types", None) or ()):
         plan = {pattern: style for pattern, style in plan.items() if LINEAR_ATTENTION not in f".{pattern}"}
+    if _num_experts(text_config):
+        plan = {pattern: style for pattern, style in plan.items() if EXPERTS not in f".{pattern}"}
     if not plan:
         raise ValueError(f"{type(text_config).__name__} has no base_model_tp_plan: tensor parallelism needs one")
     styles = {style for style in plan.values() if style not in SUPPORTED_STYLES}
@@ -79,6 +89,7 @@ class WeightShard:
         self.styles = [(re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$"), style)
                        for pattern, style in tp_plan(text_config).items()]
         self.delta_net = DeltaNetHeads(text_config, rank, world_size, collectives)
+        self.experts = ExpertSplit(text_config, rank, world_size, collectives)
         for name in ("num_attention_heads", "num_key_value_heads", *self.delta_net.head_counts):
             heads = getattr(text_config, name)
             if heads % world_size:
@@ -104,6 +115,9 @@ class WeightShard:
             if self.delta_net.owns(name):
                 self.delta_net.prepare(module)
                 continue
+            if self.experts.owns(name):
+                self.experts.prepare(module)
+                continue
             style = self.style(name)
             if style not in ("colwise", "rowwise"):
                 continue
@@ -123,6 +137,8 @@ class WeightShard:
     def read(self, name: str, tensor_slice) -> torch.Tensor:
         """Tensor `name` (a state-dict key of the text model) from a safetensors slice: this rank's part."""
         module, _, param = name.rpartition(".")
+        if self.experts.owns(module):
+            return self.experts.read(tensor_slice)
         owner = module if self.delta_net.owns(module) else module.rpartition(".")[0]
         if self.delta_net.owns(owner):
             return self.delta_net.read(module[len(owner) + 1:], param, tensor_slice)
@@ -140,6 +156,44 @@ class WeightShard:
         if features % self.world_size:
             raise ValueError(f"{name}: {features} features do not split over {self.world_size} ranks")
         return features // self.world_size
+
+
+def _num_experts(text_config) -> int:
+    return getattr(text_config, "num_experts", 0) or 0
+
+
+class ExpertSplit:
+    """This rank's whole experts of every fused-experts module (`layers.N.mlp.experts`)."""
+
+    def __init__(self, text_config, rank: int, world_size: int, collectives):
+        experts = _num_experts(text_config)
+        if experts % world_size:
+            raise ValueError(f"num_experts = {experts} is not divisible by tensor_parallel_size {world_size}")
+        self.count = experts // world_size
+        self.first = rank * self.count
+        self.collectives = collectives
+
+    def owns(self, module_name: str) -> bool:
+        return self.count > 0 and re.fullmatch(r"layers\.\d+\.mlp\.experts", module_name) is not None
+
+    def prepare(self, experts: torch.nn.Module) -> None:
+        for name, param in list(experts.named_parameters(recurse=False)):
+            setattr(experts, name, torch.nn.Parameter(torch.empty((self.count, *param.shape[1:]), dtype=param.dtype)))
+        experts.num_experts = self.count
+        experts._is_expert_parallel = True  # transformers' kernels skip the sentinel index `num_experts`
+        experts.register_forward_pre_hook(self._local_indices)
+        experts.register_forward_hook(self._sum_over_ranks)
+
+    def _local_indices(self, module, args):
+        hidden, top_k_index, top_k_weights = args
+        local = top_k_index - self.first
+        return hidden, torch.where((local >= 0) & (local < self.count), local, self.count), top_k_weights
+
+    def _sum_over_ranks(self, module, args, output):
+        return self.collectives.all_reduce(output)
+
+    def read(self, tensor_slice) -> torch.Tensor:
+        return tensor_slice[self.first: self.first + self.count]
 
 
 class DeltaNetHeads:
