@@ -68,13 +68,18 @@ def with_k(engine: LLMEngine, k: int) -> LLMEngine:
     return engine
 
 
+def on_both(engines, k: int, cases, params, tag: str) -> tuple[list, list]:
+    """Token ids of `cases` (staggered arrivals) on one device and on the group, both at K=k."""
+    single, group = (with_k(e, k) for e in engines)
+    return ([o.token_ids for o in ref.staggered(single, cases, params, f"{tag}-tp1-{k}")],
+            [o.token_ids for o in ref.staggered(group, cases, params, f"{tag}-tp2-{k}")])
+
+
 @pytest.mark.parametrize("k", [1, 8])
 def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
-    single, group = (with_k(e, k) for e in engines)
+    group = engines[1]
     before = group.stats()
-    params = [SamplingParams(max_tokens=MAX_NEW)] * len(cases)
-    one = [o.token_ids for o in ref.staggered(single, cases, params, f"tp1-{k}")]
-    two = [o.token_ids for o in ref.staggered(group, cases, params, f"tp2-{k}")]
+    one, two = on_both(engines, k, cases, [SamplingParams(max_tokens=MAX_NEW)] * len(cases), "qwen")
     want = [w for _, _, w in cases]
     assert two == one == want
     after = group.stats()

@@ -18,7 +18,7 @@ from tests import decode_reference
 from tests import llava_ov_reference as ref
 from tests import minicpmv_video_reference as vref
 from tests.conftest import random_images
-from tests.test_tensor_parallel import with_k
+from tests.test_tensor_parallel import on_both
 
 MAX_NEW = 12
 FPS = 2.0  # the video is a frames list at 2 frames per second (as in test_llava_ov_video.py)
@@ -63,9 +63,6 @@ def cases(llava_ckpt, llava_hf_model, engines):
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
-    single, group = (with_k(e, k) for e in engines)
-    params = [SamplingParams(max_tokens=MAX_NEW)] * len(cases)
-    one = [o.token_ids for o in decode_reference.staggered(single, cases, params, f"llava-tp1-{k}")]
-    two = [o.token_ids for o in decode_reference.staggered(group, cases, params, f"llava-tp2-{k}")]
+    one, two = on_both(engines, k, cases, [SamplingParams(max_tokens=MAX_NEW)] * len(cases), "llava")
     assert two == one == [w for _, _, w in cases]
     assert len({tuple(w) for _, _, w in cases}) > 1

@@ -16,7 +16,7 @@ from raypipe.parallel import runner_factory
 from tests import decode_reference
 from tests import minicpmv_reference as ref
 from tests.conftest import random_images
-from tests.test_tensor_parallel import with_k
+from tests.test_tensor_parallel import on_both
 
 MAX_NEW = 12
 BLOCK = 8
@@ -59,11 +59,9 @@ def engines(minicpmv_ckpt, cases, ray_local):
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
-    single, group = (with_k(e, k) for e in engines)
+    single, group = engines
     assert single.runner.cache.num_blocks == group.runner.cache.num_blocks
-    params = [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)] * len(cases)
-    one = [o.token_ids for o in decode_reference.staggered(single, cases, params, f"mini-tp1-{k}")]
-    two = [o.token_ids for o in decode_reference.staggered(group, cases, params, f"mini-tp2-{k}")]
+    one, two = on_both(engines, k, cases, [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)] * len(cases), "mini")
     assert two == one == [w for _, _, w in cases]
     assert group.stats()["preemptions"] > 0 and group.stats()["failed_rounds"] == 0
 

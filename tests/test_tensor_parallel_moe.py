@@ -12,9 +12,8 @@ from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.parallel import runner_factory
 from raypipe.parallel.shards import sharded_parameter_bytes
-from tests.decode_reference import staggered
 from tests.test_qwen3_vl_decode import MAX_NEW, PROMPTS, Model
-from tests.test_tensor_parallel import with_k
+from tests.test_tensor_parallel import on_both
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +36,8 @@ def engines(model):
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_group_greedy_equals_one_device_and_generate(model, engines, k):
-    single, group = (with_k(e, k) for e in engines)
     cases = [model.case(sizes, seed=i) for i, sizes in enumerate(PROMPTS[:4])]
-    params = [SamplingParams(max_tokens=MAX_NEW)] * len(cases)
-    one = [o.token_ids for o in staggered(single, cases, params, f"moe-tp1-{k}")]
-    two = [o.token_ids for o in staggered(group, cases, params, f"moe-tp2-{k}")]
+    one, two = on_both(engines, k, cases, [SamplingParams(max_tokens=MAX_NEW)] * len(cases), "moe")
     assert two == one == [c[3] for c in cases]
 
 
