@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="HTTP host (default: the config file's http_options)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default: the config file's http_options)")
     serve.add_argument("--api-key", default=None, help="require this bearer token (or set RAYPIPE_API_KEY)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                       help="devices each Decoder replica's language model spans (one GPU each on GPU clusters; "
+                            "default: the config file's engine.tensor_parallel_size)")
 
     _add_batch(sub)
 
@@ -170,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--decoders", type=int, default=None,
                        help="serve: this many Decoder replicas, prefix-affinity routing vs Serve's default router "
                             "(multi-turn hit rate and TTFT, request split under uniform load)")
+    bench.add_argument("--tp", type=int, default=None, metavar="N",
+                       help="decode: a tensor-parallel group of N ranks vs one device (step time, collectives, "
+                            "per-rank memory)")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
     return parser
 
@@ -204,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             name = "encode_budgets" if args.budgets else "encode_latency"
         if args.target == "serve" and args.decoders:
             name = "serve_routing"
+        if args.target == "decode" and args.tp is not None:
+            name = "decode_tp"
         return importlib.import_module(f"raypipe.bench.{name}").main(args)
     return 2
 

@@ -41,3 +41,7 @@ class QueueFull(CapacityError):
 
 class EngineClosed(CapacityError):
     """The decode engine was shut down; the request may be retried on another one."""
+
+
+class GroupFailed(CapacityError):
+    """A rank of a tensor-parallel decode group failed; the group restarts whole and the request may be retried."""

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import ray
 from ray.exceptions import RayTaskError
+from ray.util.placement_group import remove_placement_group
 
 from raypipe.config import ModelConfig, defaults
 from raypipe.decode.actor import RemoteDecodeEngine
@@ -29,6 +30,8 @@ from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.base import VisionAdapter
 from raypipe.models.prompt import PreparedPrompt, VideoOptions, build_prompt, load_visuals
 from raypipe.models.registry import language_adapter, model_for_actors, resolve_model, vision_adapter
+from raypipe.parallel import runner_factory
+from raypipe.parallel.group import engine_actor_placement
 from raypipe.runtime.ray_cluster import connect_ray, decode_threads, default_encoder_gpus
 
 
@@ -54,6 +57,7 @@ class Pipeline:
         self.actor_model = str(checkpoint)  # what actors load: an s3:// URI resolves on their own node
         self._engine = None  # DecodeEngine actor, started by the first generate()
         self._engine_ready = None  # its info() ref: resolves once the model is loaded
+        self._placement = None  # the decode group's placement group (tensor_parallel_size > 1)
         self._engine_lock = threading.Lock()  # concurrent first calls must start one engine
         self._tokenizer = None
         self._owns_ray = owns_ray
@@ -207,9 +211,12 @@ class Pipeline:
         which surfaces load errors)."""
         with self._engine_lock:
             if self._engine is None:
-                # num_cpus=0 like the encoders (see encode/pool.py); it picks its device itself.
-                self._engine = RemoteDecodeEngine.options(num_cpus=0, num_gpus=self.decode_gpus).remote(
-                    self.actor_model, self.engine_config)
+                # num_cpus=0 like the encoders (see encode/pool.py); it picks its device itself. With
+                # tensor_parallel_size N it is rank 0 of a decode group, in bundle 0 of N (raypipe/parallel/).
+                options, self._placement = engine_actor_placement(self.engine_config.tensor_parallel_size,
+                                                                  self.decode_gpus)
+                self._engine = RemoteDecodeEngine.options(num_cpus=0, num_gpus=self.decode_gpus, **options).remote(
+                    self.actor_model, self.engine_config, runner_factory(self.engine_config))
                 self._engine_ready = self._engine.info.remote()
             return self._engine
 
@@ -228,7 +235,9 @@ class Pipeline:
         self._closed = True
         self.coordinator.pool.shutdown()
         if self._engine is not None:
-            ray.kill(self._engine)
+            ray.kill(self._engine)  # its group's ranks are its own actors: they go with it
+        if self._placement is not None:
+            remove_placement_group(self._placement)
         if self._owns_ray:
             ray.shutdown()
 

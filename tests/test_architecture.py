@@ -15,16 +15,17 @@ PACKAGE = ROOT / "raypipe"
 # room -> the rooms it may import (besides itself). Entry points at the top, leaves at the bottom.
 ALLOWED = {
     "cli": {"jobs", "serve", "bench", "batch", "config", "models", "inputs", "errors"},  # bench: importlib by name
-    "bench": {"testing", "serve", "batch", "pipeline", "config", "encode", "decode", "models", "inputs",
+    "bench": {"testing", "serve", "batch", "pipeline", "config", "encode", "parallel", "decode", "models", "inputs",
               "runtime", "storage", "errors", "face"},
     "jobs": {"testing", "batch", "pipeline", "config", "inputs", "runtime", "storage", "errors", "face"},
-    "serve": {"pipeline", "config", "decode", "models", "inputs", "runtime", "errors"},
+    "serve": {"pipeline", "config", "parallel", "decode", "models", "inputs", "runtime", "errors"},
     "testing": {"errors"},
     "face": {"pipeline", "inputs", "errors"},  # raypipe/__init__.py
-    "batch": {"config", "encode", "decode", "models", "inputs", "runtime", "storage", "errors"},
-    "pipeline": {"config", "encode", "decode", "models", "inputs", "runtime", "errors"},
+    "batch": {"config", "encode", "parallel", "decode", "models", "inputs", "runtime", "storage", "errors"},
+    "pipeline": {"config", "encode", "parallel", "decode", "models", "inputs", "runtime", "errors"},
     "config": {"decode", "encode", "models", "inputs", "errors"},
     "encode": {"models", "inputs", "runtime", "errors"},
+    "parallel": {"decode", "models", "runtime", "errors"},
     "decode": {"models", "inputs", "runtime", "errors"},
     "models": {"inputs", "storage", "errors"},
     "inputs": {"errors"},

@@ -165,9 +165,11 @@ class GenerateStage:
         from raypipe.decode.engine import LLMEngine
         from raypipe.inputs.sampling import SamplingParams
         from raypipe.models.registry import resolve_model
+        from raypipe.parallel import runner_factory
 
         checkpoint = resolve_model(model)
-        self.engine = LLMEngine(checkpoint, engine_config)
+        # tensor_parallel_size > 1: this actor is rank 0; its group places the other ranks (raypipe/parallel/)
+        self.engine = LLMEngine(checkpoint, engine_config, runner_factory(engine_config))
         self.vision = _vision_adapter(str(checkpoint))
         self.image_limits = image_limits
         self.video = video  # raypipe.models.prompt.VideoOptions: the EVS rate the prompt plans for

@@ -18,8 +18,8 @@ from raypipe.decode.engine import LLMEngine
 
 
 class DecodeEngine:
-    def __init__(self, checkpoint: str, config: EngineConfig):
-        self.engine = LLMEngine(checkpoint, config)
+    def __init__(self, checkpoint: str, config: EngineConfig, runner_factory=None):
+        self.engine = LLMEngine(checkpoint, config, runner_factory)  # runner_factory: see LLMEngine
 
     def info(self) -> dict:
         config = self.engine.config

@@ -27,6 +27,9 @@ class EngineConfig:
     num_scheduler_steps: int = 8  # K: decode steps per scheduling round
     dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
     num_threads: int | None = None  # torch CPU threads for the engine process (None: leave as is)
+    # Devices the language model spans (raypipe/parallel/): that many ranks, one per GPU, weights
+    # sharded by the checkpoint's tensor-parallel plan; each rank uses num_threads CPU threads.
+    tensor_parallel_size: int = 1
     # Requests queued beyond the running ones (they hold their prompts and image embeddings); one
     # more is refused with `raypipe.errors.QueueFull`, a retryable `CapacityError`.
     max_num_waiting: int = 1024
@@ -57,6 +60,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting", "block_size",
+                     "tensor_parallel_size",
                      "grammar_compile_workers", "grammar_compile_memory_bytes", "grammar_compile_stack_bytes",
                      "grammar_max_bytes", "grammar_max_depth", "grammar_max_ref_depth", "grammar_max_rules"):
             value = getattr(self, name)

@@ -56,7 +56,7 @@ from raypipe.decode.request import check_request, visual_rows
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
-from raypipe.errors import EngineClosed, InvalidInput, QueueFull
+from raypipe.errors import CapacityError, EngineClosed, InvalidInput, QueueFull
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.prompt import PreparedPrompt
 from raypipe.models.registry import language_adapter
@@ -66,14 +66,19 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, checkpoint, config: EngineConfig | None = None):
+    def __init__(self, checkpoint, config: EngineConfig | None = None, runner_factory=None):
+        """`runner_factory` builds the model runner (`ModelRunner`'s arguments); a tensor-parallel
+        group's comes from `raypipe.parallel.runner_factory(config)`."""
         self.adapter = language_adapter(checkpoint)
         self.config = (config or EngineConfig()).resolved(self.adapter.max_position_embeddings)
+        if self.config.tensor_parallel_size > 1 and runner_factory is None:
+            raise ValueError("EngineConfig.tensor_parallel_size > 1 needs a decode group: pass "
+                             "runner_factory=raypipe.parallel.runner_factory(config)")
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.num_threads = torch.get_num_threads()
         self.device = pick_device()
-        self.runner = ModelRunner(self.adapter, device=self.device, dtype=resolve_dtype(self.config.dtype, self.device),
+        self.runner = (runner_factory or ModelRunner)(self.adapter, device=self.device, dtype=resolve_dtype(self.config.dtype, self.device),
                                   max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
                                   num_scheduler_steps=self.config.num_scheduler_steps,
                                   block_size=self.config.block_size, kv_cache_memory=self.config.kv_cache_memory,
@@ -238,6 +243,7 @@ class LLMEngine:
         self._thread.join(timeout=30)
         self._prefill_thread.shutdown(wait=False)
         self.grammars.close()
+        self.runner.close()
         with self._cond:
             left, self._live = list(self._live.values()), {}
         for seq in left:
@@ -414,8 +420,9 @@ class LLMEngine:
             seq.block_table, seq.row = [], None
         failed, self.scheduler.running = [s for s in self.scheduler.running if not s.finished], []
         for seq in failed:
-            self._forget(seq)
-            seq.deliver(RuntimeError(f"decode engine failed on this batch: {exc!r}"))
+            self._forget(seq)  # a CapacityError (a decode group's rank died: GroupFailed) is retryable as it is
+            seq.deliver(exc if isinstance(exc, CapacityError) else
+                        RuntimeError(f"decode engine failed on this batch: {exc!r}"))
 
     def _forget(self, seq: Sequence) -> None:
         with self._cond:

@@ -30,6 +30,9 @@ StepCallback = Callable[[int, list[int]], bool]
 
 
 class ModelRunner:
+    # Hooks for a runner that spans devices (raypipe.parallel): its failure, if its devices failed.
+    failed: BaseException | None = None
+
     def __init__(self, language_adapter, *, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, num_scheduler_steps: int, block_size: int, kv_cache_memory: int | None,
                  kv_cache_free_memory_fraction: float):
@@ -153,7 +156,7 @@ class ModelRunner:
                 hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),
                                     self.cache)
                 logits = self.model.logits(hidden[:, -1])
-            tokens = sample(logits, batch)
+            tokens = self.sample_step(logits, batch)
             if not self.cuda:
                 if on_step(step, tokens.tolist()):
                     return step + 1
@@ -179,6 +182,13 @@ class ModelRunner:
         step, done = pending.pop(0)
         done.synchronize()
         return on_step(step, self.host_ids[step, :n].tolist())
+
+    def sample_step(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """A decode step's next ids (a rank of a tensor-parallel group takes rank 0's instead)."""
+        return sample(logits, batch)
+
+    def close(self) -> None:
+        """Release what the runner holds besides tensors (a tensor-parallel group's other ranks)."""
 
     def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
         for src, dst, length in moves:

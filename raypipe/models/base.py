@@ -260,5 +260,6 @@ class LanguageAdapter(PlaceholderTokens, abc.ABC):
         return torch.arange(len(token_ids)).expand(3, -1).clone(), 0
 
     @abc.abstractmethod
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-        """The language model alone (`text_decoder.TextDecoder`) on `device`."""
+    def load_model(self, device: torch.device, dtype: torch.dtype, shard=None) -> torch.nn.Module:
+        """The language model alone (`text_decoder.TextDecoder`) on `device`; with `shard`, one
+        tensor-parallel rank's part of it (`raypipe.parallel.shards.WeightShard`)."""

@@ -32,11 +32,13 @@ def safetensors_files(folder: str | pathlib.Path) -> list[pathlib.Path]:
 
 
 def load_tensors(folder: str | pathlib.Path, prefixes: tuple[str, ...], *, dtype: torch.dtype | None = None,
-                 exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+                 exclude: tuple[str, ...] = (), shard=None) -> dict[str, torch.Tensor]:
     """Tensors whose key starts with one of `prefixes` (first matching prefix stripped).
 
     Checkpoints in the wild use different layouts for the same module (`visual.*` in the original
     Qwen release, `model.visual.*` in newer transformers saves); callers pass every layout they accept.
+    With `shard` (a tensor-parallel rank's weight shard, `raypipe.parallel.shards`), each tensor is
+    read through `shard.read(name, f.get_slice(key))`: only this rank's slice leaves the file.
     """
     out: dict[str, torch.Tensor] = {}
     for path in safetensors_files(folder):
@@ -50,7 +52,7 @@ def load_tensors(folder: str | pathlib.Path, prefixes: tuple[str, ...], *, dtype
                 name = key[len(prefix):]
                 if name in out:
                     raise ValueError(f"{path}: {key!r} duplicates a tensor already read under another layout")
-                tensor = f.get_tensor(key)
+                tensor = f.get_tensor(key) if shard is None else shard.read(name, f.get_slice(key))
                 out[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     if not out:
         raise ValueError(f"{folder}: no tensors under any of {prefixes}")

@@ -31,17 +31,23 @@ class TextDecoder(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, adapter, text_model_class, device: torch.device, dtype: torch.dtype, *,
                         prefixes: tuple[str, ...], exclude: tuple[str, ...],
-                        head_prefixes: tuple[str, ...] = LM_HEAD_PREFIXES, convert=None) -> "TextDecoder":
+                        head_prefixes: tuple[str, ...] = LM_HEAD_PREFIXES, convert=None, shard=None) -> "TextDecoder":
         """Build `text_model_class` from `text_config` and load only its tensors (and lm_head's); `convert`
-        maps the checkpoint's tensors to the module's layout where they differ (Qwen3.5 MoE's experts)."""
+        maps the checkpoint's tensors to the module's layout where they differ (Qwen3.5 MoE's experts).
+
+        With `shard` (one rank of a tensor-parallel group, `raypipe.parallel.shards`) the planned
+        layers take this rank's shapes first and only their slices are read; the rest (embeddings,
+        norms, lm_head) is loaded whole on every rank."""
         from transformers.initialization import no_init_weights
 
         text_config = adapter.text_config
         with no_init_weights():  # weights come from the checkpoint; skip the random init
             model = text_model_class._from_config(text_config, dtype=dtype)
             lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
-        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + head_prefixes)
-        if convert is not None:
+        if shard is not None:
+            shard.prepare(model)
+        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + head_prefixes, shard=shard)
+        if convert is not None:  # not with `shard`: a family that converts refuses tensor parallelism
             state = convert(state)
         load_module_weights(model, state, what=f"{adapter.checkpoint} language model")
         if getattr(adapter.config, "tie_word_embeddings", False):

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from ray.serve import Application
 
 from raypipe.config import EngineConfig, ModelConfig, TokenBudgets, defaults
+from raypipe.parallel.group import placement_options
 from raypipe.serve.decoder import Decoder
 from raypipe.serve.encoder_group import EncoderGroup
 from raypipe.serve.ingress import Ingress
@@ -71,7 +72,11 @@ def build_app(args: AppArgs | dict | None = None) -> Application:
 
 
 def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Application:
-    """The three deployments bound into one application; `options` per deployment name (autoscaling, ...)."""
+    """The three deployments bound into one application; `options` per deployment name (autoscaling, ...).
+
+    A Decoder whose engine spans `tensor_parallel_size` devices also gets a placement group of that
+    many bundles (one GPU each where its replicas take `num_gpus`), derived here from the engine args
+    so the two cannot disagree."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
 
     def deployment(d):
@@ -82,12 +87,16 @@ def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Applicatio
     routed = (options[Decoder.name].get("request_router_config") or {}).get("request_router_class") == ROUTER_CLASS
     encoder = deployment(EncoderGroup).bind(args.as_model_config(), batch_window_s=args.batch_window_s,
                                             max_batch_images=args.max_batch_images)
-    decoder = deployment(Decoder).bind(model=args.model, engine=args.engine)
+    engine = EngineConfig(**args.engine)
+    decoder_opts = options[Decoder.name]
+    gpus = decoder_opts.get("ray_actor_options", {}).get("num_gpus", 0)
+    group = placement_options(engine.tensor_parallel_size, gpus)
+    decoder = Decoder.options(**decoder_opts, **group).bind(model=args.model, engine=args.engine)
     return deployment(Ingress).bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
                                     api_key=args.api_key, limits=args.limits, resize_images=args.resize_images,
                                     video_pruning_rate=args.video_pruning_rate,
                                     prefix_key_blocks=routing.max_key_blocks if routed else 0,
-                                    block_size=EngineConfig(**args.engine).block_size)
+                                    block_size=engine.block_size)
 
 
 def decoder_options(options: dict, routing: PrefixRouting) -> dict:

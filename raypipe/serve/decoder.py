@@ -5,10 +5,16 @@ decode rounds, so `max_ongoing_requests` should be at least the engine's `max_nu
 embeddings arrive as `ObjectRef`s straight from the encoder workers and are resolved here.
 A request's first delta names the replica (the ingress counts requests and prefix-cache hits per
 replica from it), and `prefix_hashes` is for the request router (`prefix_router.py`), not used here.
+
+With `engine.tensor_parallel_size` N > 1 the replica is rank 0 of a decode group (raypipe/parallel/)
+and its placement group holds the other ranks (`compose` sets its bundles). When a rank dies, the
+requests in flight fail with a retryable 503 (`GroupFailed`) and the next request restarts the group
+whole: a new engine with new ranks, started while that request waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from ray import serve
@@ -18,20 +24,37 @@ from raypipe.decode.engine import LLMEngine
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.prompt import PreparedPrompt
 from raypipe.models.registry import resolve_model
+from raypipe.parallel import runner_factory
 
 
 @serve.deployment  # options (replicas, resources, max_ongoing_requests) live in deployments/config.yaml
 class Decoder:
     def __init__(self, model: str, engine: dict):  # from `AppArgs` (raypipe.serve.app.compose)
-        self.engine = LLMEngine(resolve_model(model), EngineConfig(**engine))
+        self.checkpoint, self.config = resolve_model(model), EngineConfig(**engine)
         self.replica = serve.get_replica_context().replica_id.unique_id
+        self.engine = self._start()
+        self.group_restarts = 0
+        self._restart = asyncio.Lock()
+
+    def _start(self) -> LLMEngine:
+        return LLMEngine(self.checkpoint, self.config, runner_factory=runner_factory(self.config))
+
+    async def _live_engine(self) -> LLMEngine:
+        """The engine, restarted whole first if its decode group failed (requests wait for the new one)."""
+        async with self._restart:
+            if self.engine.runner.failed is not None:
+                await asyncio.to_thread(self.engine.shutdown)
+                self.engine = await asyncio.to_thread(self._start)
+                self.group_restarts += 1
+            return self.engine
 
     async def generate(self, request_id: str, prompt: PreparedPrompt, visual_embeds: list, params: SamplingParams,
                        prefix_hashes: tuple[bytes, ...] = ()):
         # When the caller goes away Serve cancels this generator; the engine's generate() then
         # aborts the request, which frees its KV-cache row at the next round boundary.
         replica = self.replica
-        async for delta in self.engine.generate(request_id, prompt, visual_embeds, params):
+        engine = await self._live_engine()
+        async for delta in engine.generate(request_id, prompt, visual_embeds, params):
             delta.replica, replica = replica, None
             yield delta
 
@@ -43,7 +66,12 @@ class Decoder:
         return os.getpid()
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return {**self.engine.stats(), "group_restarts": self.group_restarts}
+
+    def group_info(self) -> list[dict]:
+        """Per rank of the decode group (pid, device, weight bytes); one entry without a group."""
+        runner = self.engine.runner
+        return runner.info() if hasattr(runner, "info") else [{"rank": 0, "pid": os.getpid()}]
 
     def __del__(self):
         if hasattr(self, "engine"):

@@ -7,7 +7,9 @@ settings differ, and this module is the only place that says so:
   cluster has or can start GPUs", but an autoscaling cluster starts with no GPU node and only
   autoscaler v2 publishes its node types: with v1 it would resolve to 0 and the encoders would
   never bring a GPU node up;
-- each `Decoder` replica asks for one GPU (its language model gets the GPU to itself);
+- each `Decoder` replica asks for one GPU (its language model gets the GPU to itself) per rank:
+  with `engine.tensor_parallel_size` N its placement group holds N one-GPU bundles on one node
+  (`serve.app.compose` derives them), so it needs a pod or node with N GPUs;
 - the HTTP proxy listens on all interfaces, so KubeRay's Service (or a load balancer) reaches it.
 
     python -m raypipe.serve.kuberay                 # rewrite rayservice.yaml's serveConfigV2 block

@@ -26,6 +26,7 @@ from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
 
 FLAG_ARGS = ("model", "num_encoders", "encoder_gpus", "cost_model", "api_key")  # flags that override the app's args
 FLAG_HTTP = ("host", "port")  # flags that override http_options
+FLAG_ENGINE = ("tensor_parallel_size",)  # flags that override the app's engine args
 START_KEYS = ("proxy_location", "http_options", "grpc_options", "controller_options")  # as `serve run` passes them
 APP_KEYS = {"name", "route_prefix", "import_path", "args", "deployments"}
 
@@ -42,6 +43,8 @@ def serve_config(args) -> dict:
         raise ValueError(f"{path} sets {', '.join(unapplied)}, which `raypipe serve` does not apply; "
                          f"use `serve run {path}`")
     apps[0]["args"] = {**(apps[0].get("args") or {}), **_given(args, FLAG_ARGS)}
+    if _given(args, FLAG_ENGINE):
+        apps[0]["args"]["engine"] = {**(apps[0]["args"].get("engine") or {}), **_given(args, FLAG_ENGINE)}
     config["http_options"] = {**(config.get("http_options") or {}), **_given(args, FLAG_HTTP)}
     return config
 

@@ -33,10 +33,10 @@ class LlavaOnevisionLanguageAdapter(LanguageAdapter):
     def token_runs(self, grid: Sequence[int]) -> list[int]:
         return self.vision.token_runs(grid)
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> "LlavaOnevisionLanguageModel":
+    def load_model(self, device: torch.device, dtype: torch.dtype, shard=None) -> "LlavaOnevisionLanguageModel":
         return LlavaOnevisionLanguageModel.from_checkpoint(
             self, _text_model_class(self.text_config), device, dtype, prefixes=LANGUAGE_PREFIXES,
-            exclude=(), head_prefixes=HEAD_PREFIXES)
+            exclude=(), head_prefixes=HEAD_PREFIXES, shard=shard)
 
 
 def _text_model_class(text_config):

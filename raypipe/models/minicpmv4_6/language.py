@@ -31,7 +31,7 @@ class MiniCPMV4_6LanguageAdapter(LanguageAdapter):
     def token_runs(self, grid: Sequence[int]) -> list[int]:
         return self.vision.token_runs(grid)
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> TextDecoder:
+    def load_model(self, device: torch.device, dtype: torch.dtype, shard=None) -> TextDecoder:
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
-        return TextDecoder.from_checkpoint(self, Qwen3_5TextModel, device, dtype, prefixes=LANGUAGE_PREFIXES, exclude=VISION_EXCLUDE)
+        return TextDecoder.from_checkpoint(self, Qwen3_5TextModel, device, dtype, prefixes=LANGUAGE_PREFIXES, exclude=VISION_EXCLUDE, shard=shard)

@@ -50,8 +50,8 @@ class Qwen2_5_VLLanguageAdapter(LanguageAdapter):
         return mrope_positions(runs, len(token_ids), layouts, list(kept) or [None] * len(layouts), self.merge,
                                self.tokens_per_second)
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> TextDecoder:
+    def load_model(self, device: torch.device, dtype: torch.dtype, shard=None) -> TextDecoder:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
 
         return TextDecoder.from_checkpoint(self, Qwen2_5_VLTextModel, device, dtype, prefixes=LANGUAGE_PREFIXES,
-                           exclude=VISION_EXCLUDE)
+                           exclude=VISION_EXCLUDE, shard=shard)

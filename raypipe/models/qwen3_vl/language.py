@@ -42,13 +42,13 @@ class Qwen3VLLanguageAdapter(Qwen2_5_VLLanguageAdapter):
         runs = token_runs(token_ids, tuple(self.placeholder_token_ids.values()))
         return qwen3_positions(runs, len(token_ids), layouts, self.merge)
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> "DeepstackTextDecoder":
+    def load_model(self, device: torch.device, dtype: torch.dtype, shard=None) -> "DeepstackTextDecoder":
         if self.config.model_type == "qwen3_vl_moe":
             from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel as text_model
         else:
             from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel as text_model
         return DeepstackTextDecoder.from_checkpoint(self, text_model, device, dtype, prefixes=LANGUAGE_PREFIXES,
-                                                    exclude=VISION_EXCLUDE)
+                                                    exclude=VISION_EXCLUDE, shard=shard)
 
 
 class DeepstackTextDecoder(TextDecoder):

@@ -35,7 +35,9 @@ class Step3LanguageAdapter(LanguageAdapter):
     def token_runs(self, grid: Sequence[int]) -> list[int]:
         return self.geometry.token_runs(tuple(grid))
 
-    def load_model(self, device: torch.device, dtype: torch.dtype) -> "Step3LanguageModel":
+    def load_model(self, device: torch.device, dtype: torch.dtype, shard=None) -> "Step3LanguageModel":
+        if shard is not None:  # it loads through from_pretrained (loading.py), which reads every tensor
+            raise ValueError("Step3's language model is not tensor-parallel yet: run it with tensor_parallel_size 1")
         return Step3LanguageModel(self, device, dtype)
 
 

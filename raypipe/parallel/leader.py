@@ -1,0 +1,109 @@
+"""Rank 0: the engine's `ModelRunner` for a tensor-parallel group.
+
+The engine in rank 0's process schedules, samples and streams as with one device; its runner is
+this `GroupRunner`, which sends each piece of work to the other ranks before running it itself:
+
+    prefill (a group of chunks)   -> ("prefill", the chunks' sequences)   once per prefill group
+    decode (K steps of a round)   -> ("decode", the rows, K)              once per round
+                                     then after each step the sampled ids and whether the round ends
+    move_rows                     -> ("move", moves)
+
+so the plan travels once per round and a step adds one broadcast of `rows + 1` ids next to the
+layers' all-reduces. Sampling happens on rank 0 only (every sampler feature, grammars included,
+as with one device); the other ranks take its ids as their next input.
+
+The engine may prefill on one thread while it decodes on another; a group runs the two one after
+the other (a lock), because the ranks must issue their collectives in one order. For the same
+reason rank 0 reads each step's ids on the host before the next step (no step-late copy on CUDA),
+and decode steps run eager (no compiled step: its graph would hold the all-reduces).
+
+Any exception inside group work leaves the ranks out of step: the group is then `failed`, this and
+every later call raises `GroupFailed` (a retryable `CapacityError`, HTTP 503), and whoever owns the
+engine starts a new one with a new group (`serve.decoder`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import torch
+
+from raypipe.decode.model_runner import ModelRunner
+from raypipe.errors import GroupFailed
+from raypipe.parallel.collectives import Collectives
+from raypipe.parallel.group import RankGroup
+from raypipe.parallel.rank_runner import RankAdapter, decode_fields, prefill_fields, rank_info
+from raypipe.parallel.shards import WeightShard
+
+log = logging.getLogger(__name__)
+
+
+class GroupRunner(ModelRunner):
+    def __init__(self, adapter, *, tensor_parallel_size: int, num_threads: int | None, **runner_kwargs):
+        device = torch.device(runner_kwargs["device"])
+        self.collectives = Collectives(0, tensor_parallel_size, device)
+        super().__init__(RankAdapter(adapter, WeightShard(adapter.text_config, 0, tensor_parallel_size,
+                                                          self.collectives)), **runner_kwargs)
+        self.cuda = False  # ids read on the host after every step: the ranks' collectives stay in one order
+        self._lock = threading.Lock()
+        self.decode_collective_seconds = 0.0  # of collectives.seconds, inside decode rounds (the benchmark's share)
+        # The other ranks get this pool's exact size (on CUDA free memory differs per device).
+        rank_kwargs = dict(runner_kwargs, kv_cache_memory=(self.cache.num_blocks - 1) * self.cache.block_size
+                           * self.bytes_per_token, device=None)
+        self.group = RankGroup.start(str(adapter.checkpoint), self.collectives, rank_kwargs, num_threads)
+
+    def use_static_step(self, batch_buckets=None, kv_buckets=None) -> str | None:
+        return "a tensor-parallel group runs eager decode steps (a compiled step would hold the all-reduces)"
+
+    def prefill(self, seqs, sampled, batch):
+        with self._group_work("prefill"):
+            self.collectives.broadcast_object(("prefill", [prefill_fields(s) for s in seqs]))
+            return super().prefill(seqs, sampled, batch)
+
+    def decode(self, seqs, batch, steps, on_step):
+        def shared(step: int, ids: list[int]) -> bool:
+            stop = on_step(step, ids)
+            self.collectives.broadcast_ids(torch.tensor([*ids, int(stop)], dtype=torch.long))
+            return stop
+
+        with self._group_work("decode"):
+            before = self.collectives.seconds
+            self.collectives.broadcast_object(("decode", [decode_fields(s) for s in seqs], steps))
+            try:
+                return super().decode(seqs, batch, steps, shared)
+            finally:
+                self.decode_collective_seconds += self.collectives.seconds - before
+
+    def move_rows(self, moves) -> None:
+        if not moves:
+            return
+        with self._group_work("move"):
+            self.collectives.broadcast_object(("move", moves))
+            super().move_rows(moves)
+
+    @contextlib.contextmanager
+    def _group_work(self, what: str):
+        with self._lock:
+            if self.failed is not None:
+                raise GroupFailed(f"the decode group failed earlier ({self.failed!r}); it is restarting, retry")
+            try:
+                yield
+            except Exception as exc:
+                self.failed = exc
+                log.error("decode group failed during %s: %r", what, exc)
+                raise GroupFailed(f"a rank of the decode group failed during {what}: {exc}; retry") from exc
+
+    def info(self) -> list[dict]:
+        """Per rank (0 first): `rank_info`, and rank 0's seconds in collectives during decode rounds."""
+        own = dict(rank_info(0, self, self.collectives.seconds), decode_collective_seconds=self.decode_collective_seconds)
+        return [own, *self.group.info()]
+
+    def close(self) -> None:
+        with self._lock:
+            if self.failed is None:
+                with contextlib.suppress(Exception):
+                    self.collectives.broadcast_object(("stop",))
+            self.failed = self.failed or RuntimeError("closed")
+        self.group.stop()

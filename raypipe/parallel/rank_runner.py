@@ -1,0 +1,60 @@
+"""What every rank shares: a `ModelRunner` over this rank's shard, and the round messages that mirror sequences.
+
+Each rank is an ordinary `decode.model_runner.ModelRunner` whose language model is this rank's
+shard (`shards.WeightShard`) and whose cache holds this rank's heads (`RankAdapter.text_config`):
+the runner's prefill and decode code is the same on every rank, so every rank issues the same
+collectives in the same order. Rank 0 sends a round's work as messages of plain data; the other
+ranks rebuild `Sequence`s from them with only the fields the runner reads (`prefill_fields`,
+`decode_fields`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from raypipe.decode.sequence import Sequence
+from raypipe.parallel.shards import WeightShard, sharded_parameter_bytes
+
+
+class RankAdapter:
+    """The two things `ModelRunner` asks its language adapter for, as one rank sees them."""
+
+    def __init__(self, adapter, shard: WeightShard):
+        self.adapter, self.shard = adapter, shard
+        self.text_config = shard.local_text_config(adapter.text_config)
+
+    def load_model(self, device: torch.device, dtype: torch.dtype):
+        return self.adapter.load_model(device, dtype, shard=self.shard)
+
+
+def prefill_fields(seq: Sequence) -> dict:
+    """What a rank needs to prefill `seq`'s chunk of this round (its prompt, positions and visual rows)."""
+    return dict(request_id=seq.request_id, prompt_ids=seq.prompt_ids, positions=seq.positions,
+                rope_delta=seq.rope_delta, visual_embeds=seq.visual_embeds, output_ids=seq.output_ids, row=seq.row,
+                block_table=seq.block_table, num_computed=seq.num_computed, chunk_len=seq.chunk_len)
+
+
+def decode_fields(seq: Sequence) -> dict:
+    """What a rank needs for `seq`'s decode steps: its length, last token, block table and rope offset."""
+    return dict(request_id=seq.request_id, prompt_ids=seq.prompt_ids, positions=None, rope_delta=seq.rope_delta,
+                visual_embeds=None, output_ids=seq.output_ids, row=seq.row, block_table=seq.block_table,
+                num_computed=seq.num_computed)
+
+
+def mirror(fields: dict) -> Sequence:
+    return Sequence(params=None, deliver=None, **fields)
+
+
+def rank_info(rank: int, runner, collective_seconds: float = 0.0) -> dict:
+    """What a rank reports about itself, measured in its own process: pid, device, parameter bytes (decoder
+    layers / the rest), its pool (blocks, bytes), resident memory and seconds spent in collectives."""
+    return {"rank": rank, "pid": os.getpid(), "device": str(runner.device), "num_blocks": runner.cache.num_blocks,
+            "parameter_bytes": sharded_parameter_bytes(runner.model), "kv_cache_bytes": runner.cache.nbytes,
+            "rss_bytes": _resident_bytes(), "collective_seconds": collective_seconds}
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

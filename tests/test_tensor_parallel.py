@@ -1,0 +1,130 @@
+"""A tensor-parallel decode group (raypipe/parallel/): Qwen2.5-VL over two ranks (gloo on CPU) gives the
+same greedy tokens as one device and as transformers' generate(), K=1 and K=8, with images, prefix-cache
+hits, preemption and chunked prefill; its log-probabilities match one device's; each rank holds half of
+the decoder layers' weights, as its own process reports.
+
+One group for the module (starting one costs seconds: an actor, its imports, its shard); K is switched
+between runs on the same engines (it shapes rounds only, never outputs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from raypipe import SamplingParams
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
+from raypipe.models.registry import preset_checkpoint, vision_adapter
+from raypipe.parallel import runner_factory
+from raypipe.parallel.shards import sharded_parameter_bytes
+from tests import decode_reference as ref
+
+MAX_NEW = 16
+BLOCK = 8
+POOL_BLOCKS = 24  # 192 tokens of K/V for 8 concurrent requests of ~30-110: the newest are preempted
+CONFIG = dict(max_num_seqs=8, max_model_len=POOL_BLOCKS * BLOCK, block_size=BLOCK, num_threads=1,
+              max_num_batched_tokens=48)  # prompts longer than 48 tokens are prefilled in chunks
+
+
+def start(ckpt, tp: int, kv_cache_memory: int) -> LLMEngine:
+    config = EngineConfig(**CONFIG, tensor_parallel_size=tp, kv_cache_memory=kv_cache_memory)
+    return LLMEngine(ckpt, config, runner_factory=runner_factory(config))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_ckpt, ray_local):
+    probe = LLMEngine(tiny_ckpt, EngineConfig(max_num_seqs=1, max_model_len=64))
+    per_token = probe.runner.bytes_per_token  # one device's K/V bytes per token (every head)
+    probe.shutdown()
+    # kv_cache_memory is per device: a rank holds half the heads, so half the bytes give the same blocks.
+    single = start(tiny_ckpt, 1, POOL_BLOCKS * BLOCK * per_token)
+    group = start(tiny_ckpt, 2, POOL_BLOCKS * BLOCK * per_token // 2)
+    yield single, group
+    group.shutdown()
+    single.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cases(engines, hf_model, tiny_ckpt):
+    """(prompt, transformers' image embeddings, transformers' greedy tokens) per request."""
+    engine = engines[0]
+    vision = vision_adapter(tiny_ckpt)
+    eos = engine.adapter.eos_token_ids[0]
+    out = []
+    for i in range(len(ref.REQUESTS)):
+        prompt = ref.prepare(i, engine.tokenizer, vision)
+        embeds = ref.embeddings(hf_model, tiny_ckpt, prompt)
+        out.append((prompt, embeds, ref.hf_generate(hf_model, prompt, embeds, MAX_NEW, eos)))
+    assert len({tuple(want) for _, _, want in out}) > 1
+    assert max(len(p.prompt_token_ids) for p, _, _ in out) > CONFIG["max_num_batched_tokens"]
+    return out
+
+
+def with_k(engine: LLMEngine, k: int) -> LLMEngine:
+    engine.config.num_scheduler_steps = k
+    return engine
+
+
+def on_both(engines, k: int, cases, params, tag: str) -> tuple[list, list]:
+    """Token ids of `cases` (staggered arrivals) on one device and on the group, both at K=k."""
+    single, group = (with_k(e, k) for e in engines)
+    return ([o.token_ids for o in ref.staggered(single, cases, params, f"{tag}-tp1-{k}")],
+            [o.token_ids for o in ref.staggered(group, cases, params, f"{tag}-tp2-{k}")])
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
+    group = engines[1]
+    before = group.stats()
+    one, two = on_both(engines, k, cases, [SamplingParams(max_tokens=MAX_NEW)] * len(cases), "qwen")
+    want = [w for _, _, w in cases]
+    assert two == one == want
+    after = group.stats()
+    assert after["preemptions"] > 0  # the K=1 run preempts (K=8 rounds free rows sooner and may not)
+    assert after["chunked_prefills"] > before["chunked_prefills"]
+    assert after["decode_step"]["mode"] == "eager" and after["failed_rounds"] == 0
+
+
+def test_group_reuses_cached_prefixes(engines, cases, hf_model):
+    group = with_k(engines[1], 8)
+    prompt, embeds, want = cases[2]  # three images
+    hits = []
+    for i in range(2):
+        before = group.stats()["prefix_cache_hit_tokens"]
+        out = asyncio.run(group.generate_output(f"again-{i}", prompt, embeds, SamplingParams(max_tokens=MAX_NEW)))
+        assert out.token_ids == want
+        hits.append(group.stats()["prefix_cache_hit_tokens"] - before)
+    assert hits[1] >= (len(prompt.prompt_token_ids) - 1) // BLOCK * BLOCK > 0
+
+
+def test_group_logprobs_match_one_device(engines, cases):
+    """Log-softmax of the logits, top 5 per step: fp32, atol 1e-5 / rtol 1e-4 (the all-reduce sums the
+    two ranks' partial products in another order than one GEMM does)."""
+    prompt, embeds, _ = cases[5]
+    params = SamplingParams(max_tokens=MAX_NEW, logprobs=5)
+    outs = [asyncio.run(e.generate_output("logprobs", prompt, embeds, params)) for e in engines]
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(outs[0].logprobs, outs[1].logprobs):
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        torch.testing.assert_close(torch.tensor([lp for _, lp in b.top]), torch.tensor([lp for _, lp in a.top]),
+                                   atol=1e-5, rtol=1e-4)
+
+
+def test_each_rank_holds_half_of_the_decoder_layers(engines):
+    single, group = engines
+    whole = sharded_parameter_bytes(single.runner.model)["decoder_layers"]
+    ranks = group.runner.info()  # measured in each rank's own process
+    assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
+    layer_bytes = [r["parameter_bytes"]["decoder_layers"] for r in ranks]
+    assert layer_bytes[0] == layer_bytes[1]
+    assert 0.5 <= layer_bytes[0] / whole < 0.52  # the norms (a few hundred bytes) are on both ranks
+    assert len({r["num_blocks"] for r in ranks}) == 1 == (ranks[0]["num_blocks"] == single.runner.cache.num_blocks)
+
+
+def test_a_plan_the_group_cannot_shard_exactly_is_refused_by_its_styles():
+    config = EngineConfig(max_num_seqs=1, max_model_len=64, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="moe_tp_experts"):  # Step3's MoE experts
+        LLMEngine(preset_checkpoint("tiny-step3"), config, runner_factory=runner_factory(config))

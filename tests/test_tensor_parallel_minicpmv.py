@@ -1,0 +1,76 @@
+"""A tensor-parallel decode group for MiniCPM-V 4.6's hybrid language model, two ranks over gloo: each rank
+holds half of the full-attention heads (paged K/V) and half of the gated-delta-net heads (their conv and
+recurrent state rows). Greedy tokens equal one device's and transformers' generate(), K=1 and K=8, with
+images, requests joining a running batch, and preemption (a preempted row's state recomputed on both ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raypipe import SamplingParams
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
+from raypipe.models.prompt import build_prompt
+from raypipe.models.registry import language_adapter, vision_adapter
+from raypipe.parallel import runner_factory
+from tests import decode_reference
+from tests import minicpmv_reference as ref
+from tests.conftest import random_images
+from tests.test_tensor_parallel import on_both
+
+MAX_NEW = 12
+BLOCK = 8
+REQUESTS = [("Say something.", []), ("What is in this picture?", [(300, 500)]),
+            ("Compare these:", [(60, 50), (450, 460), (100, 1000)]), ("hi", [(224, 224)]), ("x", [])]
+
+
+@pytest.fixture(scope="module")
+def cases(minicpmv_ckpt):
+    from transformers import MiniCPMV4_6ForConditionalGeneration
+
+    hf = MiniCPMV4_6ForConditionalGeneration.from_pretrained(minicpmv_ckpt).eval()
+    tokenizer, vision = language_adapter(minicpmv_ckpt).tokenizer, vision_adapter(minicpmv_ckpt)
+    out = []
+    for i, (text, sizes) in enumerate(REQUESTS):
+        prompt = build_prompt(decode_reference.messages(text, random_images(sizes, seed=i)), tokenizer, vision)
+        embeds = ref.image_embeddings(hf, minicpmv_ckpt, [image.pixels for image in prompt.visuals])
+        out.append((prompt, embeds, ref.hf_generate(hf, prompt.prompt_token_ids, embeds, MAX_NEW)))
+    assert len({tuple(want) for _, _, want in out}) == len(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(minicpmv_ckpt, cases, ray_local):
+    """One device and a group of two with the same number of blocks: about two of the longest requests'
+    worth, so a batch of all of them preempts."""
+    longest = -(-(max(len(p.prompt_token_ids) for p, _, _ in cases) + MAX_NEW) // BLOCK)
+    probe = LLMEngine(minicpmv_ckpt, EngineConfig(max_num_seqs=1, max_model_len=64))
+    block_bytes = probe.runner.bytes_per_token * BLOCK
+    probe.shutdown()
+    made = []
+    for tp in (1, 2):
+        config = EngineConfig(max_num_seqs=8, max_model_len=longest * BLOCK, block_size=BLOCK, num_threads=1,
+                              kv_cache_memory=(2 * longest + 1) * block_bytes // tp, tensor_parallel_size=tp)
+        made.append(LLMEngine(minicpmv_ckpt, config, runner_factory=runner_factory(config)))
+    yield made
+    for engine in made:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
+    single, group = engines
+    assert single.runner.cache.num_blocks == group.runner.cache.num_blocks
+    one, two = on_both(engines, k, cases, [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)] * len(cases), "mini")
+    assert two == one == [w for _, _, w in cases]
+    assert group.stats()["preemptions"] > 0 and group.stats()["failed_rounds"] == 0
+
+
+def test_each_rank_holds_half_of_the_linear_attention_state(engines):
+    single, group = engines
+    rows = [layer for layer in group.runner.cache.caches if layer.layer_type == "linear_attention"]
+    whole = [layer for layer in single.runner.cache.caches if layer.layer_type == "linear_attention"]
+    assert rows and all(a.recurrent.shape[1] * 2 == b.recurrent.shape[1] and a.conv.shape[1] * 2 == b.conv.shape[1]
+                        for a, b in zip(rows, whole))
+    ranks = group.runner.info()
+    assert ranks[0]["parameter_bytes"]["decoder_layers"] == ranks[1]["parameter_bytes"]["decoder_layers"]
