@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import pickle
-import socket
 import time
 
 import torch
@@ -23,17 +22,16 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 120.0  # a rank that stops answering fails the group after this (a dead one: at once)
 
 
+# Every rank is on rank 0's node (one STRICT_PACK placement group), so the rendezvous store and gloo's
+# pairs stay on loopback: nothing of the group listens on a routable address.
+LOOPBACK = "127.0.0.1"
+
+
 def open_store(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore, str, int]:
-    """Rank 0's rendezvous store on a free port of this node: (store, host, port)."""
-    store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+    """Rank 0's rendezvous store on a free loopback port: (store, host, port)."""
+    store = dist.TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    return store, _node_address(), store.port
-
-
-def _node_address() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostbyname(socket.gethostname())
+    return store, LOOPBACK, store.port
 
 
 class Collectives:
@@ -53,7 +51,10 @@ class Collectives:
         if self.device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(store, self.rank, self.world_size)
         else:
-            self.group = dist.ProcessGroupGloo(store, self.rank, self.world_size, timeout)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+            self.group = dist.ProcessGroupGloo(store, self.rank, self.world_size, options)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
