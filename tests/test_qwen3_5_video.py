@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from raypipe import SamplingParams
+from raypipe.errors import InvalidInput
+from raypipe.models.prompt import VideoOptions, build_prompt
 from tests import qwen3_vl_reference as ref
 from tests import test_qwen3_vl_video as qwen3_vl
 from tests.decode_reference import staggered
@@ -65,3 +67,14 @@ def test_greedy_matches_generate_for_videos_and_images(model):
     cases = [qwen3_vl._case(model, 1, False), qwen3_vl._case(model, 7, True)]
     outs = staggered(model.engine(k), cases, [SamplingParams(max_tokens=qwen3_vl.MAX_NEW)] * len(cases), f"video-{k}")
     assert [out.token_ids for out in outs] == [c[2] for c in cases]
+
+
+def test_evs_is_refused_with_its_code(model):
+    """Qwen3-VL's EVS is not carried over to Qwen3.5 untested: a pruning rate is refused with its code."""
+    messages = [{"role": "user", "content": [{"type": "video", "video": qwen3_vl.encoded(0)}]}]
+    with pytest.raises(InvalidInput) as refused:
+        build_prompt(messages, model.processor.tokenizer, model.vision, video=VideoOptions(pruning_rate=0.5))
+    assert refused.value.code == "invalid_video_pruning_rate" and "Qwen3.5" in str(refused.value)
+    whole = build_prompt(messages, model.processor.tokenizer, model.vision)
+    assert whole.prompt_token_ids == build_prompt(messages, model.processor.tokenizer, model.vision,
+                                                  video=VideoOptions(pruning_rate=0.0)).prompt_token_ids
