@@ -11,9 +11,9 @@ builds one `LayerCache` per layer from `CACHE_KINDS`.
   groups of equal length (`PADDED_PREFILL_EXACT = False`).
 - `sliding_attention` (Step3): a ring of `sliding_window` K/V per row; memory bounded by the window.
 
-The two bounded kinds keep fixed rows: `max_num_seqs` rows allocated up front, row i belonging to
-batch row i, so rows join, leave and move together across those kinds (`row_tensors`: dim 0 is the
-row). A prefill may continue from a row's state (`WritePattern.starts[b] > 0`): the state the row
+The two bounded kinds keep fixed rows: `max_num_seqs` rows allocated up front (and one spare, row
+`max_num_seqs`, through which the scheduler swaps two rows), row i belonging to batch row i, so rows
+join, leave and move together across those kinds (`row_tensors`: dim 0 is the row). A prefill may continue from a row's state (`WritePattern.starts[b] > 0`): the state the row
 holds after its earlier chunk, or a snapshot of those row tensors restored into the row
 (`kv_cache.KVCache.restore_state`, `snapshot_pool.py`): the linear kind feeds its conv state and
 recurrent state to transformers' layer as the chunk's initial state, the sliding kind attends over
@@ -38,15 +38,16 @@ import torch
 class WritePattern:
     """Where the next forward writes and what it reads: set by `KVCache.prepare_*`, read by every layer.
 
-    Prefill: rows `rows` get positions `starts[b] .. starts[b] + lengths[b] - 1` (right-padded to
-    `width`; `starts` are tokens each row already has cached, 0 for a fresh prompt).
+    Prefill: rows `rows` (a tensor of row indices, not always consecutive) get positions
+    `starts[b] .. starts[b] + lengths[b] - 1` (right-padded to `width`; `starts` are tokens each row
+    already has cached, 0 for a fresh prompt).
     Decode: rows `rows` (always `0..n-1`) each write one token at `write_index[row]`.
     Paged layers write the token slots `write_slots` (prefill: the `real` tokens, row-major) and read
     the blocks `read_blocks`, each row's first `kv_len / block_size` table entries, row-major (so
     `kv_len` is a whole number of blocks; not needed by a prefill without a past).
     """
 
-    rows: slice = dataclasses.field(default_factory=lambda: slice(0, 0))
+    rows: slice | torch.Tensor = dataclasses.field(default_factory=lambda: slice(0, 0))  # prefill: row indices
     lengths: torch.Tensor | None = None  # prefill only
     starts: torch.Tensor | None = None  # prefill only
     has_past: bool = False  # prefill only: some row starts after token 0
@@ -71,6 +72,11 @@ class CacheLimits:
     dtype: torch.dtype
     num_blocks: int  # paged pool, null block included
     block_size: int
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the bounded kinds: one per running sequence, and the spare a swap goes through."""
+        return self.max_num_seqs + 1
 
 
 class LayerCache(abc.ABC):
@@ -120,9 +126,9 @@ class LinearAttentionRows(LayerCache):
         key_dim = c.linear_key_head_dim * c.linear_num_key_heads
         conv_dim = 2 * key_dim + c.linear_value_head_dim * c.linear_num_value_heads
         self.kernel = c.linear_conv_kernel_dim
-        self.conv = torch.zeros((limits.max_num_seqs, conv_dim, self.kernel), device=limits.device,
+        self.conv = torch.zeros((limits.num_rows, conv_dim, self.kernel), device=limits.device,
                                 dtype=limits.dtype)
-        self.recurrent = torch.zeros((limits.max_num_seqs, c.linear_num_value_heads, c.linear_key_head_dim,
+        self.recurrent = torch.zeros((limits.num_rows, c.linear_num_value_heads, c.linear_key_head_dim,
                                       c.linear_value_head_dim), device=limits.device, dtype=torch.float32)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -200,7 +206,7 @@ class SlidingWindowRows(LayerCache):
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.window = text_config.sliding_window
         self.ring = min(self.window, limits.max_model_len)
-        shape = (limits.max_num_seqs, text_config.num_key_value_heads, self.ring, head_dim)
+        shape = (limits.num_rows, text_config.num_key_value_heads, self.ring, head_dim)
         self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
 
@@ -220,11 +226,10 @@ class SlidingWindowRows(LayerCache):
             index = torch.arange(width, device=key_states.device)[None, :]
             lengths = pattern.lengths[:, None].to(key_states.device)
             keep = (index < lengths) & (index >= lengths - self.ring)  # each row's last `ring` new tokens
-            rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None].expand_as(keep)[keep]
+            rows = pattern.rows.to(key_states.device)[:, None].expand_as(keep)[keep]
             slots = (pattern.starts[:, None].to(key_states.device) + index).remainder(self.ring).expand_as(keep)[keep]
-            first = pattern.rows.start
-            self.keys[rows + first, :, slots] = key_states.transpose(1, 2)[keep]
-            self.values[rows + first, :, slots] = value_states.transpose(1, 2)[keep]
+            self.keys[rows, :, slots] = key_states.transpose(1, 2)[keep]
+            self.values[rows, :, slots] = value_states.transpose(1, 2)[keep]
             return out
         slot = pattern.write_index.remainder(self.ring)
         self.keys[pattern.row_ids, :, slot] = key_states[:, :, 0]

@@ -25,10 +25,12 @@ class EngineConfig:
     # per-row state (linear attention, sliding window) a hit also needs a snapshot of that state at exactly its
     # last cached block (raypipe/decode/snapshot_pool.py). The snapshots get `state_snapshot_memory_fraction`
     # of the KV budget; one is taken every `snapshot_every_blocks` blocks of a prefill (also at branch points,
-    # a prompt's last block boundary and where a sequence's decode stopped). Measured in the README.
+    # a prompt's last block boundary and where a sequence's decode stopped). None: as many blocks as one
+    # snapshot's bytes would hold K/V, so a long prompt's periodic snapshots at most double its cache
+    # (`raypipe bench kv` section (f) measures the prefill time and memory against N; README "Prefix caching").
     enable_prefix_caching: bool = True
     state_snapshot_memory_fraction: float = 0.2
-    snapshot_every_blocks: int = 8
+    snapshot_every_blocks: int | None = None
     num_scheduler_steps: int = 8  # K: decode steps per scheduling round
     dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
     num_threads: int | None = None  # torch CPU threads for the engine process (None: leave as is)
@@ -62,12 +64,15 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting", "block_size",
-                     "snapshot_every_blocks",
                      "grammar_compile_workers", "grammar_compile_memory_bytes", "grammar_compile_stack_bytes",
                      "grammar_max_bytes", "grammar_max_depth", "grammar_max_ref_depth", "grammar_max_rules"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.snapshot_every_blocks is not None and (isinstance(self.snapshot_every_blocks, bool) or not isinstance(
+                self.snapshot_every_blocks, int) or self.snapshot_every_blocks < 1):
+            raise ValueError(f"EngineConfig.snapshot_every_blocks must be a positive integer or None, got "
+                             f"{self.snapshot_every_blocks!r}")
         if self.max_model_len is not None:
             if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) \
                     or self.max_model_len < 2:

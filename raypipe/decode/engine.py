@@ -6,7 +6,8 @@ view per thread, so it keeps no per-call state that two threads could share):
 
     apply aborts -> schedule (scheduler.py): blocks of the paged KV pool for the running sequences'
        K steps (preempting the newest when the pool runs dry), next chunks of prefills under way,
-       waiting requests admitted after the running batch (reusing their longest cached prefix)
+       waiting requests admitted after the running batch (reusing their longest cached prefix; for
+       layers with per-row state, the state snapshot at its end is copied into the row first)
     -> [prefill thread] prefill those chunks by groups of similar length, first token of each
        prompt completed || [engine thread] K decode steps for the sequences already decoding
     -> per sequence: cut at its stop, emit one delta -> free the rows and blocks of finished ones
@@ -84,13 +85,15 @@ class LLMEngine:
                                   if prefix_caching else 0.0)
         self.decode_step = self._start_decode_step()
         self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
-        self.snapshots = None
+        self.snapshots, state = None, self.runner.cache.state_bytes_per_row
         if prefix_caching and self.runner.cache.row_state_kinds:
-            self.snapshots = SnapshotPool(self.runner.num_snapshots, self.runner.cache.state_bytes_per_row)
+            self.snapshots = SnapshotPool(self.runner.num_snapshots, state)
             self.pool.on_evict = self.snapshots.drop
+        block_bytes = max(self.runner.bytes_per_token * self.config.block_size, 1)
+        self.snapshot_every = self.config.snapshot_every_blocks or max(1, -(-state // block_bytes))
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.pool,
                                    chunked_prefill=True, prefix_caching=prefix_caching, snapshots=self.snapshots,
-                                   snapshot_every=self.config.snapshot_every_blocks)
+                                   snapshot_every=self.snapshot_every)
         self._log_cache()
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
@@ -204,6 +207,7 @@ class LLMEngine:
                 "prefix_cache_hit_rate": (s["prefix_cache_hit_tokens"] / s["prefill_tokens_asked"]
                                           if s["prefill_tokens_asked"] else 0.0),
                 "preemptions": s["preemptions"], "chunked_prefills": s["chunked_prefills"],
+                **({"snapshot_every_blocks": self.snapshot_every} if self.snapshots is not None else {}),
                 "device": str(self.device), "decode_step": self.decode_step}
 
     def _log_cache(self) -> None:
@@ -222,7 +226,7 @@ class LLMEngine:
                      "= %g of the KV budget), one every %d blocks of a prefill, at branch points and where "
                      "sequences stop; a hit needs one at exactly its last cached block", self.snapshots.num_slots,
                      self.snapshots.slot_bytes, self.snapshots.num_slots * self.snapshots.slot_bytes / 2**20,
-                     self.config.state_snapshot_memory_fraction, self.config.snapshot_every_blocks)
+                     self.config.state_snapshot_memory_fraction, self.snapshot_every)
 
     def _start_decode_step(self) -> dict:
         """Static-shape decode step if configured and possible, warmed up now; what was chosen and why."""

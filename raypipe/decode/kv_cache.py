@@ -116,9 +116,9 @@ class KVCache(Cache):
         """Bytes of the layers' caches (paged blocks and rows; snapshots not included)."""
         return sum(t.numel() * t.element_size() for layer in self.caches for t in layer.tensors())
 
-    def prepare_prefill(self, first_row: int, starts: list[int], lengths: list[int], tables: list[list[int]]) -> None:
-        """Rows `first_row..+len(lengths)` compute positions `starts[b]..starts[b]+lengths[b]-1`
-        (right-padded to the longest), writing through their block `tables`."""
+    def prepare_prefill(self, rows: list[int], starts: list[int], lengths: list[int], tables: list[list[int]]) -> None:
+        """Rows `rows` (a group's sequences need not hold consecutive ones) compute positions
+        `starts[b]..starts[b]+lengths[b]-1` (right-padded to the longest), writing through their block `tables`."""
         width = max(lengths)
         kv_blocks = -(-max(s + n for s, n in zip(starts, lengths)) // self.block_size)
         starts_t = torch.tensor(starts, device=self.device)
@@ -127,7 +127,7 @@ class KVCache(Cache):
         query = starts_t[:, None] + torch.arange(width, device=self.device)[None, :]
         real = torch.arange(width, device=self.device)[None, :] < lengths_t[:, None]
         has_past = any(starts)
-        self.pattern = WritePattern(rows=slice(first_row, first_row + len(lengths)), lengths=lengths_t,
+        self.pattern = WritePattern(rows=torch.tensor(rows, device=self.device), lengths=lengths_t,
                                     starts=starts_t, has_past=has_past, real=real,
                                     write_slots=token_slots(table, query, self.block_size)[real],
                                     read_blocks=table[:, :kv_blocks].reshape(-1) if has_past else None,

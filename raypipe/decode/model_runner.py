@@ -7,7 +7,8 @@ earlier chunk, or 0): its positions and visual rows are those of its tokens in t
 Where a layer kind cannot skip padding (linear-attention state), the group runs as sub-batches of
 equal length. A sequence with state snapshots to take inside its chunk (`Sequence.snapshot_saves`)
 runs alone, its chunk split at those positions, and its row state is copied out at each (and at the
-chunk's end); decode copies a row's state at the step where it crosses its planned block boundary. `decode` runs K steps for the whole running batch: every step feeds the previous
+chunk's end); decode copies a row's state at the step where it crosses its planned block boundary.
+`decode` runs K steps for the whole running batch: every step feeds the previous
 step's sampled ids (still on the device) back in, so the model never waits for the host.
 Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
 stream, read one step late so the copy overlaps the next step's kernels; on CPU directly.
@@ -75,9 +76,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
-        """Compute the chunks of `seqs` (consecutive rows from `seqs[0].row` where the bounded cache
-        kinds have rows); first sampled ids of `sampled` (those whose prompt this completes, the rows
-        of `batch`)."""
+        """Compute the chunks of `seqs` (in their rows of the bounded cache kinds); first sampled ids of
+        `sampled` (those whose prompt this completes, the rows of `batch`)."""
         split = [s for s in seqs if any(p < s.num_computed + s.chunk_len for p, _ in s.snapshot_saves)]
         rest = [s for s in seqs if s not in split]
         runs: list[list[Sequence]] = [[s] for s in split]
@@ -131,7 +131,7 @@ class ModelRunner:
                 visual.append(seq.visual_embeds[first: first + sum(t in self.placeholder_ids for t in tokens)])
         visual_embeds = torch.cat(visual).to(self.device) if visual else None
         ids, positions = ids.to(self.device), positions.to(self.device)
-        self.prefill_cache.prepare_prefill(seqs[0].row, starts, lengths, [s.block_table for s in seqs])
+        self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs])
         return self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
                                   self.prefill_cache)
 

@@ -32,7 +32,10 @@ A state inside a chunk is taken by splitting the chunk's forward there (`ModelRu
 
 Row i of the running batch is row i of the bounded cache kinds; the batch stays compact: a
 sequence leaving (finished or preempted) hands its row to the last running sequence, whose row
-state the runner then moves (`Round.moves`).
+state the runner then moves (`Round.moves`). Decode runs over rows `0..n-1`, so the decoding
+sequences are put first (`_decoding_first`): with chunked prefill a sequence still prefilling can
+hold a lower row than one that finished its prompt sooner; their row state is swapped through the
+spare row (`max_num_seqs`).
 
 Prefill chunks are run in groups of similar length: one right-padded forward per group. Image
 prompts vary several-fold in length, and padding a whole admission to its longest prompt spent a
@@ -97,7 +100,6 @@ class Scheduler:
         for seq in sorted((s for s in self.running if s.decoding), key=lambda s: s.arrival):
             if seq.row is not None and not self._grow(seq, seq.cache_len + decode_tokens(seq), moves, preempted):
                 self._preempt(seq, moves, preempted)
-        decode = [s for s in self.running if s.decoding]
         budget = self.max_num_batched_tokens
         prefill: list[Sequence] = []
         for seq in sorted((s for s in self.running if not s.decoding), key=lambda s: s.arrival):
@@ -109,6 +111,8 @@ class Scheduler:
                 prefill.append(seq)
             else:
                 self._preempt(seq, moves, preempted)
+        self._decoding_first(moves)  # after every preemption (a prefill's growth may preempt a newer decoder)
+        decode = [s for s in self.running if s.decoding]  # rows 0..n-1
         joining = self._admit(budget, scheduled=bool(prefill))
         groups = group_by_length(prefill + joining, MAX_PADDING)
         restores = []
@@ -121,9 +125,34 @@ class Scheduler:
         if self.snapshots is not None and self.prefix_caching:
             for seq in decode:
                 self._plan_capture(seq, decode_tokens(seq))
+            planned: set[bytes] = set()  # one fill per state, however many prompts of the round pass it
             for seq in prefill + joining:
-                self._plan_snapshots(seq)
+                self._plan_snapshots(seq, planned)
         return Round(decode, groups, moves, preempted, restores)
+
+    def _decoding_first(self, moves: list[tuple[int, int, int]]) -> None:
+        """Reorder the running batch so decoding sequences hold rows `0..n-1` (stable), appending the
+        row moves: each cycle of the permutation goes through the spare row `max_num_seqs`."""
+        order = sorted(self.running, key=lambda s: not s.decoding)
+        if order == self.running:
+            return
+        spare, at = self.max_num_seqs, {s.row: s for s in self.running}
+        source = {row: seq.row for row, seq in enumerate(order)}  # new row -> the row its state is in now
+        done: set[int] = set()
+        for start in range(len(order)):
+            if start in done or source[start] == start:
+                continue
+            moves.append((start, spare, at[start].cache_len))
+            row = start
+            while source[row] != start:
+                moves.append((source[row], row, at[source[row]].cache_len))
+                done.add(row)
+                row = source[row]
+            moves.append((spare, row, at[start].cache_len))
+            done.add(row)
+        for row, seq in enumerate(order):
+            seq.row = row
+        self.running = order
 
     def _admit(self, budget: int, scheduled: bool) -> list[Sequence]:
         joining: list[Sequence] = []
@@ -184,7 +213,7 @@ class Scheduler:
             self.snapshots.release(seq.restore_slot)
             seq.restore_slot = None
 
-    def _plan_snapshots(self, seq: Sequence) -> None:
+    def _plan_snapshots(self, seq: Sequence, planned: set[bytes]) -> None:
         """Slots for the states this round's chunk of `seq` passes and the cache lacks: every
         `snapshot_every` blocks, its branch point, its prompt's (or a resume's) last block boundary."""
         size = self.pool.block_size
@@ -194,10 +223,12 @@ class Scheduler:
                   or p == seq.cache_len - seq.cache_len % size}
         extend_block_hashes(seq.block_hashes, seq.token_ids, size, end // size, seq.placeholder_runs)
         for p in sorted(points):
-            if not self.snapshots.has(seq.block_hashes[p // size - 1]):
+            key = seq.block_hashes[p // size - 1]
+            if not self.snapshots.has(key) and key not in planned:
                 slot = self.snapshots.allocate()
                 if slot is None:
                     return
+                planned.add(key)
                 seq.snapshot_saves.append((p, slot))
 
     def _plan_capture(self, seq: Sequence, steps: int) -> None:
