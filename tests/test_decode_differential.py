@@ -34,6 +34,7 @@ from tests import decode_reference as ref
 
 SCENARIOS = int(os.environ.get("RAYPIPE_DIFF_SCENARIOS", "4"))
 HYBRID_SCENARIOS = int(os.environ.get("RAYPIPE_DIFF_SCENARIOS", "2"))
+HYBRID_SNAPSHOTS = 4  # state snapshots the hybrid scenarios' small pool holds
 SEED = int(os.environ.get("RAYPIPE_DIFF_SEED", "8"))
 MAX_MODEL_LEN = 128
 SMALL_POOL_TOKENS = 112  # the longest request (64-token prompt + 48 tokens) fits, two seldom do
@@ -193,8 +194,14 @@ def compare_scenarios(engines, hf_model, scenarios: int, hybrid: bool = False) -
             limits["max_num_batched_tokens"] = rng.choice([16, 24, 40])
         if small_pool:  # at 128, SMALL_POOL_TOKENS (the engine's max_model_len then); else one sequence's blocks
             pool = SMALL_POOL_TOKENS if max_model_len == MAX_MODEL_LEN else -(-max_model_len // block) * block
-            limits.update(kv_cache_memory=ref.kv_budget(engines(1), bytes_per_token * pool),
-                          max_model_len=min(max_model_len, pool))
+            limits.update(max_model_len=min(max_model_len, pool))
+            if hybrid:  # room for a few state snapshots beside the blocks (the default share would hold none)
+                state = engines(1).runner.cache.state_bytes_per_row
+                total = bytes_per_token * pool + HYBRID_SNAPSHOTS * state + 2
+                limits.update(kv_cache_memory=total,
+                              state_snapshot_memory_fraction=(HYBRID_SNAPSHOTS * state + 1) / total)
+            else:
+                limits.update(kv_cache_memory=bytes_per_token * pool)
         engine = engines(k, **limits)
         before = engine.stats()
         results = asyncio.run(run_scenario(engine, requests, f"s{s}"))

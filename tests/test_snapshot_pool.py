@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raypipe.decode.block_pool import BlockPool
+from raypipe.decode.kv_pool_size import pool_blocks
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import Sequence
 from raypipe.decode.snapshot_pool import SnapshotPool
@@ -170,3 +171,12 @@ def test_snapshots_are_restored_only_at_their_exact_prefix_and_counts_return_to_
     scheduler.waiting.clear()
     assert snapshots.num_held == 0 and all(r == 0 for r in snapshots.refs) and pool.num_used == 0
     assert len(snapshots.free) + len(snapshots.unreferenced) == snapshots.num_slots
+
+
+def test_default_cpu_budget_adds_the_snapshot_share_to_the_blocks_of_max_num_seqs_sequences():
+    # One max_model_len sequence must still fit in the blocks (it did not: the share came out of them).
+    blocks, state_bytes = pool_blocks(device=torch.device("cpu"), bytes_per_token=256, block_size=16, max_num_seqs=1,
+                                      max_model_len=4096, kv_cache_memory=None, kv_cache_free_memory_fraction=0.8,
+                                      state_fraction=0.2)
+    assert (blocks - 1) * 16 >= 4096
+    assert state_bytes >= 0.2 * (4096 * 256 + state_bytes) - 1

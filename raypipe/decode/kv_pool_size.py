@@ -3,9 +3,10 @@
 The pool is sized once, when the engine starts: `EngineConfig.kv_cache_memory` bytes if given; else on
 CUDA `kv_cache_free_memory_fraction` of the device memory free once the weights are loaded; else (CPU)
 room for `max_num_seqs` sequences of `max_model_len` tokens, each in whole blocks (a sequence of 24
-tokens takes two 16-token blocks, not 1.5). A model with per-row state (linear attention, sliding
-window) and prefix caching gives `state_fraction` of those bytes to state snapshots
-(`snapshot_pool.py`); the rest become whole blocks, rounded down, plus the null block.
+tokens takes two 16-token blocks, not 1.5; there the budget grows by the snapshots' share below). A
+model with per-row state (linear attention, sliding window) and prefix caching gives `state_fraction`
+of the bytes to state snapshots (`snapshot_pool.py`); the rest become whole blocks, rounded down,
+plus the null block.
 
 A pool that cannot hold one `max_model_len` sequence is refused at start (vLLM refuses the same way,
 naming the largest model length that would fit), not request by request: otherwise requests that
@@ -33,8 +34,8 @@ def pool_blocks(*, device: torch.device, bytes_per_token: int, block_size: int, 
         kv_cache_memory = int(torch.cuda.mem_get_info(device)[0] * kv_cache_free_memory_fraction)
         source = (f"EngineConfig.kv_cache_free_memory_fraction = {kv_cache_free_memory_fraction} of the free "
                   f"device memory: {kv_cache_memory} bytes")
-    else:
-        kv_cache_memory = max_num_seqs * sequence_bytes
+    else:  # the blocks for that many sequences, and the snapshots' share on top
+        kv_cache_memory = math.ceil(max_num_seqs * sequence_bytes / (1 - state_fraction))
         source = f"max_num_seqs x max_model_len = {max_num_seqs} x {max_model_len} tokens"
     state_bytes = int(kv_cache_memory * state_fraction)
     if state_bytes:
