@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 
 import numpy as np
 import torch
@@ -100,13 +101,21 @@ def staggered(engine, cases, params: list, tag: str, gap_s: float = 0.004) -> li
     return asyncio.run(all_of_them())
 
 
+def kv_budget(engine, block_bytes: int) -> int:
+    """`EngineConfig.kv_cache_memory` that leaves `block_bytes` to the paged blocks of `engine`'s model
+    (a model with row state gives `state_snapshot_memory_fraction` of the budget to state snapshots)."""
+    if not engine.runner.cache.row_state_kinds:
+        return block_bytes
+    return math.ceil(block_bytes / (1 - engine.config.state_snapshot_memory_fraction))
+
+
 def preempted_copies(engines, k: int, case, params, block_size: int = 8) -> tuple[list, dict]:
     """Four copies of `case` at once on `engines(k, ...)` whose paged pool holds two prompts' blocks
     and one more: two are admitted and, as they grow, the newer is preempted and later recomputed.
     Their `RequestOutput`s and the engine's stats after. `max_model_len` is what that pool holds (the
     engine refuses a pool that cannot hold one `max_model_len` sequence)."""
     pool_blocks = 2 * -(-len(case[0].prompt_token_ids) // block_size) + 1
-    budget = engines(1).runner.bytes_per_token * block_size * pool_blocks
+    budget = kv_budget(engines(1), engines(1).runner.bytes_per_token * block_size * pool_blocks)
     engine = engines(k, kv_cache_memory=budget, block_size=block_size, max_model_len=pool_blocks * block_size)
     outs = staggered(engine, [case] * 4, [params] * 4, f"preempt-{k}", gap_s=0.0)
     return outs, engine.stats()

@@ -11,6 +11,11 @@ arrivals, budgets, stop strings, stop token ids, EOS on or ignored, greedy proce
 the same processors, cut at `max_model_len` and by the plain one-token-at-a-time stop reference
 below; a request that left early must have received a prefix of that. The engine must end empty.
 
+The hybrid family (MiniCPM-V 4.6: gated delta-net state + full attention) runs `HYBRID_SCENARIOS`
+scenarios of its own, every one with shared prefixes, the smallest pool and a round budget of a few
+blocks: its prefix hits restore state snapshots, its preemptions resume from them, and its prompts
+are prefilled in chunks that continue from the rows' state.
+
 The suite runs `SCENARIOS` scenarios with a fixed seed; `RAYPIPE_DIFF_SCENARIOS=300` (and
 `RAYPIPE_DIFF_SEED`) runs a longer one. Run with `-s` to see what was compared.
 """
@@ -28,6 +33,8 @@ from raypipe import SamplingParams
 from tests import decode_reference as ref
 
 SCENARIOS = int(os.environ.get("RAYPIPE_DIFF_SCENARIOS", "4"))
+HYBRID_SCENARIOS = int(os.environ.get("RAYPIPE_DIFF_SCENARIOS", "2"))
+HYBRID_SNAPSHOTS = 4  # state snapshots the hybrid scenarios' small pool holds
 SEED = int(os.environ.get("RAYPIPE_DIFF_SEED", "8"))
 MAX_MODEL_LEN = 128
 SMALL_POOL_TOKENS = 112  # the longest request (64-token prompt + 48 tokens) fits, two seldom do
@@ -39,6 +46,19 @@ TEXT_TOKENS = 256  # the tiny tokenizer's byte tokens: every id decodes to text
 def engines(tiny_ckpt):
     with ref.engine_pool(tiny_ckpt, max_model_len=MAX_MODEL_LEN) as get:
         yield get
+
+
+@pytest.fixture(scope="module")
+def hybrid_engines(minicpmv_ckpt):
+    with ref.engine_pool(minicpmv_ckpt, max_model_len=MAX_MODEL_LEN) as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def hybrid_hf_model(minicpmv_ckpt):
+    from transformers import MiniCPMV4_6ForConditionalGeneration
+
+    return MiniCPMV4_6ForConditionalGeneration.from_pretrained(minicpmv_ckpt).eval()
 
 
 def stable_text(tokenizer, ids: list[int]) -> list[str]:
@@ -88,10 +108,12 @@ def hf_free_run(hf_model, prompt: list[int], params: SamplingParams, stop_ids: s
     return out[0, ids.shape[1]:].tolist()
 
 
-def scenario(rng: random.Random, tokenizer, hf_model, eos: int):
-    k, rows, small_pool = rng.choice([1, 2, 3, 5, 8]), rng.choice([2, 4, 6]), rng.random() < 0.5
+def scenario(rng: random.Random, tokenizer, hf_model, eos: int, hybrid: bool = False):
+    """One scenario; `hybrid`: always shared prefixes and the smallest pool."""
+    k, rows, small_pool = rng.choice([1, 2, 3, 5, 8]), rng.choice([2, 4, 6]), hybrid or rng.random() < 0.5
     max_model_len = rng.choice(ODD_MODEL_LENS) if rng.random() < 0.4 else MAX_MODEL_LEN
-    shared = [rng.randrange(TEXT_TOKENS) for _ in range(rng.randint(16, 40))] if rng.random() < 0.5 else []
+    with_shared = hybrid or rng.random() < 0.5
+    shared = [rng.randrange(TEXT_TOKENS) for _ in range(rng.randint(16, 40))] if with_shared else []
     requests = []
     for i in range(rng.randint(3, 8)):
         prefix = shared[: rng.randint(len(shared) // 2, len(shared))] if rng.random() < 0.8 else []
@@ -144,21 +166,42 @@ async def run_scenario(engine, requests, tag: str):
 
 
 def test_engine_matches_generate_on_random_scenarios(engines, hf_model):
+    compared = compare_scenarios(engines, hf_model, SCENARIOS)
+    if SCENARIOS >= 4:  # the default run has both kinds of scenario (how often they preempt or hit is timing)
+        assert compared["small_pool"] > 0 and compared["shared_prefix"] > 0 and compared["odd_model_len"] > 0
+
+
+def test_hybrid_engine_matches_generate_with_shared_prefixes_and_a_tiny_pool(hybrid_engines, hybrid_hf_model):
+    compared = compare_scenarios(hybrid_engines, hybrid_hf_model, HYBRID_SCENARIOS, hybrid=True)
+    assert compared["small_pool"] == compared["shared_prefix"] == compared["scenarios"]
+
+
+def compare_scenarios(engines, hf_model, scenarios: int, hybrid: bool = False) -> dict:
+    """Run `scenarios` scenarios on `engines`, each request checked against `hf_model`; what was compared."""
     rng = random.Random(SEED)
     tokenizer = engines(1).tokenizer
     eos = engines(1).adapter.eos_token_ids[0]
     bytes_per_token, block = engines(1).runner.bytes_per_token, engines(1).config.block_size
     compared = dict(scenarios=0, requests=0, tokens=0, left_early=0, noise=0, small_pool=0, shared_prefix=0,
-                    odd_model_len=0, preemptions=0, cached_tokens=0)
-    for s in range(SCENARIOS):
-        k, rows, small_pool, max_model_len, shared_prefix, requests = scenario(rng, tokenizer, hf_model, eos)
+                    odd_model_len=0, preemptions=0, cached_tokens=0, snapshot_hits=0)
+    for s in range(scenarios):
+        k, rows, small_pool, max_model_len, shared_prefix, requests = scenario(rng, tokenizer, hf_model, eos, hybrid)
         compared["small_pool"] += small_pool
         compared["shared_prefix"] += shared_prefix
         compared["odd_model_len"] += max_model_len % block != 0
         limits = dict(max_num_seqs=rows, max_model_len=max_model_len)
+        if hybrid:  # small round budgets: chunks continue from row state, groups mix continuing and joining rows
+            limits["max_num_batched_tokens"] = rng.choice([16, 24, 40])
         if small_pool:  # at 128, SMALL_POOL_TOKENS (the engine's max_model_len then); else one sequence's blocks
             pool = SMALL_POOL_TOKENS if max_model_len == MAX_MODEL_LEN else -(-max_model_len // block) * block
-            limits.update(kv_cache_memory=bytes_per_token * pool, max_model_len=min(max_model_len, pool))
+            limits.update(max_model_len=min(max_model_len, pool))
+            if hybrid:  # room for a few state snapshots beside the blocks (the default share would hold none)
+                state = engines(1).runner.cache.state_bytes_per_row
+                total = bytes_per_token * pool + HYBRID_SNAPSHOTS * state + 2
+                limits.update(kv_cache_memory=total,
+                              state_snapshot_memory_fraction=(HYBRID_SNAPSHOTS * state + 1) / total)
+            else:
+                limits.update(kv_cache_memory=bytes_per_token * pool)
         engine = engines(k, **limits)
         before = engine.stats()
         results = asyncio.run(run_scenario(engine, requests, f"s{s}"))
@@ -189,7 +232,7 @@ def test_engine_matches_generate_on_random_scenarios(engines, hf_model):
         assert after["running"] == after["waiting"] == 0 and after["kv_blocks_used"] == 0
         compared["preemptions"] += after["preemptions"] - before["preemptions"]
         compared["cached_tokens"] += after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+        compared["snapshot_hits"] += after.get("snapshot_hits", 0) - before.get("snapshot_hits", 0)
     print(f"\ndifferential (seed {SEED}): {compared}")
     assert compared["requests"] > 0
-    if SCENARIOS >= 4:  # the default run has both kinds of scenario (how often they preempt or hit is timing)
-        assert compared["small_pool"] > 0 and compared["shared_prefix"] > 0 and compared["odd_model_len"] > 0
+    return compared

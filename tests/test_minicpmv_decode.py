@@ -8,8 +8,6 @@ import asyncio
 import pytest
 
 from raypipe import SamplingParams
-from raypipe.decode.config import EngineConfig
-from raypipe.decode.engine import LLMEngine
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import vision_adapter
 from tests import decode_reference as decode_ref
@@ -97,7 +95,8 @@ def test_staggered_requests_join_a_running_batch(engines, cases, k):
 def test_prompts_of_different_lengths_prefilled_together(engines, cases, hf):
     # Lengths within the scheduler's padding cap share one prefill group; a linear-attention state
     # must not run on through a shorter row's padding (the runner splits such groups by length).
-    engine = engines(8)
+    # Without prefix caching: the prompts share prefixes, and hits would make their chunks differ.
+    engine = engines(8, enable_prefix_caching=False)
     base = cases[4][0].prompt_token_ids
     prompts = [base[:-3], base[:-2], base, base[:-2] + base[-1:]]
     wants = [ref.hf_generate(hf, ids, [], MAX_NEW) for ids in prompts]
@@ -155,14 +154,10 @@ def test_abort_frees_state_rows_and_moves_the_others(engines, cases):
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_preempted_sequences_resume_with_the_same_tokens(engines, cases, k):
-    """On resume a preempted sequence's gated-delta-net state is recomputed from its tokens so far."""
+    """On resume a preempted sequence continues from its longest cached prefix with a snapshot of its
+    gated-delta-net state there (its own, registered when it was preempted), recomputing the rest."""
     outs, stats = decode_ref.preempted_copies(engines, k, cases[1], greedy())
     assert [out.token_ids for out in outs] == [cases[1][2]] * 4
     assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0 and stats["running"] == 0
-    assert stats["prefix_caching"] is False and stats["chunked_prefill"] is False
+    assert stats["prefix_caching"] is True and stats["chunked_prefill"] is True
 
-
-
-def test_prefix_caching_is_refused_for_linear_attention(minicpmv_ckpt):
-    with pytest.raises(ValueError, match="linear_attention"):
-        LLMEngine(minicpmv_ckpt, EngineConfig(max_num_seqs=2, max_model_len=256, enable_prefix_caching=True))

@@ -95,8 +95,9 @@ def test_staggered_requests_join_a_running_batch(engines, cases, k):
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_preempted_sequences_resume_with_the_same_tokens(engines, cases, k):
-    """On resume a preempted sequence's sliding-window rings are recomputed from its tokens so far."""
+    """On resume a preempted sequence continues from its longest cached prefix with a snapshot of its
+    sliding-window rings there (its own, registered when it was preempted), recomputing the rest."""
     outs, stats = decode_ref.preempted_copies(engines, k, cases[1], SamplingParams(max_tokens=MAX_NEW))
     assert [out.token_ids for out in outs] == [cases[1][2]] * 4
     assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0 and stats["running"] == 0
-    assert stats["prefix_caching"] is False and stats["chunked_prefill"] is False
+    assert stats["prefix_caching"] is True and stats["chunked_prefill"] is True

@@ -16,6 +16,18 @@
 (d) A batch job whose rows share one long prompt (a 1,000-token instruction, then each row's own
     short text): tokens/s and prompt tokens computed, prefix caching on vs off. Rows admitted in
     the same round as the first one still compute the prefix (blocks are cached once computed).
+(e) A 100-token system prompt shared by 16 requests, one after another, each with its own question:
+    the prefix-cache hit rate (a model with per-row state hits from the third request on, at the
+    branch point the second one kept), and state-snapshot bytes per cached token next to K/V bytes
+    per token.
+(f) Models with per-row state only: a 2,048-token prompt prefilled with a state snapshot every N
+    blocks (every block, the default — one snapshot's bytes in K/V blocks — and 4x that): prefill
+    seconds (each snapshot splits the prefill's forward) and snapshot bytes, against how many tokens
+    a prompt branching off at a random point recomputes (N blocks / 2 on average): what
+    `EngineConfig.snapshot_every_blocks` trades.
+
+(a) and (b) compare the paged full-attention layout with the slot layout it replaced, so they run
+only where every layer is full attention.
 
 Numbers taken while other work shares the machine are noise; compare ratios from a quiet run.
 """
@@ -41,6 +53,9 @@ STEP_BATCHES = (1, 8, 32)
 STEP_KV_LEN = 1024
 ROUND_STEPS = 8
 TURNS = 5
+SYSTEM_TOKENS = 100
+SYSTEM_REQUESTS = 16
+INTERVAL_PROMPT = 2048
 TEXT_TOKENS = 256  # the presets' byte tokens: ids below this are plain text, never a placeholder
 
 
@@ -167,9 +182,8 @@ def chat_turns(engine, vision, image: np.ndarray, seed: int, max_tokens: int, qu
 
 
 def main(args) -> int:
-    from raypipe.decode.config import EngineConfig
-    from raypipe.decode.engine import LLMEngine
-    from raypipe.models.registry import language_adapter, resolve_model, vision_adapter
+    from raypipe.decode.kv_cache import layer_types
+    from raypipe.models.registry import language_adapter, resolve_model
 
     checkpoint = resolve_model(getattr(args, "model", None) or "small")
     torch.set_num_threads(os.cpu_count() or 1)
@@ -180,6 +194,57 @@ def main(args) -> int:
     rng = np.random.default_rng(0)
     mix = length_mix(rng, 12 if quick else 32, 0.25 if quick else 1.0)
     result = {"model": str(checkpoint), "max_model_len": max_len, "mix": mix}
+    row_state = set(layer_types(text)) != {"full_attention"}
+    mix_rows, step_rows, budget = [], [], 0
+    if not row_state:
+        budget, mix_rows, step_rows = layouts(checkpoint, text, max_len, mix, quick, result)
+
+    chat_rows, side, max_tokens, conversations = multi_turn_chat(checkpoint, max_len, quick, result)
+    batch_rows, rows, batch_tokens = shared_batch(checkpoint, max_len, quick, result)
+    system_rows = system_prompt(checkpoint, max_len, result)
+    interval_rows = snapshot_intervals(checkpoint, max_len, quick, result) if row_state else []
+
+    write_json(args.out, "kv", result)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+        return 0
+    if row_state:
+        print(f"(a) and (b) skipped: {checkpoint.name} has layers with per-row state {sorted(set(layer_types(text)))}; "
+              "they compare full-attention cache layouts")
+    else:
+        print_table(f"(a) same KV bytes ({budget / 2**20:.0f} MiB = {SLOT_ROWS} slot rows of {max_len} tokens), "
+                    f"{len(mix)} requests at once, prompts 300-1500, outputs {min(o for _, o in mix)}-"
+                    f"{max(o for _, o in mix)}, {checkpoint.name}",
+                    ["cache", "max running", "mean decode batch", "tokens", "tok/s", "preemptions"], mix_rows)
+        print(f"paged / slot rows: {result['concurrency_ratio']:.2f}x sequences, {result['tok_s_ratio']:.2f}x tok/s")
+        print_table(f"(b) eager decode step (forward + logits) in a round of {ROUND_STEPS}, median ms per step",
+                    ["batch", "KV length", "paged", "contiguous", "paged / contiguous", "paged, gather per step"],
+                    step_rows)
+    print_table(f"(c) {TURNS}-turn chat, one {side}x{side} image, {max_tokens} tokens per answer, median of "
+                f"{conversations} conversation(s), {checkpoint.name}",
+                ["turn", "prompt tokens", "computed (off)", "computed (on)", "TTFT off ms", "TTFT on ms", "off / on"],
+                chat_rows)
+    print(f"turns 2-{TURNS}: TTFT {result['chat_ttft_ratio_turns_2_on']:.2f}x lower with prefix caching (median); "
+          f"hit rate {result['chat']['on_hit_rate']:.2f}")
+    print_table(f"(d) a batch of {len(rows)} rows sharing a 1000-token prompt, {batch_tokens} tokens each",
+                ["prefix caching", "rows", "prompt tokens", "computed", "seconds", "tok/s"], batch_rows)
+    print(f"shared-prompt batch: {result['shared_batch_tok_s_ratio']:.2f}x tok/s with prefix caching")
+    print_table(f"(e) {SYSTEM_REQUESTS} requests one after another sharing a {SYSTEM_TOKENS}-token system prompt",
+                ["hit rate", "requests 3+: cached tokens (median)", "snapshots", "snapshot bytes / cached token",
+                 "K/V bytes / token"], system_rows)
+    if interval_rows:
+        print_table(f"(f) one {INTERVAL_PROMPT}-token prompt, a state snapshot every N blocks of "
+                    f"{result['block_size']} tokens",
+                    ["N", "prefill s (median)", "snapshots", "snapshot MiB", "prompt K/V MiB",
+                     "mean tokens recomputed at a branch"],
+                    interval_rows)
+    return 0
+
+
+def layouts(checkpoint, text, max_len: int, mix, quick: bool, result: dict):
+    """(a) and (b): the paged layout against the slot layout and a contiguous cache."""
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
 
     # (a) the same KV bytes, paged vs the slot layout's concurrency
     paged = LLMEngine(checkpoint, EngineConfig(max_num_seqs=64, max_model_len=max_len, num_scheduler_steps=8))
@@ -210,8 +275,15 @@ def main(args) -> int:
                              "paged_gather_per_step_ms": alone_s * 1e3}
         step_rows.append([b, STEP_KV_LEN, paged_s * 1e3, plain_s * 1e3, paged_s / plain_s, alone_s * 1e3])
     step_engine.shutdown()
+    return budget, mix_rows, step_rows
 
-    # (c) multi-turn chat with one image, prefix caching on vs off
+
+def multi_turn_chat(checkpoint, max_len: int, quick: bool, result: dict):
+    """(c) multi-turn chat with one image, prefix caching on vs off."""
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from raypipe.models.registry import vision_adapter
+
     vision = vision_adapter(checkpoint)
     side = 448 if quick else 672
     questions = ["What is in this picture?", "Describe the colors.", "What is in the top left corner?",
@@ -234,8 +306,14 @@ def main(args) -> int:
                           on["ttft_s"] * 1e3, off["ttft_s"] / on["ttft_s"]])
     later = [off["ttft_s"] / on["ttft_s"] for on, off in zip(result["chat"]["on"][1:], result["chat"]["off"][1:])]
     result["chat_ttft_ratio_turns_2_on"] = statistics.median(later)
+    return chat_rows, side, max_tokens, conversations
 
-    # (d) a batch sharing one prompt, prefix caching on vs off
+
+def shared_batch(checkpoint, max_len: int, quick: bool, result: dict):
+    """(d) a batch sharing one prompt, prefix caching on vs off."""
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+
     shared_rng = np.random.default_rng(7)
     shared = shared_rng.integers(0, TEXT_TOKENS, 1000).tolist()
     rows = [shared + shared_rng.integers(0, TEXT_TOKENS, int(shared_rng.integers(10, 60))).tolist()
@@ -260,25 +338,77 @@ def main(args) -> int:
         batch_rows.append([name, len(rows), row["prompt_tokens"], row["computed_prompt_tokens"], row["seconds"],
                            row["tok_s"]])
     result["shared_batch_tok_s_ratio"] = result["shared_batch"]["on"]["tok_s"] / result["shared_batch"]["off"]["tok_s"]
+    return batch_rows, rows, batch_tokens
 
-    write_json(args.out, "kv", result)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-        return 0
-    print_table(f"(a) same KV bytes ({budget / 2**20:.0f} MiB = {SLOT_ROWS} slot rows of {max_len} tokens), "
-                f"{len(mix)} requests at once, prompts 300-1500, outputs {min(o for _, o in mix)}-"
-                f"{max(o for _, o in mix)}, {checkpoint.name}",
-                ["cache", "max running", "mean decode batch", "tokens", "tok/s", "preemptions"], mix_rows)
-    print(f"paged / slot rows: {result['concurrency_ratio']:.2f}x sequences, {result['tok_s_ratio']:.2f}x tok/s")
-    print_table(f"(b) eager decode step (forward + logits) in a round of {ROUND_STEPS}, median ms per step",
-                ["batch", "KV length", "paged", "contiguous", "paged / contiguous", "paged, gather per step"],
-                step_rows)
-    print_table(f"(c) {TURNS}-turn chat, one {side}x{side} image, {max_tokens} tokens per answer, median of "
-                f"{conversations} conversation(s)", ["turn", "prompt tokens", "computed (off)", "computed (on)",
-                                                     "TTFT off ms", "TTFT on ms", "off / on"], chat_rows)
-    print(f"turns 2-{TURNS}: TTFT {result['chat_ttft_ratio_turns_2_on']:.2f}x lower with prefix caching (median); "
-          f"hit rate {result['chat']['on_hit_rate']:.2f}")
-    print_table(f"(d) a batch of {len(rows)} rows sharing a 1000-token prompt, {batch_tokens} tokens each",
-                ["prefix caching", "rows", "prompt tokens", "computed", "seconds", "tok/s"], batch_rows)
-    print(f"shared-prompt batch: {result['shared_batch_tok_s_ratio']:.2f}x tok/s with prefix caching")
-    return 0
+
+def system_prompt(checkpoint, max_len: int, result: dict) -> list[list]:
+    """(e) hit rate of requests sharing a 100-token system prompt, and the snapshots' bytes per cached token."""
+    from raypipe import SamplingParams
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from raypipe.models.prompt import build_prompt
+    from raypipe.models.registry import vision_adapter
+
+    engine = LLMEngine(checkpoint, EngineConfig(max_num_seqs=4, max_model_len=max_len))
+    vision = vision_adapter(checkpoint)
+    system = ("You are a helpful assistant for a museum. Answer in one short sentence, name the room. " * 2)
+    ids = build_prompt([{"role": "system", "content": system}], engine.tokenizer, vision).prompt_token_ids
+    system = system[: len(system) * SYSTEM_TOKENS // len(ids)]  # about SYSTEM_TOKENS tokens with the template
+    cached = []
+    for i in range(SYSTEM_REQUESTS):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: where is it?"}]
+        prompt = build_prompt(messages, engine.tokenizer, vision)
+        out = asyncio.run(engine.generate_output(f"system-{i}", prompt, [], SamplingParams(max_tokens=4)))
+        cached.append(out.num_cached_tokens)
+    stats = engine.stats()
+    engine.shutdown()
+    snapshot_bytes = stats.get("state_snapshots_cached", 0) * stats.get("state_snapshot_bytes", 0)
+    cached_tokens = stats["kv_blocks_cached"] * stats["kv_block_size"]
+    result["system_prompt"] = {"hit_rate": stats["prefix_cache_hit_rate"], "cached_per_request": cached,
+                               "snapshots": stats.get("state_snapshots_cached", 0),
+                               "snapshot_bytes_per_cached_token": snapshot_bytes / max(cached_tokens, 1),
+                               "kv_bytes_per_token": engine.runner.bytes_per_token,
+                               "bytes_per_snapshot": stats.get("state_snapshot_bytes", 0)}
+    r = result["system_prompt"]
+    return [[r["hit_rate"], statistics.median(cached[2:]), r["snapshots"], r["snapshot_bytes_per_cached_token"],
+             r["kv_bytes_per_token"]]]
+
+
+def snapshot_intervals(checkpoint, max_len: int, quick: bool, result: dict) -> list[list]:
+    """(f) prefill time and snapshot memory of one long prompt against the snapshot interval N: every
+    block, the default (one snapshot's bytes in K/V blocks), and four times that; the snapshot pool
+    holds one per block of the prompt, so no N runs out of slots."""
+    from raypipe import SamplingParams
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+
+    probe = LLMEngine(checkpoint, EngineConfig(max_num_seqs=1, max_model_len=max_len))
+    state, per_token, default = (probe.runner.cache.state_bytes_per_row, probe.runner.bytes_per_token,
+                                 probe.snapshot_every)
+    block = probe.config.block_size
+    probe.shutdown()
+    blocks_bytes = 2 * -(-max_len // block) * block * per_token  # two max_len sequences
+    snapshots_bytes = (INTERVAL_PROMPT // block + 2) * state
+    total = blocks_bytes + snapshots_bytes
+    prompt_rng = np.random.default_rng(11)
+    out_rows, result["intervals"], result["block_size"] = [], {}, block
+    for every in sorted({1, default, 4 * default}):
+        engine = LLMEngine(checkpoint, EngineConfig(
+            max_num_seqs=2, max_model_len=max_len, snapshot_every_blocks=every, kv_cache_memory=total + state,
+            state_snapshot_memory_fraction=(snapshots_bytes + state) / (total + state)))
+        times = []
+        for r in range(2 if quick else 3):  # fresh prompts: nothing cached
+            ids = prompt_rng.integers(0, TEXT_TOKENS, INTERVAL_PROMPT).tolist()
+            start = time.perf_counter()
+            asyncio.run(engine.generate_output(f"interval-{r}", ids, [], SamplingParams(max_tokens=1)))
+            times.append(time.perf_counter() - start)
+        stats = engine.stats()
+        engine.shutdown()
+        snapshots = stats["snapshots_taken"] / len(times)
+        row = {"prefill_s": statistics.median(times), "snapshots": snapshots, "default": every == default,
+               "snapshot_mib": snapshots * state / 2**20, "kv_mib": INTERVAL_PROMPT * per_token / 2**20,
+               "mean_recompute": every * block / 2}
+        result["intervals"][every] = row
+        out_rows.append([f"{every}{' (default)' if every == default else ''}", row["prefill_s"], snapshots,
+                         row["snapshot_mib"], row["kv_mib"], row["mean_recompute"]])
+    return out_rows

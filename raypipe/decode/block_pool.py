@@ -10,7 +10,8 @@ last holder lets go, a registered block is not freed but parked in an LRU of cac
 request that asks for the same hash takes it back (one more reference) and skips computing those
 tokens. Allocation takes never-cached free blocks first and evicts the least recently released
 cached block when there are none. So `num_available` (free + cached, unreferenced) is what a
-sequence can still get.
+sequence can still get. `on_evict(hash)` hears of each eviction (the state snapshot tied to that
+block, `snapshot_pool.py`, leaves with it).
 
 Block 0 is the null block: never handed out, it is where writes go that no sequence will read
 (decode steps past a row's end, padding rows of a static-shape step), and what padding entries of
@@ -20,6 +21,7 @@ a block table point to.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 NULL_BLOCK = 0
 
@@ -36,6 +38,7 @@ class BlockPool:
         self.hash_of: dict[int, bytes] = {}  # block id -> its hash, for registered blocks
         self.unreferenced: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, oldest first
         self.evictions = 0
+        self.on_evict: Callable[[bytes], None] | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -64,8 +67,11 @@ class BlockPool:
                 block = self.free.popleft()
             else:
                 block, _ = self.unreferenced.popitem(last=False)
-                del self.cached[self.hash_of.pop(block)]
+                evicted = self.hash_of.pop(block)
+                del self.cached[evicted]
                 self.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(evicted)
             self.refs[block] = 1
             out.append(block)
         return out

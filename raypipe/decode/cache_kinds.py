@@ -11,15 +11,18 @@ builds one `LayerCache` per layer from `CACHE_KINDS`.
   groups of equal length (`PADDED_PREFILL_EXACT = False`).
 - `sliding_attention` (Step3): a ring of `sliding_window` K/V per row; memory bounded by the window.
 
-The two bounded kinds keep fixed rows: `max_num_seqs` rows allocated up front, row i belonging to
-batch row i, so rows join, leave and move together across those kinds. They are already bounded per
-sequence, so paging them would buy no memory; what they cannot do is start from a cached past, so a
-family with either kind prefills whole prompts from token 0 (no prefix caching, no chunked prefill).
+The two bounded kinds keep fixed rows: `max_num_seqs` rows allocated up front (and one spare, row
+`max_num_seqs`, through which the scheduler swaps two rows), row i belonging to batch row i, so rows
+join, leave and move together across those kinds (`row_tensors`: dim 0 is the row). A prefill may continue from a row's state (`WritePattern.starts[b] > 0`): the state the row
+holds after its earlier chunk, or a snapshot of those row tensors restored into the row
+(`kv_cache.KVCache.restore_state`, `snapshot_pool.py`): the linear kind feeds its conv state and
+recurrent state to transformers' layer as the chunk's initial state, the sliding kind attends over
+its ring and the chunk's own keys. Rows that start at token 0 ignore whatever their row held.
 
 A new kind subclasses `LayerCache`, implements the methods its transformers layer calls (`update`
-for attention layers), its masks and `move_row`, and registers itself in `kv_cache.CACHE_KINDS`
-under its `layer_types` name. Masks are asked of one instance per kind, so a kind may build them
-from its config (the window).
+for attention layers), its masks, `move_row` and `row_tensors` (what a snapshot copies), and
+registers itself in `kv_cache.CACHE_KINDS` under its `layer_types` name. Masks are asked of one
+instance per kind, so a kind may build them from its config (the window).
 """
 
 from __future__ import annotations
@@ -35,15 +38,16 @@ import torch
 class WritePattern:
     """Where the next forward writes and what it reads: set by `KVCache.prepare_*`, read by every layer.
 
-    Prefill: rows `rows` get positions `starts[b] .. starts[b] + lengths[b] - 1` (right-padded to
-    `width`; `starts` are tokens each row already has cached, 0 for a fresh prompt).
+    Prefill: rows `rows` (a tensor of row indices, not always consecutive) get positions
+    `starts[b] .. starts[b] + lengths[b] - 1` (right-padded to `width`; `starts` are tokens each row
+    already has cached, 0 for a fresh prompt).
     Decode: rows `rows` (always `0..n-1`) each write one token at `write_index[row]`.
     Paged layers write the token slots `write_slots` (prefill: the `real` tokens, row-major) and read
     the blocks `read_blocks`, each row's first `kv_len / block_size` table entries, row-major (so
     `kv_len` is a whole number of blocks; not needed by a prefill without a past).
     """
 
-    rows: slice = dataclasses.field(default_factory=lambda: slice(0, 0))
+    rows: slice | torch.Tensor = dataclasses.field(default_factory=lambda: slice(0, 0))  # prefill: row indices
     lengths: torch.Tensor | None = None  # prefill only
     starts: torch.Tensor | None = None  # prefill only
     has_past: bool = False  # prefill only: some row starts after token 0
@@ -69,6 +73,11 @@ class CacheLimits:
     num_blocks: int  # paged pool, null block included
     block_size: int
 
+    @property
+    def num_rows(self) -> int:
+        """Rows of the bounded kinds: one per running sequence, and the spare a swap goes through."""
+        return self.max_num_seqs + 1
+
 
 class LayerCache(abc.ABC):
     """One layer's cache for the running sequences, allocated up front."""
@@ -79,6 +88,11 @@ class LayerCache(abc.ABC):
     @abc.abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer owns (for memory accounting)."""
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """This layer's per-row state (dim 0 is the batch row): what a state snapshot copies. Paged
+        kinds have none (their tokens live in blocks)."""
+        return []
 
     @abc.abstractmethod
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -99,8 +113,9 @@ class LinearAttentionRows(LayerCache):
     """Gated-delta-net state rows: conv state `(conv_dim, kernel)` and recurrent state
     `(v_heads, k_dim, v_dim)` in fp32 (transformers keeps it fp32 too), fixed size per sequence.
 
-    The methods are the ones transformers' `Qwen3_5GatedDeltaNet` calls on its cache. A prefill
-    starts from an empty state (`None`), so the layer takes its chunked path from zeros.
+    The methods are the ones transformers' `Qwen3_5GatedDeltaNet` calls on its cache. A prefill row
+    that starts at token 0 starts from zeros; one that continues (a later chunk, or a restored
+    snapshot) starts from its row's conv and recurrent state.
     """
 
     layer_type = "linear_attention"
@@ -111,12 +126,15 @@ class LinearAttentionRows(LayerCache):
         key_dim = c.linear_key_head_dim * c.linear_num_key_heads
         conv_dim = 2 * key_dim + c.linear_value_head_dim * c.linear_num_value_heads
         self.kernel = c.linear_conv_kernel_dim
-        self.conv = torch.zeros((limits.max_num_seqs, conv_dim, self.kernel), device=limits.device,
+        self.conv = torch.zeros((limits.num_rows, conv_dim, self.kernel), device=limits.device,
                                 dtype=limits.dtype)
-        self.recurrent = torch.zeros((limits.max_num_seqs, c.linear_num_value_heads, c.linear_key_head_dim,
+        self.recurrent = torch.zeros((limits.num_rows, c.linear_num_value_heads, c.linear_key_head_dim,
                                       c.linear_value_head_dim), device=limits.device, dtype=torch.float32)
 
     def tensors(self) -> list[torch.Tensor]:
+        return [self.conv, self.recurrent]
+
+    def row_tensors(self) -> list[torch.Tensor]:
         return [self.conv, self.recurrent]
 
     def conv_state(self, pattern: WritePattern) -> torch.Tensor | None:
@@ -124,19 +142,29 @@ class LinearAttentionRows(LayerCache):
         return None if pattern.is_prefill else self.conv[pattern.rows]
 
     def recurrent_state(self, pattern: WritePattern) -> torch.Tensor | None:
-        return None if pattern.is_prefill else self.recurrent[pattern.rows]
+        if not pattern.is_prefill:
+            return self.recurrent[pattern.rows]
+        if not pattern.has_past:
+            return None  # transformers' chunked rule starts from zeros
+        return _continuing(self.recurrent[pattern.rows], pattern)
 
     def update_conv(self, inputs: torch.Tensor, pattern: WritePattern) -> torch.Tensor:
-        """Prefill: keep each row's last `kernel` real inputs (zeros before its start); return the
-        inputs for the conv, which needs no past (a prefill starts every row fresh)."""
+        """Prefill: keep each row's last `kernel` inputs (its state's columns before the chunk, then the
+        chunk's real inputs); return what the layer's causal conv runs over: the chunk's inputs after the
+        rows' states (transformers keeps the conv's last `seq_len` outputs), or, when no row has a past,
+        the inputs alone (the conv pads them with zeros, which is what a fresh state holds)."""
         if not pattern.is_prefill:  # multi-token continuation is never run by the engine
             raise RuntimeError("linear-attention rows take multi-token forwards only in prefill")
-        padded = torch.nn.functional.pad(inputs, (self.kernel, 0))  # index j of inputs -> j + kernel
+        if pattern.has_past:
+            previous = _continuing(self.conv[pattern.rows], pattern).to(inputs.dtype)
+        else:
+            previous = inputs.new_zeros(inputs.shape[0], inputs.shape[1], self.kernel)
+        joined = torch.cat([previous, inputs], dim=2)  # index j of inputs -> j + kernel
         ends = pattern.lengths.to(inputs.device) + self.kernel
         cols = ends[:, None] - self.kernel + torch.arange(self.kernel, device=inputs.device)[None, :]
         index = cols[:, None, :].expand(-1, inputs.shape[1], -1)
-        self.conv[pattern.rows] = padded.gather(2, index).to(self.conv.dtype)
-        return inputs
+        self.conv[pattern.rows] = joined.gather(2, index).to(self.conv.dtype)
+        return joined if pattern.has_past else inputs
 
     def update_recurrent(self, state: torch.Tensor, pattern: WritePattern) -> None:
         self.recurrent[pattern.rows] = state.to(self.recurrent.dtype)
@@ -160,13 +188,16 @@ class SlidingWindowRows(LayerCache):
 
     transformers' sliding layers let position q attend to keys k with `q - window < k <= q`, so a
     row never needs more than its last `window` tokens: token p lives in slot `p % ring`, memory is
-    `max_num_seqs x ring` whatever the sequence length (ring = min(window, max_model_len)).
+    `max_num_seqs x ring` whatever the sequence length (ring = min(window, max_model_len)). Slot j
+    of a row that has consumed `c` tokens holds position `c - 1 - ((c - 1 - j) mod ring)`, which is
+    real exactly when it is >= 0 (slots not yet written, or left by a row's earlier occupant, are
+    masked). Keys come in ring order, not position order: attention does not care.
 
-    Prefill attends over the prompt's own fresh keys (returned as they are, masked to the window)
-    and then keeps each row's last `ring` real tokens. Decode writes slot `write_index % ring` and
-    attends over the whole ring; slot j of a row at position c holds position
-    `c - ((c - j) mod ring)`, which is in the window exactly when it is >= 0 (slots not yet written
-    are masked). Keys come in ring order, not position order: attention does not care.
+    A prefill with no past attends over the prompt's own fresh keys (masked to the window); one where
+    some row continues (`starts[b] > 0`: a later chunk or a restored snapshot) attends over the rows'
+    rings before the start, then the fresh keys. Either way each row then writes its last `ring` new
+    tokens into their slots (older tokens' slots keep what they hold). Decode writes slot
+    `write_index % ring` and attends over the whole ring.
     """
 
     layer_type = "sliding_attention"
@@ -175,22 +206,31 @@ class SlidingWindowRows(LayerCache):
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.window = text_config.sliding_window
         self.ring = min(self.window, limits.max_model_len)
-        shape = (limits.max_num_seqs, text_config.num_key_value_heads, self.ring, head_dim)
+        shape = (limits.num_rows, text_config.num_key_value_heads, self.ring, head_dim)
         self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values]
 
+    def row_tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, pattern: WritePattern):
         if pattern.is_prefill:
-            # Positions lengths-ring .. lengths-1 of each row; negative ones are slots no mask admits.
-            positions = pattern.lengths[:, None] - self.ring + torch.arange(self.ring, device=key_states.device)
-            take = positions.clamp(min=0)[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
-            slots = positions.remainder(self.ring)[:, None, :, None].expand_as(take)
-            for cache, fresh in ((self.keys, key_states), (self.values, value_states)):
-                cache[pattern.rows] = torch.empty_like(cache[pattern.rows]).scatter_(2, slots, fresh.gather(2, take))
-            return key_states, value_states
+            out = key_states, value_states
+            if pattern.has_past:  # the rings before the chunk (copies: the writes below overwrite slots)
+                out = (torch.cat([self.keys[pattern.rows], key_states], dim=2),
+                       torch.cat([self.values[pattern.rows], value_states], dim=2))
+            width = key_states.shape[2]
+            index = torch.arange(width, device=key_states.device)[None, :]
+            lengths = pattern.lengths[:, None].to(key_states.device)
+            keep = (index < lengths) & (index >= lengths - self.ring)  # each row's last `ring` new tokens
+            rows = pattern.rows.to(key_states.device)[:, None].expand_as(keep)[keep]
+            slots = (pattern.starts[:, None].to(key_states.device) + index).remainder(self.ring).expand_as(keep)[keep]
+            self.keys[rows, :, slots] = key_states.transpose(1, 2)[keep]
+            self.values[rows, :, slots] = value_states.transpose(1, 2)[keep]
+            return out
         slot = pattern.write_index.remainder(self.ring)
         self.keys[pattern.row_ids, :, slot] = key_states[:, :, 0]
         self.values[pattern.row_ids, :, slot] = value_states[:, :, 0]
@@ -200,17 +240,26 @@ class SlidingWindowRows(LayerCache):
         self.keys[dst] = self.keys[src]
         self.values[dst] = self.values[src]
 
+    def held_positions(self, consumed: torch.Tensor) -> torch.Tensor:
+        """`(B, ring)`: the position each ring slot holds for rows that consumed `consumed` tokens (< 0: none)."""
+        slots = torch.arange(self.ring, device=consumed.device)
+        last = consumed[:, None] - 1
+        return last - (last - slots[None, :]).remainder(self.ring)
+
     def prefill_mask(self, pattern, width, dtype):
         pos = torch.arange(width, device=pattern.lengths.device)
         in_window = (pos[:, None] - pos[None, :]) < self.window
         causal = (pos[None, :] <= pos[:, None]) & in_window
         allowed = causal[None] & (pos[None, None, :] < pattern.lengths[:, None, None])
+        if pattern.has_past:  # ring keys first: position h is seen by query starts + i when within the window
+            held = self.held_positions(pattern.starts)
+            query = pattern.starts[:, None] + pos[None, :]
+            ring = (held[:, None, :] >= 0) & (query[:, :, None] - held[:, None, :] < self.window)
+            allowed = torch.cat([ring, allowed], dim=2)
         return additive(allowed[:, None], dtype)
 
     def decode_mask(self, pattern, dtype):
-        slots = torch.arange(self.ring, device=pattern.write_index.device)
-        current = pattern.write_index[:, None]
-        held = current - (current - slots[None, :]).remainder(self.ring)  # position each slot holds
+        held = self.held_positions(pattern.write_index + 1)  # this step's token is in its slot already
         return additive((held >= 0)[:, None, None], dtype)
 
 
@@ -218,3 +267,10 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # min-of-dtype, not -inf: eager attention adds the mask and -inf - -inf would be NaN.
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def _continuing(state: torch.Tensor, pattern: WritePattern) -> torch.Tensor:
+    """`state` (rows first) with the rows that start at token 0 zeroed: their row may hold an earlier
+    occupant's state."""
+    keep = (pattern.starts > 0).to(state.device).view(-1, *([1] * (state.dim() - 1)))
+    return torch.where(keep, state, torch.zeros((), dtype=state.dtype, device=state.device))

@@ -12,7 +12,7 @@ class EngineConfig:
     max_num_seqs: int = 32  # running sequences (rows of the bounded cache kinds; paged K/V follow actual lengths)
     max_model_len: int | None = None  # prompt + output tokens; None: min(model's limit, DEFAULT_MAX_MODEL_LEN)
     # Prefill budget per round in prompt tokens (padding adds <= 10%). A longer prompt is prefilled over
-    # several rounds (chunked prefill) where every layer is full attention; elsewhere it runs alone in its round.
+    # several rounds (chunked prefill; rows' linear-attention state and sliding-window rings carry over).
     max_num_batched_tokens: int = 8192
     # Paged KV cache (decode/block_pool.py): tokens per block, and the pool's bytes. None: on CUDA
     # `kv_cache_free_memory_fraction` of the device memory free once the weights are loaded; on CPU
@@ -21,9 +21,16 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None
     kv_cache_free_memory_fraction: float = 0.8
-    # Automatic prefix caching: None = on where every layer is full attention (a cached block is then the
-    # whole state of its tokens); off where sliding-window or linear-attention layers keep per-sequence state.
-    enable_prefix_caching: bool | None = None
+    # Automatic prefix caching, for every layer kind: full-attention blocks by prefix hash; where layers keep
+    # per-row state (linear attention, sliding window) a hit also needs a snapshot of that state at exactly its
+    # last cached block (raypipe/decode/snapshot_pool.py). The snapshots get `state_snapshot_memory_fraction`
+    # of the KV budget; one is taken every `snapshot_every_blocks` blocks of a prefill (also at branch points,
+    # a prompt's last block boundary and where a sequence's decode stopped). None: as many blocks as one
+    # snapshot's bytes would hold K/V, so a long prompt's periodic snapshots at most double its cache
+    # (`raypipe bench kv` section (f) measures the prefill time and memory against N; README "Prefix caching").
+    enable_prefix_caching: bool = True
+    state_snapshot_memory_fraction: float = 0.2
+    snapshot_every_blocks: int | None = None
     num_scheduler_steps: int = 8  # K: decode steps per scheduling round
     dtype: str = "auto"  # fp32 on CPU, bf16 on CUDA
     num_threads: int | None = None  # torch CPU threads for the engine process (None: leave as is)
@@ -66,6 +73,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.snapshot_every_blocks is not None and (isinstance(self.snapshot_every_blocks, bool) or not isinstance(
+                self.snapshot_every_blocks, int) or self.snapshot_every_blocks < 1):
+            raise ValueError(f"EngineConfig.snapshot_every_blocks must be a positive integer or None, got "
+                             f"{self.snapshot_every_blocks!r}")
         if self.max_model_len is not None:
             if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) \
                     or self.max_model_len < 2:
@@ -76,6 +87,9 @@ class EngineConfig:
         if not 0 < self.kv_cache_free_memory_fraction <= 1:
             raise ValueError("EngineConfig.kv_cache_free_memory_fraction must be in (0, 1], got "
                              f"{self.kv_cache_free_memory_fraction!r}")
+        if not 0 <= self.state_snapshot_memory_fraction < 1:
+            raise ValueError("EngineConfig.state_snapshot_memory_fraction must be in [0, 1), got "
+                             f"{self.state_snapshot_memory_fraction!r}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"EngineConfig.grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}")
         if self.num_threads is not None and self.num_threads < 1:

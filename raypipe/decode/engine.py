@@ -6,7 +6,8 @@ view per thread, so it keeps no per-call state that two threads could share):
 
     apply aborts -> schedule (scheduler.py): blocks of the paged KV pool for the running sequences'
        K steps (preempting the newest when the pool runs dry), next chunks of prefills under way,
-       waiting requests admitted after the running batch (reusing their longest cached prefix)
+       waiting requests admitted after the running batch (reusing their longest cached prefix; for
+       layers with per-row state, the state snapshot at its end is copied into the row first)
     -> [prefill thread] prefill those chunks by groups of similar length, first token of each
        prompt completed || [engine thread] K decode steps for the sequences already decoding
     -> per sequence: cut at its stop, emit one delta -> free the rows and blocks of finished ones
@@ -56,6 +57,7 @@ from raypipe.decode.request import check_request, visual_rows
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
+from raypipe.decode.snapshot_pool import SnapshotPool
 from raypipe.errors import CapacityError, EngineClosed, InvalidInput, QueueFull
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.prompt import PreparedPrompt
@@ -78,16 +80,29 @@ class LLMEngine:
             torch.set_num_threads(self.config.num_threads)
         self.num_threads = torch.get_num_threads()
         self.device = pick_device()
+        prefix_caching = self.config.enable_prefix_caching is not False  # exact for every layer kind
         self.runner = (runner_factory or ModelRunner)(self.adapter, device=self.device, dtype=resolve_dtype(self.config.dtype, self.device),
                                   max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
                                   num_scheduler_steps=self.config.num_scheduler_steps,
                                   block_size=self.config.block_size, kv_cache_memory=self.config.kv_cache_memory,
-                                  kv_cache_free_memory_fraction=self.config.kv_cache_free_memory_fraction)
+                                  kv_cache_free_memory_fraction=self.config.kv_cache_free_memory_fraction,
+                                  state_snapshot_fraction=self.config.state_snapshot_memory_fraction
+                                  if prefix_caching else 0.0)
         self.decode_step = self._start_decode_step()
         self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
+        self.snapshots, state = None, self.runner.cache.state_bytes_per_row
+        if prefix_caching and self.runner.cache.row_state_kinds:
+            if self.runner.num_snapshots:
+                self.snapshots = SnapshotPool(self.runner.num_snapshots, state)
+                self.pool.on_evict = self.snapshots.drop
+            else:  # no snapshot can be held (a decode group, or no memory for one): a hit could not restore rows
+                prefix_caching = False
+        block_bytes = max(self.runner.bytes_per_token * self.config.block_size, 1)
+        self.snapshot_every = self.config.snapshot_every_blocks or max(1, -(-state // block_bytes))
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.pool,
-                                   chunked_prefill=self.runner.cache.all_paged,
-                                   prefix_caching=self._prefix_caching())
+                                   chunked_prefill=True, prefix_caching=prefix_caching, snapshots=self.snapshots,
+                                   snapshot_every=self.snapshot_every)
+        self._log_cache()
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
         c = self.config
@@ -193,30 +208,33 @@ class LLMEngine:
                 "num_scheduler_steps": self.config.num_scheduler_steps, "max_num_seqs": self.config.max_num_seqs,
                 "max_model_len": self.config.max_model_len, "kv_cache_bytes": self.runner.cache.nbytes,
                 "kv_cache_tokens": self.pool.capacity_tokens, **self.pool.stats(),
+                **(self.snapshots.stats() if self.snapshots is not None else {}),
                 "prefix_caching": self.scheduler.prefix_caching, "chunked_prefill": self.scheduler.chunked_prefill,
                 "prefix_cache_query_tokens": s["prefill_tokens_asked"],
                 "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
                 "prefix_cache_hit_rate": (s["prefix_cache_hit_tokens"] / s["prefill_tokens_asked"]
                                           if s["prefill_tokens_asked"] else 0.0),
                 "preemptions": s["preemptions"], "chunked_prefills": s["chunked_prefills"],
+                **({"snapshot_every_blocks": self.snapshot_every} if self.snapshots is not None else {}),
                 "device": str(self.device), "decode_step": self.decode_step}
 
-    def _prefix_caching(self) -> bool:
-        """Prefix caching as configured, logged with the pool's size; on by default where every layer is
-        full attention (a cached block is then all the state its tokens leave behind)."""
-        cache, wanted = self.runner.cache, self.config.enable_prefix_caching
-        bounded = sorted(set(cache.layer_types) - {"full_attention"})
-        if wanted and bounded:
-            raise ValueError(f"enable_prefix_caching needs every layer to be full attention; this model also has "
-                             f"{bounded} layers, whose per-sequence state a cached block cannot restore")
-        on = cache.all_paged if wanted is None else wanted
+    def _log_cache(self) -> None:
+        """What is cached for each layer kind, and the budgets (the README's "Prefix caching" section)."""
+        cache, size = self.runner.cache, self.config.block_size
         blocks = cache.num_blocks - 1
-        log.info("KV cache: %d blocks x %d tokens = %d tokens of paged K/V (%.1f MiB, %d bytes per token)%s; "
-                 "prefix caching %s; chunked prefill %s", blocks, self.config.block_size,
-                 blocks * self.config.block_size, cache.nbytes / 2**20, self.runner.bytes_per_token,
-                 f", plus fixed rows for {bounded} layers" if bounded else "", "on" if on else "off",
-                 "on" if cache.all_paged else f"off ({bounded} layers prefill whole prompts)")
-        return on
+        kinds = {"full_attention": "K/V in paged blocks (cached by prefix hash)",
+                 "sliding_attention": "a ring of the window's K/V per row (snapshotted at block boundaries)",
+                 "linear_attention": "conv + recurrent state per row (snapshotted at block boundaries)"}
+        log.info("KV cache: %d blocks x %d tokens = %d tokens of paged K/V (%.1f MiB, %d bytes per token); "
+                 "prefix caching %s; chunked prefill on; per layer kind: %s", blocks, size, blocks * size,
+                 cache.nbytes / 2**20, self.runner.bytes_per_token, "on" if self.scheduler.prefix_caching else "off",
+                 "; ".join(f"{kind}: {kinds.get(kind, 'rows')}" for kind in sorted(set(cache.layer_types))))
+        if self.snapshots is not None:
+            log.info("state snapshots: %d slots x %d bytes = %.1f MiB (EngineConfig.state_snapshot_memory_fraction "
+                     "= %g of the KV budget), one every %d blocks of a prefill, at branch points and where "
+                     "sequences stop; a hit needs one at exactly its last cached block", self.snapshots.num_slots,
+                     self.snapshots.slot_bytes, self.snapshots.num_slots * self.snapshots.slot_bytes / 2**20,
+                     self.config.state_snapshot_memory_fraction, self.snapshot_every)
 
     def _start_decode_step(self) -> dict:
         """Static-shape decode step if configured and possible, warmed up now; what was chosen and why."""
@@ -289,6 +307,11 @@ class LLMEngine:
         steps = self.config.num_scheduler_steps
         plan = self.scheduler.schedule(lambda seq: min(steps, self.output.budget(seq)))
         self.runner.move_rows(plan.moves)
+        if plan.restores:
+            try:
+                self.runner.restore(plan.restores)
+            finally:
+                self.scheduler.restored(plan.restores)
         running, groups = plan.decode, plan.prefill  # running: rows 0..n-1
         with self._cores_split(bool(groups and running)):
             prefill = self._prefill_thread.submit(self._prefill, groups) if groups else None
@@ -303,7 +326,7 @@ class LLMEngine:
             for seq in group:
                 seq.num_computed += seq.chunk_len
                 seq.chunk_len = 0
-                self.scheduler.cache_blocks(seq)
+                self.scheduler.chunk_done(seq)
             for seq, token, lp in zip(sampled, tokens, logprobs):
                 self._emit(seq, self.output.append(seq, [token], lp))
         self._release_finished()
@@ -367,6 +390,8 @@ class LLMEngine:
         for seq, ids, logprobs in zip(running, new_ids, batch.take_logprobs(running)):
             self._emit(seq, self.output.append(seq, ids, logprobs))
             seq.num_computed = seq.cache_len
+            if self.snapshots is not None:
+                self.scheduler.decoded(seq)
 
     def _emit(self, seq: Sequence, delta: RequestDelta) -> None:
         if seq.matcher is not None and seq.matcher.is_error():
@@ -418,6 +443,8 @@ class LLMEngine:
         for seq in self.scheduler.running:
             self.pool.release(seq.block_table)
             seq.block_table, seq.row = [], None
+            if self.snapshots is not None:
+                self.scheduler.drop_snapshots(seq)
         failed, self.scheduler.running = [s for s in self.scheduler.running if not s.finished], []
         for seq in failed:
             self._forget(seq)  # a CapacityError (a decode group's rank died: GroupFailed) is retryable as it is

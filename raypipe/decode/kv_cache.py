@@ -5,6 +5,8 @@ sequence holds is `block_pool.py`'s business), so memory follows actual lengths.
 (sliding-window rings, linear-attention state) keep one fixed row per running sequence: batch row i
 is row i, the engine keeps the running batch compact, a request joining takes the next free row
 and a request leaving has the last row's state copied into its row (one sequence, never the batch).
+State snapshots (`snapshot_pool.py` decides which) are copies of one row of every row-state layer
+in slots allocated once (`allocate_snapshots`): `save_state(row, slot)`, `restore_state(slot, row)`.
 
 It is a transformers `Cache`, so transformers' layers call it themselves (`update` from attention
 layers, `get_/update_conv_state` and `get_/update_recurrent_state` from gated-delta-net layers), and
@@ -71,17 +73,36 @@ class KVCache(Cache):
         self.dtype = dtype
         self.pattern = WritePattern()
         self.in_round = False  # between begin_decode_round and end_decode_round
+        self.snapshots: list[list[torch.Tensor]] = []  # per layer, per row tensor: (slots, *row shape)
+
+    @property
+    def row_state_kinds(self) -> list[str]:
+        """The layer types that keep per-row state (what a prefix hit must restore besides blocks)."""
+        return sorted(name for name, kind in self.kinds.items() if kind.row_tensors())
+
+    @property
+    def state_bytes_per_row(self) -> int:
+        """Bytes of one sequence's row state in every layer: what one state snapshot takes."""
+        return sum(t[0].numel() * t.element_size() for layer in self.caches for t in layer.row_tensors())
+
+    def allocate_snapshots(self, num_slots: int) -> None:
+        self.snapshots = [[torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                           for t in layer.row_tensors()] for layer in self.caches]
+
+    def save_state(self, row: int, slot: int) -> None:
+        for layer, slots in zip(self.caches, self.snapshots):
+            for tensor, stored in zip(layer.row_tensors(), slots):
+                stored[slot].copy_(tensor[row])
+
+    def restore_state(self, slot: int, row: int) -> None:
+        for layer, slots in zip(self.caches, self.snapshots):
+            for tensor, stored in zip(layer.row_tensors(), slots):
+                tensor[row].copy_(stored[slot])
 
     @property
     def padded_prefill_exact(self) -> bool:
         """Whether right-padded prompts of different lengths may share one prefill forward."""
         return all(kind.PADDED_PREFILL_EXACT for kind in self.kinds.values())
-
-    @property
-    def all_paged(self) -> bool:
-        """Every layer is paged full attention: prefills may start from a cached past (prefix caching,
-        chunked prefill)."""
-        return set(self.kinds) == {PagedAttentionLayer.layer_type}
 
     def view(self) -> "KVCache":
         """The same storage with a write pattern of its own, so two threads can run forwards at once on
@@ -92,11 +113,12 @@ class KVCache(Cache):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the layers' caches (paged blocks and rows; snapshots not included)."""
         return sum(t.numel() * t.element_size() for layer in self.caches for t in layer.tensors())
 
-    def prepare_prefill(self, first_row: int, starts: list[int], lengths: list[int], tables: list[list[int]]) -> None:
-        """Rows `first_row..+len(lengths)` compute positions `starts[b]..starts[b]+lengths[b]-1`
-        (right-padded to the longest), writing through their block `tables`."""
+    def prepare_prefill(self, rows: list[int], starts: list[int], lengths: list[int], tables: list[list[int]]) -> None:
+        """Rows `rows` (a group's sequences need not hold consecutive ones) compute positions
+        `starts[b]..starts[b]+lengths[b]-1` (right-padded to the longest), writing through their block `tables`."""
         width = max(lengths)
         kv_blocks = -(-max(s + n for s, n in zip(starts, lengths)) // self.block_size)
         starts_t = torch.tensor(starts, device=self.device)
@@ -105,7 +127,7 @@ class KVCache(Cache):
         query = starts_t[:, None] + torch.arange(width, device=self.device)[None, :]
         real = torch.arange(width, device=self.device)[None, :] < lengths_t[:, None]
         has_past = any(starts)
-        self.pattern = WritePattern(rows=slice(first_row, first_row + len(lengths)), lengths=lengths_t,
+        self.pattern = WritePattern(rows=torch.tensor(rows, device=self.device), lengths=lengths_t,
                                     starts=starts_t, has_past=has_past, real=real,
                                     write_slots=token_slots(table, query, self.block_size)[real],
                                     read_blocks=table[:, :kv_blocks].reshape(-1) if has_past else None,

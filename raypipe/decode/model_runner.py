@@ -5,7 +5,10 @@ right-padded batch into their blocks and rows, and samples the first token of ea
 prompt it completes. A chunk starts where the sequence's cached tokens end (a cached prefix, an
 earlier chunk, or 0): its positions and visual rows are those of its tokens in the whole prompt.
 Where a layer kind cannot skip padding (linear-attention state), the group runs as sub-batches of
-equal length. `decode` runs K steps for the whole running batch: every step feeds the previous
+equal length. A sequence with state snapshots to take inside its chunk (`Sequence.snapshot_saves`)
+runs alone, its chunk split at those positions, and its row state is copied out at each (and at the
+chunk's end); decode copies a row's state at the step where it crosses its planned block boundary.
+`decode` runs K steps for the whole running batch: every step feeds the previous
 step's sampled ids (still on the device) back in, so the model never waits for the host.
 Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
 stream, read one step late so the copy overlaps the next step's kernels; on CPU directly.
@@ -20,8 +23,9 @@ from collections.abc import Callable
 import torch
 
 from raypipe.decode import compiled_step
-from raypipe.decode.kv_cache import KVCache, block_tables, paged_bytes_per_token
+from raypipe.decode.kv_cache import KVCache, block_tables, layer_types, paged_bytes_per_token
 from raypipe.decode.kv_pool_size import pool_blocks
+from raypipe.decode.paged_attention import PagedAttentionLayer
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence
 
@@ -35,7 +39,7 @@ class ModelRunner:
 
     def __init__(self, language_adapter, *, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, num_scheduler_steps: int, block_size: int, kv_cache_memory: int | None,
-                 kv_cache_free_memory_fraction: float):
+                 kv_cache_free_memory_fraction: float, state_snapshot_fraction: float):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = language_adapter.load_model(self.device, dtype)
@@ -43,12 +47,17 @@ class ModelRunner:
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len
         self.bytes_per_token = paged_bytes_per_token(text, dtype)
-        num_blocks = pool_blocks(device=self.device, bytes_per_token=self.bytes_per_token, block_size=block_size,
-                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                 kv_cache_memory=kv_cache_memory,
-                                 kv_cache_free_memory_fraction=kv_cache_free_memory_fraction)
+        has_rows = set(layer_types(text)) != {PagedAttentionLayer.layer_type}  # bounded kinds keep row state
+        num_blocks, state_bytes = pool_blocks(
+            device=self.device, bytes_per_token=self.bytes_per_token, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+            kv_cache_free_memory_fraction=kv_cache_free_memory_fraction,
+            state_fraction=state_snapshot_fraction if has_rows else 0.0)
         self.cache = KVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
                              block_size=block_size, device=self.device, dtype=dtype)
+        state = self.cache.state_bytes_per_row
+        self.num_snapshots = state_bytes // state if state else 0
+        self.cache.allocate_snapshots(self.num_snapshots)
         self.placeholder_ids = set(self.model.placeholder_ids.tolist())
         self.prefill_cache = self.cache.view()  # prefill may run on another thread than decode
         self.cuda = self.device.type == "cuda"
@@ -70,15 +79,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
-        """Compute the chunks of `seqs` (consecutive rows from `seqs[0].row` where the bounded cache
-        kinds have rows); first sampled ids of `sampled` (those whose prompt this completes, the rows
-        of `batch`)."""
+        """Compute the chunks of `seqs` (in their rows of the bounded cache kinds); first sampled ids of
+        `sampled` (those whose prompt this completes, the rows of `batch`)."""
+        split = [s for s in seqs if any(p < s.num_computed + s.chunk_len for p, _ in s.snapshot_saves)]
+        rest = [s for s in seqs if s not in split]
+        runs: list[list[Sequence]] = [[s] for s in split]
         if self.cache.padded_prefill_exact:
-            runs = [seqs]
+            runs += [rest] if rest else []
         else:
-            runs: list[list[Sequence]] = []
-            for seq in seqs:
-                if runs and runs[-1][0].chunk_len == seq.chunk_len:
+            for seq in rest:  # `seqs` come sorted by chunk length
+                if len(runs) > len(split) and runs[-1][0].chunk_len == seq.chunk_len:
                     runs[-1].append(seq)
                 else:
                     runs.append([seq])
@@ -92,9 +102,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _prefill_logits(self, seqs: list[Sequence], sampled: list[Sequence]) -> torch.Tensor:
-        """Last-position logits of `sampled` from a right-padded forward over the chunks of `seqs`."""
+        """Last-position logits of `sampled` from a right-padded forward over the chunks of `seqs` (a
+        sequence alone with snapshots inside its chunk: one forward per piece, its state saved between)."""
+        ends = [s.num_computed + s.chunk_len for s in seqs]
         starts = [s.num_computed for s in seqs]
-        lengths = [s.chunk_len for s in seqs]
+        if len(seqs) == 1:
+            for point in sorted(p for p, _ in seqs[0].snapshot_saves if p < ends[0]):
+                self._forward(seqs, [starts[0]], [point - starts[0]])
+                self._save_states(seqs, [point])
+                starts = [point]
+        lengths = [end - start for start, end in zip(starts, ends)]
+        hidden = self._forward(seqs, starts, lengths)
+        self._save_states(seqs, ends)
+        rows = [seqs.index(s) for s in sampled]
+        last = hidden[torch.tensor(rows, dtype=torch.long, device=self.device),
+                      torch.tensor([lengths[r] - 1 for r in rows], dtype=torch.long, device=self.device)]
+        return self.model.logits(last)
+
+    def _forward(self, seqs: list[Sequence], starts: list[int], lengths: list[int]) -> torch.Tensor:
+        """Final hidden states of one right-padded prefill forward: tokens `starts[b] .. + lengths[b]` of each."""
         width = max(lengths)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
         positions = torch.zeros((3, len(seqs), width), dtype=torch.long)
@@ -108,13 +134,21 @@ class ModelRunner:
                 visual.append(seq.visual_embeds[first: first + sum(t in self.placeholder_ids for t in tokens)])
         visual_embeds = torch.cat(visual).to(self.device) if visual else None
         ids, positions = ids.to(self.device), positions.to(self.device)
-        self.prefill_cache.prepare_prefill(seqs[0].row, starts, lengths, [s.block_table for s in seqs])
-        hidden = self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
-                                    self.prefill_cache)
-        rows = [seqs.index(s) for s in sampled]
-        last = hidden[torch.tensor(rows, dtype=torch.long, device=self.device),
-                      torch.tensor([lengths[r] - 1 for r in rows], dtype=torch.long, device=self.device)]
-        return self.model.logits(last)
+        self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs])
+        return self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
+                                  self.prefill_cache)
+
+    def _save_states(self, seqs: list[Sequence], consumed: list[int]) -> None:
+        """Copy the row state of each sequence that planned a snapshot where it now stands."""
+        for seq, position in zip(seqs, consumed):
+            for point, slot in seq.snapshot_saves:
+                if point == position:
+                    self.prefill_cache.save_state(seq.row, slot)
+
+    def restore(self, restores: list[tuple[int, int]]) -> None:
+        """Copy snapshots into the rows of the sequences that continue from them: `(slot, row)`."""
+        for slot, row in restores:
+            self.cache.restore_state(slot, row)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], batch: SamplingBatch, steps: int, on_step: StepCallback) -> int:
@@ -142,6 +176,11 @@ class ModelRunner:
         cache_len = torch.tensor([s.cache_len for s in seqs], device=self.device)
         rope_delta = torch.tensor([s.rope_delta for s in seqs], device=self.device)
         longest = max(s.cache_len for s in seqs)
+        # Row state to copy out after step s: a row that planned a snapshot where that step leaves it
+        captures: dict[int, list[tuple[int, int]]] = {}
+        for row, seq in enumerate(seqs):
+            for point, slot in seq.snapshot_saves:
+                captures.setdefault(point - seq.cache_len - 1, []).append((row, slot))
         pending: list[tuple[int, torch.cuda.Event]] = []
         for step in range(steps):
             # Rows already past the model length keep running until the round ends (their
@@ -156,6 +195,8 @@ class ModelRunner:
                 hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),
                                     self.cache)
                 logits = self.model.logits(hidden[:, -1])
+            for row, slot in captures.get(step, ()):
+                self.cache.save_state(row, slot)
             tokens = self.sample_step(logits, batch)
             if not self.cuda:
                 if on_step(step, tokens.tolist()):

@@ -14,13 +14,28 @@ A round (see engine.py) decodes the running sequences K steps and prefills the j
    budget (`max_num_batched_tokens`) allow and the pool has blocks for their chunk; a sequence
    that does not fit waits (a long prompt is never starved). With prefix caching a joining
    sequence first takes the cached blocks of its longest cached prefix and computes only the rest.
-   Where the cache kinds allow a prefill to continue from a past (`chunked_prefill`), a prompt
-   longer than what is left of the budget is prefilled over several rounds; elsewhere it runs
-   whole, alone in its round.
+   With `chunked_prefill` a prompt longer than what is left of the budget is prefilled over several
+   rounds; without it, it runs whole, alone in its round.
+
+Models with per-row state (linear attention, sliding window; `cache_kinds.py`) also have a
+`SnapshotPool`: a prefix hit for them is the longest cached run of blocks whose last block has a
+state snapshot (`snapshot_pool.py`); that snapshot is restored into the sequence's row
+(`Round.restores`) and the rest is prefilled from it. Which states are kept (`_plan_snapshots`,
+`_plan_capture`), each at a block boundary `P` and registered under the hash of the block ending there:
+   (a) the last block boundary a sequence's decode crossed, registered when it leaves (finished,
+       aborted or preempted): the next turn of a chat repeats prompt + output, so it continues from
+       there, recomputing less than a block;
+   (b) the branch point: where a joining prompt's cached run of blocks ends, so the next prompt
+       sharing that prefix (a system prompt) finds a state there;
+   (c) every `snapshot_every` blocks of a prefill, and the prompt's last block boundary.
+A state inside a chunk is taken by splitting the chunk's forward there (`ModelRunner.prefill`).
 
 Row i of the running batch is row i of the bounded cache kinds; the batch stays compact: a
 sequence leaving (finished or preempted) hands its row to the last running sequence, whose row
-state the runner then moves (`Round.moves`).
+state the runner then moves (`Round.moves`). Decode runs over rows `0..n-1`, so the decoding
+sequences are put first (`_decoding_first`): with chunked prefill a sequence still prefilling can
+hold a lower row than one that finished its prompt sooner; their row state is swapped through the
+spare row (`max_num_seqs`).
 
 Prefill chunks are run in groups of similar length: one right-padded forward per group. Image
 prompts vary several-fold in length, and padding a whole admission to its longest prompt spent a
@@ -39,6 +54,7 @@ from collections.abc import Callable
 from raypipe.decode.block_pool import BlockPool
 from raypipe.decode.prefix_hash import extend_block_hashes
 from raypipe.decode.sequence import Sequence
+from raypipe.decode.snapshot_pool import SnapshotPool
 
 MAX_PADDING = 0.1  # a prefill group's padded tokens may exceed its real tokens by this fraction
 
@@ -49,16 +65,21 @@ class Round:
     prefill: list[list[Sequence]]  # groups; each sequence computes `chunk_len` tokens from `num_computed`
     moves: list[tuple[int, int, int]]  # `(src_row, dst_row, cache_len)` row moves to apply first
     preempted: list[Sequence]
+    restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # `(slot, row)`, after the moves
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool, *,
-                 chunked_prefill: bool, prefix_caching: bool):
+                 chunked_prefill: bool, prefix_caching: bool, snapshots: SnapshotPool | None = None,
+                 snapshot_every: int = 1):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pool = pool
         self.chunked_prefill = chunked_prefill
         self.prefix_caching = prefix_caching
+        # None: every layer is paged; else the model's row state must be restored at a hit
+        self.snapshots = snapshots
+        self.snapshot_every = snapshot_every  # blocks between snapshots of a long prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
@@ -79,7 +100,6 @@ class Scheduler:
         for seq in sorted((s for s in self.running if s.decoding), key=lambda s: s.arrival):
             if seq.row is not None and not self._grow(seq, seq.cache_len + decode_tokens(seq), moves, preempted):
                 self._preempt(seq, moves, preempted)
-        decode = [s for s in self.running if s.decoding]
         budget = self.max_num_batched_tokens
         prefill: list[Sequence] = []
         for seq in sorted((s for s in self.running if not s.decoding), key=lambda s: s.arrival):
@@ -91,12 +111,48 @@ class Scheduler:
                 prefill.append(seq)
             else:
                 self._preempt(seq, moves, preempted)
+        self._decoding_first(moves)  # after every preemption (a prefill's growth may preempt a newer decoder)
+        decode = [s for s in self.running if s.decoding]  # rows 0..n-1
         joining = self._admit(budget, scheduled=bool(prefill))
         groups = group_by_length(prefill + joining, MAX_PADDING)
+        restores = []
         for seq in (s for group in groups for s in group if s.row is None):
             seq.row = len(self.running)
             self.running.append(seq)
-        return Round(decode, groups, moves, preempted)
+            if seq.restore_slot is not None:
+                restores.append((seq.restore_slot, seq.row))
+                seq.restore_slot = None
+        if self.snapshots is not None and self.prefix_caching:
+            for seq in decode:
+                self._plan_capture(seq, decode_tokens(seq))
+            planned: set[bytes] = set()  # one fill per state, however many prompts of the round pass it
+            for seq in prefill + joining:
+                self._plan_snapshots(seq, planned)
+        return Round(decode, groups, moves, preempted, restores)
+
+    def _decoding_first(self, moves: list[tuple[int, int, int]]) -> None:
+        """Reorder the running batch so decoding sequences hold rows `0..n-1` (stable), appending the
+        row moves: each cycle of the permutation goes through the spare row `max_num_seqs`."""
+        order = sorted(self.running, key=lambda s: not s.decoding)
+        if order == self.running:
+            return
+        spare, at = self.max_num_seqs, {s.row: s for s in self.running}
+        source = {row: seq.row for row, seq in enumerate(order)}  # new row -> the row its state is in now
+        done: set[int] = set()
+        for start in range(len(order)):
+            if start in done or source[start] == start:
+                continue
+            moves.append((start, spare, at[start].cache_len))
+            row = start
+            while source[row] != start:
+                moves.append((source[row], row, at[source[row]].cache_len))
+                done.add(row)
+                row = source[row]
+            moves.append((spare, row, at[start].cache_len))
+            done.add(row)
+        for row, seq in enumerate(order):
+            seq.row = row
+        self.running = order
 
     def _admit(self, budget: int, scheduled: bool) -> list[Sequence]:
         joining: list[Sequence] = []
@@ -109,11 +165,11 @@ class Scheduler:
                 if self.chunked_prefill:
                     chunk = budget
                 elif scheduled or joining:
-                    self.pool.release(hit)
+                    self._give_back(seq, hit)
                     break
             need = self.pool.blocks_for(len(hit) * self.pool.block_size + chunk)
             if need - len(hit) > self.pool.num_available:
-                self.pool.release(hit)
+                self._give_back(seq, hit)
                 break
             self.waiting.popleft()
             seq.block_table = hit + self.pool.allocate(need - len(hit))
@@ -131,12 +187,76 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Sequence, target: int) -> list[int]:
         """Cached blocks of `seq`'s longest cached prefix, referenced; at least one token is left to
-        compute (a prefill needs a last position, and the block it writes must be its own)."""
+        compute (a prefill needs a last position, and the block it writes must be its own). With row
+        state, the prefix ends where a snapshot ends (`seq.restore_slot`, held), and where the cached
+        blocks went on further, that point is `seq`'s branch point."""
         if not self.prefix_caching:
             return []
         full = (target - 1) // self.pool.block_size
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.pool.block_size, full, seq.placeholder_runs)
-        return self.pool.take_cached(seq.block_hashes[:full])
+        hit = self.pool.take_cached(seq.block_hashes[:full])
+        if self.snapshots is None:
+            return hit
+        keep = len(hit)
+        while keep and not self.snapshots.has(seq.block_hashes[keep - 1]):
+            keep -= 1
+        self.pool.release(hit[keep:])
+        seq.branch_point = len(hit) * self.pool.block_size if len(hit) > keep else 0
+        if keep:
+            seq.restore_slot = self.snapshots.take(seq.block_hashes[keep - 1])
+        return hit[:keep]
+
+    def _give_back(self, seq: Sequence, hit: list[int]) -> None:
+        """`seq` does not join after all: let go of its hit."""
+        self.pool.release(hit)
+        if seq.restore_slot is not None:
+            self.snapshots.release(seq.restore_slot)
+            seq.restore_slot = None
+
+    def _plan_snapshots(self, seq: Sequence, planned: set[bytes]) -> None:
+        """Slots for the states this round's chunk of `seq` passes and the cache lacks: every
+        `snapshot_every` blocks, its branch point, its prompt's (or a resume's) last block boundary."""
+        size = self.pool.block_size
+        start, end = seq.num_computed, seq.num_computed + seq.chunk_len
+        points = {p for p in range(start - start % size + size, end + 1, size)
+                  if p % (self.snapshot_every * size) == 0 or p == seq.branch_point
+                  or p == seq.cache_len - seq.cache_len % size}
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, end // size, seq.placeholder_runs)
+        for p in sorted(points):
+            key = seq.block_hashes[p // size - 1]
+            if not self.snapshots.has(key) and key not in planned:
+                slot = self.snapshots.allocate()
+                if slot is None:
+                    return
+                planned.add(key)
+                seq.snapshot_saves.append((p, slot))
+
+    def _plan_capture(self, seq: Sequence, steps: int) -> None:
+        """A slot for the last block boundary `seq` may cross in this round's decode steps (what it
+        consumed after each step: `cache_len + 1 .. cache_len + steps`)."""
+        size = self.pool.block_size
+        last = seq.cache_len + steps
+        if last // size > seq.cache_len // size:
+            slot = self.snapshots.allocate()
+            if slot is not None:
+                seq.snapshot_saves.append((last - last % size, slot))
+
+    def decoded(self, seq: Sequence) -> None:
+        """After `seq`'s decode steps: keep the boundary state it captured if its kept tokens reached it
+        (steps past its stop ran on tokens it dropped), as the one it registers when it leaves."""
+        for position, slot in seq.snapshot_saves:
+            if position <= seq.cache_len:
+                if seq.boundary is not None:
+                    self.snapshots.release(seq.boundary[1])
+                seq.boundary = (position, slot)
+            else:
+                self.snapshots.release(slot)
+        seq.snapshot_saves = []
+
+    def restored(self, restores: list[tuple[int, int]]) -> None:
+        """The runner copied these snapshots into their rows: let go of them."""
+        for slot, _ in restores:
+            self.snapshots.release(slot)
 
     def _grow(self, seq: Sequence, num_tokens: int, moves: list, preempted: list) -> bool:
         """Blocks for `num_tokens` of `seq`, preempting newer sequences while the pool is short."""
@@ -158,6 +278,13 @@ class Scheduler:
         preempted.append(seq)
         self.counters["preemptions"] += 1
 
+    def chunk_done(self, seq: Sequence) -> None:
+        """After `seq`'s prefill chunk: its full blocks and the state snapshots the chunk filled."""
+        self.cache_blocks(seq)
+        if seq.snapshot_saves:
+            self._register_snapshots(seq, seq.snapshot_saves)
+            seq.snapshot_saves = []
+
     def cache_blocks(self, seq: Sequence) -> None:
         """Register `seq`'s full computed blocks in the prefix cache (with prefix caching on)."""
         if not self.prefix_caching:
@@ -168,6 +295,23 @@ class Scheduler:
             for j in range(seq.num_registered, full):
                 self.pool.register(seq.block_table[j], seq.block_hashes[j])
             seq.num_registered = full
+
+    def _register_snapshots(self, seq: Sequence, saves: list[tuple[int, int]]) -> None:
+        """Register the filled snapshots `(position, slot)` at or before `seq`'s computed tokens (their
+        blocks are registered); let go of the others."""
+        for position, slot in saves:
+            if position <= seq.num_computed:
+                self.snapshots.register(slot, seq.block_hashes[position // self.pool.block_size - 1])
+            else:
+                self.snapshots.release(slot)
+
+    def drop_snapshots(self, seq: Sequence) -> None:
+        """Let go of every snapshot `seq` holds or was to fill, registering none (its state is in doubt)."""
+        for _, slot in seq.snapshot_saves + ([seq.boundary] if seq.boundary else []):
+            self.snapshots.release(slot)
+        if seq.restore_slot is not None:
+            self.snapshots.release(seq.restore_slot)
+        seq.snapshot_saves, seq.boundary, seq.restore_slot = [], None, None
 
     def remove_waiting(self, seq: Sequence) -> bool:
         try:
@@ -183,6 +327,11 @@ class Scheduler:
         # Highest rows first: a row freed at the end never needs a move, and earlier rows stay valid.
         for seq in sorted(leaving, key=lambda s: s.row, reverse=True):
             self.cache_blocks(seq)
+            if self.snapshots is not None:
+                # (a): its last decode boundary, where the next turn of its chat continues
+                self._register_snapshots(seq, seq.snapshot_saves + ([seq.boundary] if seq.boundary else []))
+                seq.snapshot_saves, seq.boundary = [], None
+                self.drop_snapshots(seq)
             self.pool.release(seq.block_table)
             seq.block_table, seq.num_registered = [], 0
             last = self.running.pop()

@@ -93,6 +93,14 @@ class Sequence:
     placeholder_runs: tuple = ()
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_registered: int = 0
+    # State snapshots (snapshot_pool.py; models with row-state layers): `(position, slot)` fills this round
+    # (prefill chunk ends and splits, or a decode step crossing a block boundary), the latest block boundary
+    # its decode crossed (registered when it leaves: where the next turn of a chat continues), and the
+    # snapshot to restore into its row before its first chunk
+    snapshot_saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    boundary: tuple[int, int] | None = None
+    restore_slot: int | None = None
+    branch_point: int = 0  # where its cached run of blocks ended past its last snapshot (0: none)
     # Prompt tokens its first admission took from the prefix cache (what usage reports; not a resume's), None before
     num_cached_tokens: int | None = None
     finish_reason: str | None = None

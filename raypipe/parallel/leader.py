@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 class GroupRunner(ModelRunner):
     def __init__(self, adapter, *, tensor_parallel_size: int, num_threads: int | None, **runner_kwargs):
         device = torch.device(runner_kwargs["device"])
+        # The ranks do not mirror row-state snapshots yet: none are kept, so a hybrid family's prefix
+        # caching is off in a group (the engine turns it off when its runner holds no snapshot).
+        runner_kwargs["state_snapshot_fraction"] = 0.0
         self.collectives = Collectives(0, tensor_parallel_size, device)
         super().__init__(RankAdapter(adapter, WeightShard(adapter.text_config, 0, tensor_parallel_size,
                                                           self.collectives)), **runner_kwargs)

@@ -105,13 +105,21 @@ class _LiveStats:
                     ("prefix_cache_hit_rate", "prefix_cache_hit_rate",
                      "Prompt tokens taken from the prefix cache / prompt tokens to prefill"),
                     ("preemptions", "decode_preemptions", "Sequences preempted when the KV cache ran out"),
-                    ("chunked_prefills", "decode_chunked_prefills", "Prompts prefilled over several rounds")):
+                    ("chunked_prefills", "decode_chunked_prefills", "Prompts prefilled over several rounds"),
+                    ("state_snapshots_total", "state_snapshots_total",
+                     "Slots of the state-snapshot pool (models with linear-attention or sliding-window layers)"),
+                    ("state_snapshots_cached", "state_snapshots_cached",
+                     "State snapshots registered in the prefix cache"),
+                    ("state_snapshots_held", "state_snapshots_held", "State snapshots held by running sequences")):
                 if key in decoder:
                     yield GaugeMetricFamily(f"raypipe_{name}", help_text, value=float(decoder[key]))
             for key, name, help_text in (
                     ("prefix_cache_query_tokens", "prefix_cache_queries",
                      "Prompt tokens looked up in the prefix cache"),
-                    ("prefix_cache_hit_tokens", "prefix_cache_hits", "Prompt tokens taken from the prefix cache")):
+                    ("prefix_cache_hit_tokens", "prefix_cache_hits", "Prompt tokens taken from the prefix cache"),
+                    ("snapshots_taken", "state_snapshots_taken", "State snapshots registered"),
+                    ("snapshot_hits", "state_snapshot_hits", "Prefix hits restored from a state snapshot"),
+                    ("snapshot_evictions", "state_snapshot_evictions", "State snapshots evicted")):
                 if key in decoder:  # exposed as `<name>_total`
                     yield CounterMetricFamily(f"raypipe_{name}", help_text, value=float(decoder[key]))
         if encoder := live.get("encoder"):
