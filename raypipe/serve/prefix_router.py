@@ -25,6 +25,12 @@ down, dead) are forgotten in `update_replicas`/`on_replica_actor_died`; a replic
 nothing, so it takes new conversations through the fallback (idle, it has the shorter queue) while
 the running ones stay where their blocks are.
 
+Serve hands a chosen replica to the oldest request still waiting (`FIFOMixin`, as its default
+router does). Without it Serve matches a replica to the request by its internal id, which the n
+decoder calls of one HTTP request (n > 1) share, and all but the first of them waited forever. The
+price: when routing tasks finish out of order (one waits for a queue-length probe), a request can
+take the replica chosen for the one before it.
+
 The fallback is Serve's power of two choices: two random replicas, the shorter queue (Serve checks
 it, probing replicas whose length it does not know, and skips full ones). A replica whose queue
 length this router does not know counts as empty in the overload rule: if it is full, Serve's own
@@ -36,7 +42,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from raypipe.serve.prefix_affinity import PrefixAffinity
 
@@ -50,7 +56,7 @@ def request_hashes(pending_request: PendingRequest | None) -> Sequence[bytes]:
     return pending_request.kwargs.get(HASHES_KWARG) or ()
 
 
-class PrefixAffinityRouter(RequestRouter):
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, *, min_match_ratio: float, overload_threshold: int, max_tracked_blocks: int):
         """Serve passes `request_router_kwargs` here (`PrefixRouting`'s fields, from `app.compose`)."""
         self.affinity = PrefixAffinity(min_match_ratio, overload_threshold, max_tracked_blocks)
