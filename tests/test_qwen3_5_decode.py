@@ -11,6 +11,7 @@ for positions: flat positions change the greedy tokens (shown here).
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from tests import decode_reference as decode_ref
 from tests import qwen3_vl_reference as ref
 from tests.conftest import random_images
 from tests.decode_reference import staggered
-from tests.test_qwen3_vl_decode import MAX_NEW, PROMPTS, Model
+from tests.test_qwen3_vl_decode import BLOCK, MAX_NEW, PROMPTS, Model
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen3.5", "tiny-qwen3.5-moe"])
@@ -105,3 +106,29 @@ def test_flat_positions_change_greedy_tokens(model):
     assert generate(flat, "right", case) == case[3]
     flat.adapter.positions = lambda ids, layouts, kept=(): (torch.arange(len(ids)).expand(3, -1).clone(), 0)
     assert generate(flat, "flat", case) != case[3]
+
+
+def test_prompt_prefilled_in_four_chunks_matches_generate(model):
+    """Chunked prefill over the hybrid layers: each chunk continues from the row's gated-delta-net state."""
+    case = model.case(PROMPTS[2], seed=2)
+    length = len(case[0].prompt_token_ids)
+    engine = model.engine(8, max_num_batched_tokens=length // 4, enable_prefix_caching=False)
+    before = engine.stats()
+    assert generate(engine, "chunked", case) == case[3]
+    after = engine.stats()
+    assert after["chunked_prefills"] - before["chunked_prefills"] == 1
+    assert after["prefill_tokens"] - before["prefill_tokens"] >= length  # in chunks of at most length // 4
+
+
+def test_prefix_hit_through_a_state_snapshot_matches_generate(model):
+    """Prefix caching is on for this hybrid family: a second question on the same image continues from a state
+    snapshot at a block boundary of the first prompt, and decodes as `generate()` does."""
+    engine = model.engine(1)
+    first = model.case([(128, 160)], "Describe it.", seed=30)
+    second = model.case([(128, 160)], "Which colors?", seed=30)
+    assert generate(engine, "prefix-1", first) == first[3]
+    before = engine.stats()["prefix_cache_hit_tokens"]
+    assert generate(engine, "prefix-2", second) == second[3]
+    hits = engine.stats()["prefix_cache_hit_tokens"] - before
+    common = len(os.path.commonprefix([second[0].prompt_token_ids, first[0].prompt_token_ids]))
+    assert 0 < hits <= common and hits % BLOCK == 0

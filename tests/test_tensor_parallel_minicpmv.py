@@ -42,7 +42,8 @@ def cases(minicpmv_ckpt):
 @pytest.fixture(scope="module")
 def engines(minicpmv_ckpt, cases, ray_local):
     """One device and a group of two with the same number of blocks: about two of the longest requests'
-    worth, so a batch of all of them preempts."""
+    worth, so a batch of all of them preempts. Prefix caching off on both: a group keeps no state snapshots
+    (so none of the budget goes to them there), and one device must get the same blocks."""
     longest = -(-(max(len(p.prompt_token_ids) for p, _, _ in cases) + MAX_NEW) // BLOCK)
     probe = LLMEngine(minicpmv_ckpt, EngineConfig(max_num_seqs=1, max_model_len=64))
     block_bytes = probe.runner.bytes_per_token * BLOCK
@@ -50,7 +51,8 @@ def engines(minicpmv_ckpt, cases, ray_local):
     made = []
     for tp in (1, 2):
         config = EngineConfig(max_num_seqs=8, max_model_len=longest * BLOCK, block_size=BLOCK, num_threads=1,
-                              kv_cache_memory=(2 * longest + 1) * block_bytes // tp, tensor_parallel_size=tp)
+                              kv_cache_memory=(2 * longest + 1) * block_bytes // tp, tensor_parallel_size=tp,
+                              enable_prefix_caching=False)
         made.append(LLMEngine(minicpmv_ckpt, config, runner_factory=runner_factory(config)))
     yield made
     for engine in made:
