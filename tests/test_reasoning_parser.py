@@ -1,5 +1,5 @@
 """The reasoning split (`serve/openai/reasoning.py`) against vLLM's `qwen3` reasoning parser rule written out
-plainly, whole and streamed in pieces of every size; constraints refused while thinking; the thinking switch
+plainly, whole and streamed in pieces of every size; constraints applied after the thinking block; the thinking switch
 refused by a template without one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from raypipe.errors import InvalidInput
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import FAMILIES
-from raypipe.serve.openai.reasoning import PARSERS, ReasoningStream, check_constraint, split_reasoning
+from raypipe.serve.openai.reasoning import PARSERS, ReasoningStream, constrain_answer, split_reasoning
 
 ANSWERS = ["plan</think>\n\nanswer", "</think>\n\nanswer", "plan</think>", "plan only, cut short", "",
            "<think>\nplan</think>answer", "a</think>b</think>c", "thinking about </thin and <think", "x</think>"]
@@ -52,12 +52,45 @@ def test_thinking_is_on_unless_switched_off():
     assert {f.reasoning for f in FAMILIES} <= {"", *PARSERS}
 
 
-def test_constraints_are_refused_while_thinking():
-    check_constraint(False, "response_format.json_schema.schema")
-    check_constraint(True, None)
-    with pytest.raises(InvalidInput) as refused:
-        check_constraint(True, "response_format.json_schema.schema")
-    assert refused.value.code == "constraint_with_thinking" and refused.value.item == "response_format.json_schema.schema"
+def test_a_constraint_applies_after_the_thinking_block(tiny_ckpt):
+    """The compiled grammar (a matcher of the decoder's own compiler, through the worker pool): free text (no EOS,
+    no spelled-out tag) until the `</think>` token, then exactly the constraint; off, the constraint from the start."""
+    from transformers import AutoTokenizer
+
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.grammar import GrammarCompiler, GrammarLimits
+    from raypipe.inputs.structured import StructuredOutput
+    from raypipe.models.registry import preset_checkpoint
+
+    schema = StructuredOutput(json='{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}')
+    assert constrain_answer(schema, False) is schema and constrain_answer(None, True) is None
+    tokenizer = AutoTokenizer.from_pretrained(preset_checkpoint("tiny-qwen3.5"))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (eos,), GrammarLimits(
+        **{name: getattr(EngineConfig(), f"grammar_{name}") for name in ("max_bytes", "max_depth", "max_ref_depth",
+                                                                        "max_rules")},
+        **{name: getattr(EngineConfig(), f"grammar_compile_{name}") for name in ("timeout_s", "workers",
+                                                                                "memory_bytes", "stack_bytes")}))
+    try:
+        def matcher(structured, text):
+            m = compiler.matcher(structured)
+            return m, m.consume_tokens(tokenizer.encode(text))
+
+        thinking = constrain_answer(schema, True)
+        m, ok = matcher(thinking, "plan: {not json} <thin")
+        assert ok and not m.is_accepting()  # anything before the tag, and no EOS there
+        assert matcher(thinking, "plan</think>")[0].compute_ff_tokens() == tokenizer.encode('{"a":')
+        m, ok = matcher(thinking, 'plan</think>{"a":12}')
+        assert ok and m.is_accepting()
+        assert not matcher(thinking, 'plan</think> {"a":1}')[1]  # the answer starts right after the tag
+        spelled = tokenizer.encode("plan") + [tokenizer.convert_tokens_to_ids(c) for c in "</think>"]
+        assert not compiler.matcher(thinking).consume_tokens(spelled)  # the tag only as its token
+        assert not matcher(schema, 'plan</think>{"a":1}')[1] and matcher(schema, '{"a":1}')[1]
+        choice = constrain_answer(StructuredOutput(choice=("red", "blue")), True)
+        m, ok = matcher(choice, "x</think>blue")
+        assert ok and m.is_accepting()
+    finally:
+        compiler.close()
 
 
 def test_a_template_without_a_thinking_switch_refuses_it(tiny_ckpt):
