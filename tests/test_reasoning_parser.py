@@ -102,3 +102,52 @@ def test_a_template_without_a_thinking_switch_refuses_it(tiny_ckpt):
         build_prompt([{"role": "user", "content": "hi"}], AutoTokenizer.from_pretrained(tiny_ckpt),
                      vision_adapter(tiny_ckpt), chat_template_kwargs={"enable_thinking": False})
     assert refused.value.code == "invalid_chat_template_kwargs"
+
+
+def test_sampled_answers_follow_the_constraint_after_thinking():
+    """The decode engine (no Serve) sampling the Qwen3.5 preset at temperature 1 under a schema after thinking:
+    every answer's tokens replay on an independent llguidance matcher of the composed grammar, a finished answer's
+    content validates and its reasoning never holds the tag, a cut one a prefix of a valid answer."""
+    import asyncio
+    import json
+
+    import jsonschema
+    import llguidance
+    import llguidance.hf
+
+    from raypipe import SamplingParams
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from raypipe.decode.grammar_worker import JSON_OPTIONS, after_thinking
+    from raypipe.inputs.structured import StructuredOutput
+    from raypipe.models.registry import preset_checkpoint
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    engine = LLMEngine(preset_checkpoint("tiny-qwen3.5"), EngineConfig(max_num_seqs=4, max_model_len=256))
+    try:
+        tokenizer = engine.tokenizer
+        prompt = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n")
+        structured = constrain_answer(StructuredOutput(json=json.dumps(schema)), True)
+
+        async def run():
+            return await asyncio.gather(*(engine.generate_output(
+                f"s{seed}", prompt, params=SamplingParams(max_tokens=48, temperature=1.0, seed=seed, structured=structured))
+                for seed in range(6)))
+
+        outputs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    grammar = after_thinking(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), "</think>")
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    finished = 0
+    for out in outputs:
+        ids = [t for t in out.token_ids if t not in engine.adapter.eos_token_ids]
+        assert llguidance.LLMatcher(lltokenizer, grammar).consume_tokens(ids), out.text
+        reasoning, content = split_reasoning(out.text, True)
+        if out.finish_reason == "stop":
+            finished += 1
+            jsonschema.validate(json.loads(content), schema)
+            assert "</think>" not in (reasoning or "")
+        else:
+            assert out.finish_reason == "length"  # its tokens still replayed: a prefix of a valid answer
+    assert finished >= 1  # the composed grammar was exercised through its end
