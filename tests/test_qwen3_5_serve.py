@@ -2,7 +2,8 @@
 sent as data: URLs is transformers' own greedy answer, split into `reasoning_content` and `content` as
 vLLM's `qwen3` parser rule splits the same tokens, whole and streamed as deltas; with
 `chat_template_kwargs: {"enable_thinking": false}` the prompt closes the thinking block and the whole
-answer is content; an output constraint is refused while thinking and honoured without."""
+answer is content; an output constraint (schema, choice, forced tool call) applies to the answer after the
+thinking block, or with thinking off to the whole answer."""
 
 from __future__ import annotations
 
@@ -89,14 +90,48 @@ def test_thinking_switched_off_answers_in_content(server, expected):
     assert message.content == texts[False] and message.model_extra.get("reasoning_content") is None
 
 
-def test_structured_output_needs_thinking_off(server, expected):
-    messages = expected[0]
-    schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 8}}, "required": ["color"],
-              "additionalProperties": False}
-    form = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
-    with pytest.raises(openai.BadRequestError) as refused:
-        server.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, response_format=form)
-    assert refused.value.body["code"] == "constraint_with_thinking"
+SCHEMA = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 8}}, "required": ["color"],
+          "additionalProperties": False}
+FORM = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+
+
+def test_structured_output_applies_to_the_answer_after_thinking(server, expected):
+    """Greedy: the reasoning is the model's own up to its `</think>` (the grammar leaves the block free), the content
+    after it follows the schema; streamed the same; with thinking off the whole answer is the JSON."""
+    messages, texts = expected
     reply = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
-                                           response_format=form, extra_body=OFF)
-    assert set(json.loads(reply.choices[0].message.content)) == {"color"}
+                                           response_format=FORM).choices[0]
+    reasoning = reply.message.model_extra.get("reasoning_content")
+    assert reasoning == vllm_qwen3(texts[True], True)[0] and reply.finish_reason == "stop"
+    assert set(json.loads(reply.message.content)) == {"color"} and len(json.loads(reply.message.content)["color"]) <= 8
+    stream = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                            response_format=FORM, stream=True)
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == reply.message.content
+    off = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                         response_format=FORM, extra_body=OFF).choices[0].message
+    assert set(json.loads(off.content)) == {"color"} and off.model_extra.get("reasoning_content") is None
+
+
+def test_choice_and_forced_tool_call_after_thinking(server, expected):
+    messages, texts = expected
+    reasoning = vllm_qwen3(texts[True], True)[0]
+    choice = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0,
+                                            extra_body={"guided_choice": ["red", "blue"]}).choices[0].message
+    assert choice.content in ("red", "blue") and choice.model_extra.get("reasoning_content") == reasoning
+    tool = {"type": "function", "function": {"name": "paint", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    called = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=96, temperature=0, tools=[tool],
+                                            tool_choice={"type": "function", "function": {"name": "paint"}}).choices[0]
+    assert called.finish_reason == "tool_calls" and called.message.model_extra.get("reasoning_content") == reasoning
+    assert [c.function.name for c in called.message.tool_calls] == ["paint"]
+    assert set(json.loads(called.message.tool_calls[0].function.arguments)) == {"n"}
+
+
+def test_max_tokens_inside_the_thinking_block_leaves_no_content(server, expected):
+    """Cut before `</think>`: all reasoning, finish_reason "length", no content (as vLLM)."""
+    reply = server.chat.completions.create(model=MODEL, messages=expected[0], max_tokens=2, temperature=0,
+                                           response_format=FORM).choices[0]
+    assert reply.finish_reason == "length" and reply.message.content is None
+    assert reply.message.model_extra.get("reasoning_content")

@@ -1,5 +1,5 @@
 """The reasoning split (`serve/openai/reasoning.py`) against vLLM's `qwen3` reasoning parser rule written out
-plainly, whole and streamed in pieces of every size; constraints refused while thinking; the thinking switch
+plainly, whole and streamed in pieces of every size; constraints applied after the thinking block; the thinking switch
 refused by a template without one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from raypipe.errors import InvalidInput
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import FAMILIES
-from raypipe.serve.openai.reasoning import PARSERS, ReasoningStream, check_constraint, split_reasoning
+from raypipe.serve.openai.reasoning import PARSERS, ReasoningStream, constrain_answer, split_reasoning
 
 ANSWERS = ["plan</think>\n\nanswer", "</think>\n\nanswer", "plan</think>", "plan only, cut short", "",
            "<think>\nplan</think>answer", "a</think>b</think>c", "thinking about </thin and <think", "x</think>"]
@@ -52,12 +52,45 @@ def test_thinking_is_on_unless_switched_off():
     assert {f.reasoning for f in FAMILIES} <= {"", *PARSERS}
 
 
-def test_constraints_are_refused_while_thinking():
-    check_constraint(False, "response_format.json_schema.schema")
-    check_constraint(True, None)
-    with pytest.raises(InvalidInput) as refused:
-        check_constraint(True, "response_format.json_schema.schema")
-    assert refused.value.code == "constraint_with_thinking" and refused.value.item == "response_format.json_schema.schema"
+def test_a_constraint_applies_after_the_thinking_block(tiny_ckpt):
+    """The compiled grammar (a matcher of the decoder's own compiler, through the worker pool): free text (no EOS,
+    no spelled-out tag) until the `</think>` token, then exactly the constraint; off, the constraint from the start."""
+    from transformers import AutoTokenizer
+
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.grammar import GrammarCompiler, GrammarLimits
+    from raypipe.inputs.structured import StructuredOutput
+    from raypipe.models.registry import preset_checkpoint
+
+    schema = StructuredOutput(json='{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}')
+    assert constrain_answer(schema, False) is schema and constrain_answer(None, True) is None
+    tokenizer = AutoTokenizer.from_pretrained(preset_checkpoint("tiny-qwen3.5"))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (eos,), GrammarLimits(
+        **{name: getattr(EngineConfig(), f"grammar_{name}") for name in ("max_bytes", "max_depth", "max_ref_depth",
+                                                                        "max_rules")},
+        **{name: getattr(EngineConfig(), f"grammar_compile_{name}") for name in ("timeout_s", "workers",
+                                                                                "memory_bytes", "stack_bytes")}))
+    try:
+        def matcher(structured, text):
+            m = compiler.matcher(structured)
+            return m, m.consume_tokens(tokenizer.encode(text))
+
+        thinking = constrain_answer(schema, True)
+        m, ok = matcher(thinking, "plan: {not json} <thin")
+        assert ok and not m.is_accepting()  # anything before the tag, and no EOS there
+        assert matcher(thinking, "plan</think>")[0].compute_ff_tokens() == tokenizer.encode('{"a":')
+        m, ok = matcher(thinking, 'plan</think>{"a":12}')
+        assert ok and m.is_accepting()
+        assert not matcher(thinking, 'plan</think> {"a":1}')[1]  # the answer starts right after the tag
+        spelled = tokenizer.encode("plan") + [tokenizer.convert_tokens_to_ids(c) for c in "</think>"]
+        assert not compiler.matcher(thinking).consume_tokens(spelled)  # the tag only as its token
+        assert not matcher(schema, 'plan</think>{"a":1}')[1] and matcher(schema, '{"a":1}')[1]
+        choice = constrain_answer(StructuredOutput(choice=("red", "blue")), True)
+        m, ok = matcher(choice, "x</think>blue")
+        assert ok and m.is_accepting()
+    finally:
+        compiler.close()
 
 
 def test_a_template_without_a_thinking_switch_refuses_it(tiny_ckpt):
@@ -69,3 +102,52 @@ def test_a_template_without_a_thinking_switch_refuses_it(tiny_ckpt):
         build_prompt([{"role": "user", "content": "hi"}], AutoTokenizer.from_pretrained(tiny_ckpt),
                      vision_adapter(tiny_ckpt), chat_template_kwargs={"enable_thinking": False})
     assert refused.value.code == "invalid_chat_template_kwargs"
+
+
+def test_sampled_answers_follow_the_constraint_after_thinking():
+    """The decode engine (no Serve) sampling the Qwen3.5 preset at temperature 1 under a schema after thinking:
+    every answer's tokens replay on an independent llguidance matcher of the composed grammar, a finished answer's
+    content validates and its reasoning never holds the tag, a cut one a prefix of a valid answer."""
+    import asyncio
+    import json
+
+    import jsonschema
+    import llguidance
+    import llguidance.hf
+
+    from raypipe import SamplingParams
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from raypipe.decode.grammar_worker import JSON_OPTIONS, after_thinking
+    from raypipe.inputs.structured import StructuredOutput
+    from raypipe.models.registry import preset_checkpoint
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    engine = LLMEngine(preset_checkpoint("tiny-qwen3.5"), EngineConfig(max_num_seqs=4, max_model_len=256))
+    try:
+        tokenizer = engine.tokenizer
+        prompt = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n")
+        structured = constrain_answer(StructuredOutput(json=json.dumps(schema)), True)
+
+        async def run():
+            return await asyncio.gather(*(engine.generate_output(
+                f"s{seed}", prompt, params=SamplingParams(max_tokens=48, temperature=1.0, seed=seed, structured=structured))
+                for seed in range(6)))
+
+        outputs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    grammar = after_thinking(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), "</think>")
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    finished = 0
+    for out in outputs:
+        ids = [t for t in out.token_ids if t not in engine.adapter.eos_token_ids]
+        assert llguidance.LLMatcher(lltokenizer, grammar).consume_tokens(ids), out.text
+        reasoning, content = split_reasoning(out.text, True)
+        if out.finish_reason == "stop":
+            finished += 1
+            jsonschema.validate(json.loads(content), schema)
+            assert "</think>" not in (reasoning or "")
+        else:
+            assert out.finish_reason == "length"  # its tokens still replayed: a prefix of a valid answer
+    assert finished >= 1  # the composed grammar was exercised through its end

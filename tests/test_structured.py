@@ -177,7 +177,7 @@ def test_each_distinct_constraint_compiles_once(engines, tiny_ckpt):
     brace = engine.tokenizer.encode("{")[0]
     asked = []
     original = engine.grammars.pool.compile
-    engine.grammars.pool.compile = lambda kind, value: asked.append(value) or original(kind, value)
+    engine.grammars.pool.compile = lambda kind, value, *after: asked.append(value) or original(kind, value, *after)
     try:
         schemas = [SCHEMAS["flat"], SCHEMAS["enum"], dict(SCHEMAS["flat"])] * 3
         with concurrent.futures.ThreadPoolExecutor(4) as threads:

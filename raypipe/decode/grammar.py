@@ -144,7 +144,7 @@ class GrammarCompiler:
         try:
             check_limits(structured, max_bytes=self.limits.max_bytes, max_depth=self.limits.max_depth,
                          max_ref_depth=self.limits.max_ref_depth, max_rules=self.limits.max_rules)
-            grammar = self.pool.compile(structured.kind, constraint_value(structured))
+            grammar = self.pool.compile(structured.kind, constraint_value(structured), structured.thinking_end)
         except InvalidInput as exc:
             return self._blame_part(structured) or _Refusal(exc.reason, exc.code)
         except CompileRefused as exc:

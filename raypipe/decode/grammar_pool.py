@@ -135,8 +135,10 @@ class CompilerPool:
         for _ in range(workers):
             self._idle.put(self._start())
 
-    def compile(self, kind: str, value) -> str:
-        """llguidance's grammar text for a constraint that compiled in a worker; `CompileRefused` otherwise."""
+    def compile(self, kind: str, value, thinking_end: str | None = None) -> str:
+        """llguidance's grammar text for a constraint that compiled in a worker; `CompileRefused` otherwise.
+
+        `thinking_end`: the constraint applies after free text closed by this token (`grammar_worker.after_thinking`)."""
         try:
             worker = self._idle.get(timeout=self.timeout_s)
         except queue.Empty:
@@ -146,7 +148,7 @@ class CompilerPool:
             self._replace(worker)
             raise RuntimeError(f"a grammar compiler process failed to start: {death}")
         start = time.perf_counter()
-        answer = worker.ask({"kind": kind, "value": value}, self.timeout_s)
+        answer = worker.ask({"kind": kind, "value": value, "thinking_end": thinking_end}, self.timeout_s)
         if answer is None:
             death = worker.death()
             overran = time.perf_counter() - start >= self.timeout_s

@@ -18,6 +18,7 @@ object per line on stdin/stdout; the first stdin line sets the tokenizer and lim
 from __future__ import annotations
 
 import json
+import re
 import resource
 import sys
 import threading
@@ -68,14 +69,34 @@ def grammar_text(kind: str, value) -> str:
     return matcher.grammar_from_lark(value)
 
 
+def after_thinking(grammar: str, end: str) -> str:
+    """`grammar` (llguidance's text of one constraint) applied after a thinking block closed by the token `end`.
+
+    The reasoning is free text that never spells `end` out in characters, then the `end` token itself
+    (in the thinking presets and Qwen3.5's tokenizer `</think>` is an added token, which llguidance
+    reads as a special token: free text cannot produce it), then the constraint, right after the tag
+    as vLLM applies it once the reasoning has ended (no whitespace in between: the answer is the
+    constrained text exactly). The constraint is a named sub-grammar with a lexer of its own; until
+    the tag, EOS is not allowed, so an answer cut by `max_tokens` inside the block is all reasoning."""
+    # llguidance's text is a serialized `TopLevelGrammar` (JSON) or, from `grammar_from_lark`, the Lark text itself.
+    grammars = json.loads(grammar)["grammars"] if grammar.startswith("{") else [{"lark_grammar": grammar}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    spelled = re.escape(end).replace("/", "\\/")
+    wrapper = (f"start: REASONING {end} @answer\n"
+               f"REASONING: /(?s:.*)/ & ~/(?s:.*){spelled}(?s:.*)/")
+    return json.dumps({"grammars": [{"lark_grammar": wrapper}, *grammars]})
+
+
 def readable_error(error: str) -> str:
     """llguidance's error on one line, without the parser state dump it appends (at most 500 characters)."""
     text = " ".join(line.strip() for line in error.split("<state>", 1)[0].splitlines() if line.strip())
     return text if len(text) <= 500 else text[:500] + "..."
 
 
-def trial_compile(tokenizer: llguidance.LLTokenizer, kind: str, value) -> dict:
-    """{"grammar": text} if the constraint compiles and its forced prefix leads somewhere, else {"error": why}."""
+def trial_compile(tokenizer: llguidance.LLTokenizer, kind: str, value, thinking_end: str | None = None) -> dict:
+    """{"grammar": text} if the constraint compiles and its forced prefix leads somewhere, else {"error": why}.
+
+    With `thinking_end` the text is `after_thinking`'s, checked as a whole after the constraint's own checks."""
     try:
         grammar = grammar_text(kind, value)
     except (ValueError, RuntimeError) as exc:  # a schema llguidance cannot read at all
@@ -93,6 +114,11 @@ def trial_compile(tokenizer: llguidance.LLTokenizer, kind: str, value) -> dict:
             text = text if len(text) <= 40 else text[:40] + "..."
             return {"error": f"it allows no output after its forced prefix {text!r}: {readable_error(matcher.get_error())}",
                     "code": "invalid_grammar"}
+    if thinking_end is not None:
+        grammar = after_thinking(grammar, thinking_end)
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if matcher.is_error():
+            return {"error": f"it cannot follow the thinking block: {readable_error(matcher.get_error())}"}
     return {"grammar": grammar}
 
 
@@ -109,7 +135,7 @@ def serve(stdin, stdout) -> None:
 
         def run() -> None:
             try:
-                answer.update(trial_compile(tokenizer, request["kind"], request["value"]))
+                answer.update(trial_compile(tokenizer, request["kind"], request["value"], request.get("thinking_end")))
             except MemoryError:
                 answer.update(error="it needs more memory than the compiler may use", code="grammar_too_complex")
 

@@ -5,7 +5,9 @@ The kinds are vLLM's `structured_outputs` fields (`json`, `json_object`, `regex`
 (`raypipe.serve.openai.conversion`). This module only checks the request's shape; whether a
 schema, regex or grammar compiles is decided by the grammar engine (`raypipe.decode.grammar`),
 which needs the model's tokenizer, and is reported as an `InvalidInput` naming the problem.
-Frozen and hashable by value, so equal constraints share one compiled grammar; `source` (the request
+With `thinking_end` set, the constraint applies to the answer after a thinking block the model
+writes freely first (`grammar_worker.after_thinking`). Frozen and hashable by value, so equal
+constraints share one compiled grammar; `source` (the request
 field the constraint came from, named in errors) takes no part in equality.
 
 A JSON number with an integral value is read as an integer (`"maxItems": 1e9` is 1000000000): JSON
@@ -35,6 +37,9 @@ class StructuredOutput:
     # Constraints embedded in this one, each with its own `source` (a tool-call grammar's argument schemas):
     # when this one is refused, the first of them refused on its own is named instead.
     parts: tuple["StructuredOutput", ...] = dataclasses.field(default=(), compare=False)
+    # The token that closes a free thinking block before the constrained answer (`</think>`, set by the chat
+    # endpoint for a model that thinks, `raypipe.serve.openai.reasoning`); None: constrained from the first token.
+    thinking_end: str | None = None
 
     def __post_init__(self):
         if self.json is not None:

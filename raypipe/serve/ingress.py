@@ -90,7 +90,7 @@ class Ingress:
             self._check_model(chat.model)
             thinking = self.family.thinks(chat.chat_template_kwargs)
             prompt, params = await self._prepare(chat)
-            reasoning.check_constraint(thinking, params.structured.source if params.structured else None)
+            params = dataclasses.replace(params, structured=reasoning.constrain_answer(params.structured, thinking))
             visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
             request_id = completion_id()
             # The decoder needs token ids and geometry, not pixels: don't ship the images twice.

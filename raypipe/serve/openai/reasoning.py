@@ -17,25 +17,28 @@ so the concatenated deltas equal the whole answer's split. Not taken from vLLM: 
 reasoning at a `<tool_call>` followed by `<function=` (Qwen3.5's XML call format); raypipe's templates
 ask for Qwen2.5's JSON calls, which are parsed from the content after the block (`tools.py`).
 
-Output constraints (`response_format`, `structured_outputs`, `guided_*`, forced tool calls) constrain
-the generation from its first token, which with thinking on is the reasoning: such requests are
-refused (`check_constraint`) and work with thinking off.
+Output constraints (`response_format`, `structured_outputs`, `guided_*`, forced tool calls) apply to
+the answer after the thinking block, as vLLM applies them once its reasoning parser saw the block end
+(`constrain_answer`): the grammar lets the model reason freely, requires `</think>`, then the
+constraint (`raypipe.decode.grammar_worker.after_thinking`). Cut by `max_tokens` inside the block,
+the answer is all reasoning (finish_reason "length", no content), as in vLLM.
 """
 
 from __future__ import annotations
 
-from raypipe.errors import InvalidInput
+import dataclasses
+
+from raypipe.inputs.structured import StructuredOutput
 
 PARSERS = ("qwen3",)  # `ModelFamily.reasoning` values with a parser here (whether an answer thinks: `thinks`)
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def check_constraint(is_thinking: bool, constrained_by: str | None) -> None:
-    """Refuse an output constraint (named by the request field that set it) on an answer that starts thinking."""
-    if is_thinking and constrained_by is not None:
-        raise InvalidInput(f"{constrained_by} would constrain this model's reasoning, which comes first: send "
-                           'chat_template_kwargs {"enable_thinking": false} with it', item=constrained_by,
-                           code="constraint_with_thinking")
+def constrain_answer(structured: StructuredOutput | None, is_thinking: bool) -> StructuredOutput | None:
+    """The request's output constraint, applied after the thinking block when the answer starts thinking."""
+    if structured is None or not is_thinking:
+        return structured
+    return dataclasses.replace(structured, thinking_end=CLOSE)
 
 
 def split_reasoning(text: str, is_thinking: bool) -> tuple[str | None, str | None]:
