@@ -17,7 +17,6 @@ through 4 experts, 2 per token, plus the shared expert.
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 from raypipe.models.presets import (
@@ -28,8 +27,7 @@ from raypipe.models.presets import (
     slow_linear_attention_decay,
 )
 from raypipe.models.qwen2_5_vl.preset import QWEN_SPECIAL_TOKENS
-from raypipe.models.qwen2_5_vl.video import VIDEO_PROCESSOR_CONFIG
-from raypipe.models.qwen3_vl.video import Qwen3VideoConfig
+from raypipe.models.qwen3_vl.preset import write_processors
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # What Qwen3.5's template writes after `<|im_start|>assistant\n` in the generation prompt.
@@ -77,7 +75,6 @@ def write(folder: pathlib.Path, name: str) -> None:
         Qwen3_5MoeConfig,
         Qwen3_5MoeForConditionalGeneration,
     )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     shape = SHAPES[name]
     tokenizer = build_byte_tokenizer(QWEN_SPECIAL_TOKENS, QWEN3_5_CHAT_TEMPLATE, eos="<|im_end|>",
@@ -107,9 +104,4 @@ def write(folder: pathlib.Path, name: str) -> None:
     model = model_class(config).eval()
     slow_linear_attention_decay(model.model.language_model.layers)
     save_preset(folder, model, tokenizer, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"])
-    # Qwen3.5's image processor: Qwen2-VL's with 16-pixel patches and mean/std 0.5 (Qwen3-VL's).
-    Qwen2VLImageProcessorPil(min_pixels=shape["min_pixels"], max_pixels=shape["max_pixels"], patch_size=16,
-                             merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5],
-                             image_std=[0.5, 0.5, 0.5]).save_pretrained(folder)
-    video = Qwen3VideoConfig(min_pixels=shape["video_min_pixels"], max_pixels=shape["video_max_pixels"])
-    (folder / VIDEO_PROCESSOR_CONFIG).write_text(json.dumps(video.to_json(), indent=2))
+    write_processors(folder, shape)  # Qwen3-VL's tower, Qwen3-VL's processors

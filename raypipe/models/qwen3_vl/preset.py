@@ -48,8 +48,6 @@ PRESETS = tuple(SHAPES)
 
 
 def write(folder: pathlib.Path, name: str) -> None:
-    import json
-
     import torch
     from transformers import (
         Qwen3VLConfig,
@@ -57,7 +55,6 @@ def write(folder: pathlib.Path, name: str) -> None:
         Qwen3VLMoeConfig,
         Qwen3VLMoeForConditionalGeneration,
     )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     shape = SHAPES[name]
     tokenizer = build_byte_tokenizer(QWEN_SPECIAL_TOKENS, QWEN3_VL_CHAT_TEMPLATE, eos="<|im_end|>",
@@ -87,7 +84,16 @@ def write(folder: pathlib.Path, name: str) -> None:
     torch.manual_seed(0)
     model = model_class(config).eval()
     save_preset(folder, model, tokenizer, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"])
-    # Qwen3-VL's image processor: Qwen2-VL's with 16-pixel patches and mean/std 0.5.
+    write_processors(folder, shape)
+
+
+def write_processors(folder: pathlib.Path, shape: dict) -> None:
+    """The image- and video-processor configs of a Qwen3-VL-tower checkpoint (Qwen3.5's too): Qwen2-VL's
+    image processor with 16-pixel patches and mean/std 0.5, and the video sampling of `Qwen3VideoConfig`."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     Qwen2VLImageProcessorPil(min_pixels=shape["min_pixels"], max_pixels=shape["max_pixels"], patch_size=16,
                              merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5],
                              image_std=[0.5, 0.5, 0.5]).save_pretrained(folder)
