@@ -22,12 +22,11 @@ import pathlib
 from raypipe.models.presets import (
     build_byte_tokenizer,
     chat_template,
-    padded_vocab_size,
     save_preset,
     slow_linear_attention_decay,
 )
 from raypipe.models.qwen2_5_vl.preset import QWEN_SPECIAL_TOKENS
-from raypipe.models.qwen3_vl.preset import write_processors
+from raypipe.models.qwen3_vl.preset import config_kwargs, write_processors
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # What Qwen3.5's template writes after `<|im_start|>assistant\n` in the generation prompt.
@@ -82,24 +81,9 @@ def write(folder: pathlib.Path, name: str) -> None:
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
     text = dict(shape["text"])
     rope = {key: text.pop(key) for key in ("mrope_section", "partial_rotary_factor", "rope_theta")}
-    init = 0.2
-    text_config = dict(text, **(shape["moe"] or {}), vocab_size=padded_vocab_size(tokenizer),
-                       max_position_embeddings=4096, initializer_range=init,
-                       rope_parameters={"rope_type": "default", **rope, "mrope_interleaved": True},
-                       bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                       pad_token_id=ids["<|endoftext|>"])
     config_class, model_class = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if shape["moe"]
                                  else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
-    config = config_class(
-        vision_config=dict(shape["vision"], out_hidden_size=text["hidden_size"], patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2, initializer_range=init),
-        text_config=text_config,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    config = config_class(**config_kwargs(shape, text, rope, tokenizer, ids))
     torch.manual_seed(0)
     model = model_class(config).eval()
     slow_linear_attention_decay(model.model.language_model.layers)

@@ -61,17 +61,27 @@ def write(folder: pathlib.Path, name: str) -> None:
                                      pad="<|endoftext|>")
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
     text = dict(shape["text"])
-    mrope_section = text.pop("mrope_section")
+    rope = {"rope_theta": 5000000.0, "mrope_section": text.pop("mrope_section")}
+    config_class, model_class = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if shape["moe"]
+                                 else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
+    config = config_class(**config_kwargs(shape, text, rope, tokenizer, ids))
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    save_preset(folder, model, tokenizer, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"])
+    write_processors(folder, shape)
+
+
+def config_kwargs(shape: dict, text: dict, rope: dict, tokenizer, ids: dict) -> dict:
+    """The config of a Qwen3-VL-tower checkpoint (Qwen3.5's too): `text` (its rope keys taken out into
+    `rope`) with the MoE fields, interleaved mrope and `initializer_range` 0.2 everywhere (the tiny presets
+    are oracles: wrong positions must change greedy tokens), the tower sized to the text width, token ids."""
     init = 0.2
     text_config = dict(text, **(shape["moe"] or {}), vocab_size=padded_vocab_size(tokenizer),
                        max_position_embeddings=4096, initializer_range=init,
-                       rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                        "mrope_section": mrope_section, "mrope_interleaved": True},
+                       rope_parameters={"rope_type": "default", **rope, "mrope_interleaved": True},
                        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                        pad_token_id=ids["<|endoftext|>"])
-    config_class, model_class = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if shape["moe"]
-                                 else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
-    config = config_class(
+    return dict(
         vision_config=dict(shape["vision"], out_hidden_size=text["hidden_size"], patch_size=16,
                            spatial_merge_size=2, temporal_patch_size=2, initializer_range=init),
         text_config=text_config,
@@ -81,10 +91,6 @@ def write(folder: pathlib.Path, name: str) -> None:
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    model = model_class(config).eval()
-    save_preset(folder, model, tokenizer, eos_id=ids["<|im_end|>"], pad_id=ids["<|endoftext|>"])
-    write_processors(folder, shape)
 
 
 def write_processors(folder: pathlib.Path, shape: dict) -> None:
