@@ -1,8 +1,10 @@
-"""Shared fixtures: offline mode, a private preset cache, one local Ray for the session."""
+"""Shared fixtures: offline mode, a private preset cache, one local Ray for the session, one Serve for the
+modules that run an OpenAI app (`serve_app`)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,7 +41,93 @@ def ray_local():
 
     connect_ray()
     yield ray
+    SHARED_SERVE.stop()
     ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SharedServe:
+    """Serve's controller and HTTP proxy on one loopback port, started once for every module that runs its
+    app on it (`serve_app`): they cost ~15 s to start on a busy 2-core machine. Started with the packaged
+    config's controller options (OpenAI error bodies from the proxy), as `raypipe serve` starts them."""
+
+    FIXTURE = "serve_app"
+
+    def __init__(self):
+        self.url: str | None = None
+
+    def start(self) -> str:
+        if self.url is None:
+            from ray import serve
+
+            from raypipe.serve.proxy_errors import CONTROLLER_OPTIONS
+
+            port = free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
+            self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    def stop(self) -> None:
+        if self.url is not None:
+            from ray import serve
+
+            serve.shutdown()
+            self.url = None
+
+
+SHARED_SERVE = SharedServe()
+
+
+def pytest_collection_modifyitems(items):
+    """The modules that use the shared Serve run one after another, where the first of them stands, so
+    Serve starts once and is down for every other module (one that starts a Serve of its own, on its own
+    port, must not find ours running). Pytest runs modules in file order otherwise."""
+    modules: dict = {}  # module path -> its items, in collection order
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    users = [path for path, group in modules.items() if any(SharedServe.FIXTURE in i.fixturenames for i in group)]
+    if not users:
+        return
+    order = []
+    for path in modules:
+        if path == users[0]:
+            order.extend(users)
+        elif path not in users:
+            order.append(path)
+    items[:] = [item for path in order for item in modules[path]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _serve_only_for_its_users(request):
+    """Stops the shared Serve before a module that does not use it."""
+    if not any(SharedServe.FIXTURE in item.fixturenames for item in request.session.items
+               if item.path == request.path):
+        SHARED_SERVE.stop()
+    yield
+
+
+@pytest.fixture(scope="module")
+def serve_app(ray_local):
+    """`run(app, name) -> base URL`: the module's application on the shared Serve at route "/" (one module
+    at a time), deleted when the module ends."""
+    from ray import serve
+
+    names = []
+
+    def run(app, name: str) -> str:
+        url = SHARED_SERVE.start()
+        serve.run(app, name=name, route_prefix="/")
+        names.append(name)
+        return url
+
+    yield run
+    for name in names:
+        serve.delete(name)
 
 
 @pytest.fixture(scope="session")

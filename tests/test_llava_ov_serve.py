@@ -11,24 +11,17 @@ from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import language_adapter, vision_adapter
 from tests import llava_ov_reference as ref
 from tests.conftest import random_images
-from tests.test_serve_api import data_url, free_port, png_bytes
+from tests.test_serve_api import data_url, png_bytes
 
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def server(ray_local, llava_ckpt):
-    from ray import serve
-
+def server(serve_app, llava_ckpt):
     from raypipe.serve.app import build_app
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": "tiny-llava-ov", "num_encoders": 1, "batch_window_s": 0.02,
-                         "engine": {"max_model_len": 1024, "max_num_seqs": 4}}),
-              name="raypipe-llava-ov-test", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    return serve_app(build_app({"model": "tiny-llava-ov", "num_encoders": 1, "batch_window_s": 0.02,
+                                "engine": {"max_model_len": 1024, "max_num_seqs": 4}}), "raypipe-llava-ov-test")
 
 
 def test_openai_client_gets_transformers_greedy_answer(server, llava_ckpt, llava_hf_model):

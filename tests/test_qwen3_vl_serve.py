@@ -14,26 +14,20 @@ from raypipe.models.registry import preset_checkpoint
 from raypipe.testing.sample_videos import make_video
 from tests import qwen3_vl_reference as ref
 from tests.conftest import random_images
-from tests.test_serve_api import data_url, free_port, png_bytes
+from tests.test_serve_api import data_url, png_bytes
 
 MODEL = "tiny-qwen3-vl-moe"
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def server(ray_local):
-    from ray import serve
-
+def server(serve_app):
     from raypipe.serve.app import build_app
 
     preset_checkpoint(MODEL)  # written once here, not by each replica
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": MODEL, "num_encoders": 1, "batch_window_s": 0.02,
-                         "engine": {"max_model_len": 2048, "max_num_seqs": 4}}),
-              name="raypipe-qwen3-vl-test", route_prefix="/")
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-    serve.shutdown()
+    url = serve_app(build_app({"model": MODEL, "num_encoders": 1, "batch_window_s": 0.02,
+                                "engine": {"max_model_len": 2048, "max_num_seqs": 4}}), "raypipe-qwen3-vl-test")
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import struct
 import time
 import zlib
@@ -26,17 +25,11 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.conftest import random_images
+from tests.conftest import free_port, random_images  # noqa: F401 - free_port: other modules import it from here
 
 KEY = "test-key"
 MAX_MODEL_LEN = 2048
 LIMITS = {"max_body_bytes": 1024 * 1024, "max_images_per_request": 4, "max_image_pixels": 1_000_000}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def png_bytes(array: np.ndarray) -> bytes:
@@ -68,19 +61,11 @@ def user(*parts) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(ray_local, tiny_ckpt):
-    from ray import serve
-
+def server(serve_app, tiny_ckpt):
     from raypipe.serve.app import build_app
-    from raypipe.serve.proxy_errors import CONTROLLER_OPTIONS
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
-    serve.run(build_app({"api_key": KEY, "batch_window_s": 0.05, "limits": LIMITS,
-                         "engine": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16}}),
-              name="raypipe-test", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    return serve_app(build_app({"api_key": KEY, "batch_window_s": 0.05, "limits": LIMITS,
+                                "engine": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16}}), "raypipe-test")
 
 
 @pytest.fixture(scope="module")

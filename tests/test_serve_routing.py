@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from raypipe.decode.config import EngineConfig
-from tests.test_serve_api import free_port, image_url, user
+from tests.test_serve_api import image_url, user
 
 CONVERSATIONS, TURNS, MAX_TOKENS = 8, 5, 4
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 8}
@@ -33,23 +33,15 @@ ROUTING = {"min_match_ratio": 0.5, "overload_threshold": 8}  # explicit: the tes
 
 
 @pytest.fixture(scope="module")
-def server(ray_local, tiny_ckpt):
-    from ray import serve
-
+def server(serve_app, tiny_ckpt):
     from raypipe.serve.app import compose, deployment_options
     from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
-    from raypipe.serve.proxy_errors import CONTROLLER_OPTIONS
 
     options = deployment_options(load_serve_config(SERVE_CONFIG))
     for name, replicas in (("Ingress", 1), ("EncoderGroup", 1), ("Decoder", 2)):
         options[name] = {**{k: v for k, v in options[name].items() if k != "autoscaling_config"},
                          "num_replicas": replicas}
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=CONTROLLER_OPTIONS)
-    app = compose({"num_encoders": 1, "engine": ENGINE, "routing": ROUTING}, options)
-    serve.run(app, name="raypipe-routing", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    return serve_app(compose({"num_encoders": 1, "engine": ENGINE, "routing": ROUTING}, options), "raypipe-routing")
 
 
 @pytest.fixture(scope="module")

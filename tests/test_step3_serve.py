@@ -1,5 +1,6 @@
 """The OpenAI endpoint serving the Step3 preset: the official `openai` client gets transformers'
-own greedy answer (images sent as data: URLs, views encoded on two workers)."""
+own greedy answer (images sent as data: URLs). One encoder worker: views sharded over several are
+`test_step3_encode`'s (1, 2 and 3 workers); each extra worker adds seconds to the app's start-up."""
 
 from __future__ import annotations
 
@@ -11,24 +12,17 @@ from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import vision_adapter
 from tests import step3_reference as ref
 from tests.conftest import random_images
-from tests.test_serve_api import data_url, free_port, png_bytes
+from tests.test_serve_api import data_url, png_bytes
 
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def server(ray_local, step3_ckpt):
-    from ray import serve
-
+def server(serve_app, step3_ckpt):
     from raypipe.serve.app import build_app
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": "tiny-step3", "batch_window_s": 0.02,
-                         "engine": {"max_model_len": 1024, "max_num_seqs": 4}}),
-              name="raypipe-step3-test", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    return serve_app(build_app({"model": "tiny-step3", "num_encoders": 1, "batch_window_s": 0.02,
+                                "engine": {"max_model_len": 1024, "max_num_seqs": 4}}), "raypipe-step3-test")
 
 
 def test_openai_client_gets_transformers_greedy_answer(server, step3_ckpt, step3_hf_model):
