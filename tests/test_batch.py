@@ -1,7 +1,8 @@
 """`raypipe batch` against a real S3-protocol server (moto, loopback) and local folders.
 
 Every expected value comes from `Pipeline` (itself checked against transformers elsewhere) or from
-the inputs we wrote, never from the batch code under test.
+the inputs we wrote, never from the batch code under test. Jobs run one encoder actor (each costs seconds
+to start) except where several are the point: the S3 embed job and the job whose actor is killed run two.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ def test_generate_with_a_json_schema_gives_valid_json(tmp_path, pipe, tiny_ckpt)
         (tmp_path / "in" / name).write_bytes(data)
     schema = SCHEMAS["nested"]
     run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), task="generate", max_tokens=96,
-                           json_schema=json.dumps(schema), model=ModelConfig(str(tiny_ckpt))))
+                           json_schema=json.dumps(schema), model=ModelConfig(str(tiny_ckpt), num_encoders=1)))
     rows = {r["id"]: r for r in _read_output(str(tmp_path / "out"), None).to_pylist()}
     names = sorted(images)
     requests = [[{"role": "user", "content": [{"type": "image", "image": images[n]},
@@ -271,17 +272,17 @@ def test_local_folders_and_pooling_none(tmp_path, pipe, tiny_ckpt):
         (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / name).write_bytes(data)
     dry = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), dry_run=True,
-                                 model=ModelConfig(str(tiny_ckpt))))
+                                 model=ModelConfig(str(tiny_ckpt), num_encoders=1)))
     assert (dry.inputs, dry.to_process, dry.processed) == (5, 5, 0) and not (tmp_path / "out").exists()
     run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), pooling="none",
-                           model=ModelConfig(str(tiny_ckpt))))
+                           model=ModelConfig(str(tiny_ckpt), num_encoders=1)))
     rows = {r["id"]: r for r in _read_output(str(tmp_path / "out"), None).to_pylist()}
     names = sorted(images)
     for name, emb in zip(names, pipe.encode([images[n] for n in names])):
         np.testing.assert_allclose(np.asarray(rows[name]["embedding"], np.float32), emb.numpy(), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="different pooling"):  # same output, different job: refused
         run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), pooling="mean",
-                               model=ModelConfig(str(tiny_ckpt))))
+                               model=ModelConfig(str(tiny_ckpt), num_encoders=1)))
 
 
 def test_minicpmv_slices_local_folders_match_pipeline(tmp_path, ray_local, minicpmv_ckpt):
@@ -321,7 +322,7 @@ def _multi_unit_batch_matches_pipeline(tmp_path, preset, ckpt, sizes):
         (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / name).write_bytes(data)
     summary = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), read_batch=3,
-                                     rows_per_file=2, model=ModelConfig(preset, num_encoders=2)))
+                                     rows_per_file=2, model=ModelConfig(preset, num_encoders=1)))
     table = _read_output(str(tmp_path / "out"), None)
     rows = {r["id"]: r for r in table.to_pylist()}
     assert sorted(rows) == sorted(images) and table.num_rows == len(images)  # every input exactly once
@@ -472,7 +473,7 @@ def test_a_lost_pool_actor_is_retried_around_exactly_once(tmp_path, pipe, tiny_c
 
     monkeypatch.setattr(job, "_dataset", dataset)
     summary = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), read_batch=2,
-                                     rows_per_file=2, model=ModelConfig(str(tiny_ckpt))))
+                                     rows_per_file=2, model=ModelConfig(str(tiny_ckpt), num_encoders=1)))
     assert calls == [6, 4]  # the second attempt ran only the inputs the first had not written
     table = _read_output(str(tmp_path / "out"), None)
     assert sorted(table.column("id").to_pylist()) == sorted(images)  # every input exactly once

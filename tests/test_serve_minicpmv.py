@@ -119,7 +119,7 @@ def test_batch_job_over_a_folder_of_videos(minicpmv_video_reference, tmp_path, r
         (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / name).write_bytes(data)
     summary = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"),
-                                     model=ModelConfig("tiny-minicpmv", num_encoders=2)))
+                                     model=ModelConfig("tiny-minicpmv", num_encoders=1)))
     assert summary.processed == len(files) and not summary.errors
     rows = {r["id"]: r for r in _read_output(str(tmp_path / "out"), None).to_pylist()}
     reference = vref.processor(minicpmv_ckpt)
