@@ -19,15 +19,26 @@ from raypipe.errors import QueueFull
 from raypipe.models.registry import vision_adapter
 from raypipe.runtime.ray_cluster import decode_threads
 from tests import decode_reference as ref
+from tests.conftest import over_first_workers
 
 MAX_NEW = 16
 
 
+@pytest.fixture(scope="module")
+def encoders(ray_local, tiny_ckpt):
+    """Two encoder workers for both K: each worker costs seconds to start."""
+    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=2) as pipeline:
+        yield pipeline
+
+
 @pytest.fixture(scope="module", params=[1, 8], ids=["K1", "K8"])
-def pipe(request, ray_local, tiny_ckpt):
-    pipeline = Pipeline.from_pretrained(tiny_ckpt, num_encoders=2, num_scheduler_steps=request.param)
+def pipe(request, encoders):
+    """A Pipeline on `encoders`' workers (its own coordinator and cache) whose decode engine runs K steps per round."""
+    pipeline = over_first_workers(encoders, 2)
+    pipeline.engine_config = dataclasses.replace(encoders.engine_config, num_scheduler_steps=request.param)
     yield pipeline
-    pipeline.shutdown()
+    if pipeline._engine is not None:
+        ray.kill(pipeline._engine)  # not shutdown(): the encoders are `encoders`'
 
 
 @pytest.fixture(scope="module")

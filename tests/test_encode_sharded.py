@@ -4,18 +4,23 @@ import pytest
 import torch
 
 from raypipe import Pipeline
-from tests.conftest import random_images, reference_embeddings
+from tests.conftest import over_first_workers, random_images, reference_embeddings
 
 # Mixed sizes: thumbnails, a wide strip, a tall one, a big one (grids from 4x4 to 36x26 patches).
 SIZES = [(300, 200), (28, 28), (640, 480), (100, 900), (50, 80), (224, 224), (900, 120), (60, 60), (480, 360)]
 
 
+@pytest.fixture(scope="module")
+def three_workers(ray_local, tiny_ckpt):
+    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=3) as p:
+        yield p
+
+
 @pytest.fixture(scope="module", params=[(1, "patches"), (2, "patches"), (3, "patches"), (3, "attention")],
                 ids=lambda p: f"{p[0]}workers-{p[1]}")
-def pipe(request, ray_local, tiny_ckpt):
+def pipe(request, three_workers):
     workers, cost_model = request.param
-    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=workers, cost_model=cost_model) as p:
-        yield p
+    return over_first_workers(three_workers, workers, cost_model)
 
 
 @pytest.mark.parametrize("count", [1, 2, 5, 9])

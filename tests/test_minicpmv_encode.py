@@ -8,7 +8,7 @@ from raypipe import Pipeline
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import language_adapter, vision_adapter
 from tests import minicpmv_reference as ref
-from tests.conftest import random_images
+from tests.conftest import over_first_workers, random_images
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,15 @@ def test_prompt_equals_processor(minicpmv_ckpt, sizes):
         assert max(g[0] * g[1] for g in prompt.visual_grids) == 9  # one image has the maximum of slices
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
-def pipe(request, ray_local, minicpmv_ckpt):
-    with Pipeline.from_pretrained(minicpmv_ckpt, num_encoders=request.param) as p:
+@pytest.fixture(scope="module")
+def three_workers(ray_local, minicpmv_ckpt):
+    with Pipeline.from_pretrained(minicpmv_ckpt, num_encoders=3) as p:
         yield p
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
+def pipe(request, three_workers):
+    return over_first_workers(three_workers, request.param)
 
 
 @pytest.mark.parametrize("count", [1, 2, 5, 9])

@@ -18,7 +18,7 @@ from raypipe.models.prompt import VideoOptions, build_prompt
 from raypipe.models.registry import language_adapter, vision_adapter
 from tests import minicpmv_reference as ref
 from tests import minicpmv_video_reference as vref
-from tests.conftest import random_images
+from tests.conftest import over_first_workers, random_images
 
 PRESET = None  # the checkpoint's own video processor config (tiny preset: stack_frames=3, max_num_frames=8)
 # (source frames, fps, height, width, video processor config over the preset's, request max_frames)
@@ -156,12 +156,17 @@ def hf_minicpmv(minicpmv_ckpt):
     return MiniCPMV4_6ForConditionalGeneration.from_pretrained(minicpmv_ckpt).eval()
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
-def pipe(request, ray_local, minicpmv_ckpt):
+@pytest.fixture(scope="module")
+def three_workers(ray_local, minicpmv_ckpt):
     from raypipe import Pipeline
 
-    with Pipeline.from_pretrained(minicpmv_ckpt, num_encoders=request.param) as p:
+    with Pipeline.from_pretrained(minicpmv_ckpt, num_encoders=3) as p:
         yield p
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
+def pipe(request, three_workers):
+    return over_first_workers(three_workers, request.param)
 
 
 def _video(source: np.ndarray, fps: float, adapter) -> DecodedVisual:

@@ -17,7 +17,7 @@ from raypipe.models.base import VisualLayout
 from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner, patchify, process_video, resize_frames
 from raypipe.models.registry import language_adapter, vision_adapter
 from tests import qwen_video_reference as ref
-from tests.conftest import random_images, reference_embeddings
+from tests.conftest import over_first_workers, random_images, reference_embeddings
 from tests.mrope_reference import rule_positions
 
 DEFAULTS = QwenVideoConfig()
@@ -142,13 +142,18 @@ def _whole_video_rows(hf_model, adapter, video: DecodedVisual) -> torch.Tensor:
         return hf_model.model.visual(pixel_values, grid_thw=torch.tensor([grid])).pooler_output
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
-def pipe(request, ray_local, tiny_ckpt):
+@pytest.fixture(scope="module")
+def three_workers(ray_local, tiny_ckpt):
     from raypipe import Pipeline
 
-    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=request.param) as p:
+    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=3) as p:
         p.coordinator.adapter.video_chunk_patches = 96  # 4 temporal groups of 4x6 patches per chunk
         yield p
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
+def pipe(request, three_workers):
+    return over_first_workers(three_workers, request.param)
 
 
 @pytest.mark.parametrize("frames", [2, 16, 64])

@@ -6,13 +6,18 @@ import torch
 
 from raypipe import Pipeline
 from tests import step3_reference as ref
-from tests.conftest import random_images
+from tests.conftest import over_first_workers, random_images
+
+
+@pytest.fixture(scope="module")
+def three_workers(ray_local, step3_ckpt):
+    with Pipeline.from_pretrained(step3_ckpt, num_encoders=3) as p:
+        yield p
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")
-def pipe(request, ray_local, step3_ckpt):
-    with Pipeline.from_pretrained(step3_ckpt, num_encoders=request.param) as p:
-        yield p
+def pipe(request, three_workers):
+    return over_first_workers(three_workers, request.param)
 
 
 @pytest.mark.parametrize("count", [1, 2, 5, 9])
