@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 
 import numpy as np
 import torch
@@ -12,6 +11,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
+from raypipe.decode.kv_pool_size import budget_for
+from raypipe.decode.sliding_window import window_pool_shape
 from raypipe.models.prompt import build_prompt
 from tests.conftest import random_images, reference_embeddings
 
@@ -101,21 +102,30 @@ def staggered(engine, cases, params: list, tag: str, gap_s: float = 0.004) -> li
     return asyncio.run(all_of_them())
 
 
-def kv_budget(engine, block_bytes: int) -> int:
-    """`EngineConfig.kv_cache_memory` that leaves `block_bytes` to the paged blocks of `engine`'s model
-    (a model with row state gives `state_snapshot_memory_fraction` of the budget to state snapshots)."""
-    if not engine.runner.cache.row_state_kinds:
-        return block_bytes
-    return math.ceil(block_bytes / (1 - engine.config.state_snapshot_memory_fraction))
+def kv_budget(engine, full_blocks: int, *, k: int, block_size: int, max_model_len: int) -> int:
+    """`EngineConfig.kv_cache_memory` that gives an engine like `engine` (with K = `k` and these block
+    size and length) `full_blocks` full-attention blocks: a model with row state gives
+    `state_snapshot_memory_fraction` of the budget to state snapshots, one with sliding-window layers
+    a share to their window pool (`kv_pool_size.py`)."""
+    text = engine.adapter.text_config
+    return budget_for(full_blocks, bytes_per_token=engine.runner.bytes_per_token, block_size=block_size,
+                      max_model_len=max_model_len,
+                      state_fraction=engine.config.state_snapshot_memory_fraction if engine.runner.cache.row_state_kinds else 0.0,
+                      window_bytes_per_token=engine.runner.window_bytes_per_token,
+                      **window_pool_shape(text, block_size=block_size, max_model_len=max_model_len, num_scheduler_steps=k,
+                                          max_num_batched_tokens=engine.config.max_num_batched_tokens))
 
 
-def preempted_copies(engines, k: int, case, params, block_size: int = 8) -> tuple[list, dict]:
-    """Four copies of `case` at once on `engines(k, ...)` whose paged pool holds two prompts' blocks
-    and one more: two are admitted and, as they grow, the newer is preempted and later recomputed.
-    Their `RequestOutput`s and the engine's stats after. `max_model_len` is what that pool holds (the
-    engine refuses a pool that cannot hold one `max_model_len` sequence)."""
-    pool_blocks = 2 * -(-len(case[0].prompt_token_ids) // block_size) + 1
-    budget = kv_budget(engines(1), engines(1).runner.bytes_per_token * block_size * pool_blocks)
+def preempted_copies(engines, k: int, case, params, block_size: int = 8, spare_blocks: int | None = None) -> tuple[list, dict]:
+    """Four copies of `case` at once on `engines(k, ...)` whose paged pool holds a prompt's blocks and
+    `spare_blocks` more (default: another prompt's and one): two are admitted and, as they grow, the
+    newer is preempted and later recomputed. Their `RequestOutput`s and the engine's stats after.
+    `max_model_len` is what that pool holds (the engine refuses a pool that cannot hold one
+    `max_model_len` sequence). Where copies share the prompt's cached blocks (a copy admitted after
+    the first one's prompt was cached), fewer spare blocks keep the preemption coming."""
+    prompt_blocks = -(-len(case[0].prompt_token_ids) // block_size)
+    pool_blocks = prompt_blocks + (prompt_blocks + 1 if spare_blocks is None else spare_blocks)
+    budget = kv_budget(engines(1), pool_blocks, k=k, block_size=block_size, max_model_len=pool_blocks * block_size)
     engine = engines(k, kv_cache_memory=budget, block_size=block_size, max_model_len=pool_blocks * block_size)
     outs = staggered(engine, [case] * 4, [params] * 4, f"preempt-{k}", gap_s=0.0)
     return outs, engine.stats()

@@ -175,7 +175,7 @@ def test_snapshots_are_restored_only_at_their_exact_prefix_and_counts_return_to_
 
 def test_default_cpu_budget_adds_the_snapshot_share_to_the_blocks_of_max_num_seqs_sequences():
     # One max_model_len sequence must still fit in the blocks (it did not: the share came out of them).
-    blocks, state_bytes = pool_blocks(device=torch.device("cpu"), bytes_per_token=256, block_size=16, max_num_seqs=1,
+    blocks, state_bytes, _ = pool_blocks(device=torch.device("cpu"), bytes_per_token=256, block_size=16, max_num_seqs=1,
                                       max_model_len=4096, kv_cache_memory=None, kv_cache_free_memory_fraction=0.8,
                                       state_fraction=0.2)
     assert (blocks - 1) * 16 >= 4096

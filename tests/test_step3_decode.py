@@ -95,9 +95,65 @@ def test_staggered_requests_join_a_running_batch(engines, cases, k):
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_preempted_sequences_resume_with_the_same_tokens(engines, cases, k):
-    """On resume a preempted sequence continues from its longest cached prefix with a snapshot of its
-    sliding-window rings there (its own, registered when it was preempted), recomputing the rest."""
-    outs, stats = decode_ref.preempted_copies(engines, k, cases[1], SamplingParams(max_tokens=MAX_NEW))
+    """On resume a preempted sequence continues from its longest cached prefix whose window blocks are
+    still cached (its own, registered when it was preempted), recomputing the rest. The copies share
+    the prompt's blocks, so the pool has room for one prompt and 4 blocks: their outputs' blocks
+    (3 each) overflow it."""
+    outs, stats = decode_ref.preempted_copies(engines, k, cases[1], SamplingParams(max_tokens=MAX_NEW),
+                                              spare_blocks=4)
     assert [out.token_ids for out in outs] == [cases[1][2]] * 4
     assert stats["preemptions"] > 0 and stats["kv_blocks_used"] == 0 and stats["running"] == 0
+    assert stats["sliding_kv_blocks_used"] == 0
     assert stats["prefix_caching"] is True and stats["chunked_prefill"] is True
+
+
+def test_window_blocks_leave_the_pool_as_the_window_moves_on(engines, cases):
+    """While one long sequence decodes, its full-attention blocks grow with its length and its sliding
+    layers' blocks stay at what the window spans (read from the pools' counts after every token)."""
+    engine = engines(1)
+    prompt, features, want = cases[4]
+    size, window = engine.config.block_size, engine.adapter.text_config.sliding_window
+    seen = []
+
+    async def run():
+        out = []
+        async for delta in engine.generate("window-blocks", prompt, features, SamplingParams(max_tokens=MAX_NEW)):
+            out += delta.token_ids
+            stats = engine.stats()
+            seen.append((stats["kv_blocks_used"], stats["sliding_kv_blocks_used"]))
+        return out
+
+    assert asyncio.run(run()) == want
+    full, sliding = zip(*seen[:-1])  # the last delta comes after its blocks went back
+    length = len(prompt.prompt_token_ids) + len(want)
+    assert max(full) == -(-(length - 1) // size) > 2 * (-(-(window - 1 + 1) // size) + 1)
+    assert max(sliding) <= -(-(window - 1 + 1) // size) + 1  # window keys and the next token, any offset
+    assert engine.stats()["sliding_kv_blocks_used"] == 0
+
+
+def test_a_hit_needs_the_window_before_it(engines, cases):
+    """A prompt whose full-attention blocks are all cached but whose window blocks near the end were
+    evicted hits only as far as its window blocks are still cached; greedy stays equal to generate()."""
+    from raypipe.decode.prefix_hash import extend_block_hashes
+
+    engine = engines(1)
+    prompt, features, want = cases[4]  # text only: its block hashes are the tokens' alone
+    ids, size = prompt.prompt_token_ids, engine.config.block_size
+    first = asyncio.run(engine.generate_output("window-hit-0", prompt, features, SamplingParams(max_tokens=MAX_NEW)))
+    assert first.token_ids == want
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, ids, size, (len(ids) - 1) // size, ())
+    assert len(hashes) >= 6
+    # Keep the window blocks of the first 3 blocks (taken and let go: now the most recently used),
+    # evict every other cached window block (fresh blocks taken from the LRU's old end and let go).
+    pool = engine.window.pool
+    early = pool.take_cached(hashes[:3])
+    assert len(early) == 3
+    pool.release(early)
+    pool.release(pool.allocate(pool.num_available - 3))
+    assert all(h in engine.pool.cached for h in hashes)  # every full-attention block still cached
+    again = asyncio.run(engine.generate_output("window-hit-1", prompt, features, SamplingParams(max_tokens=MAX_NEW)))
+    assert again.token_ids == want
+    assert again.num_cached_tokens == 3 * size  # the query at 3 blocks sees block 2 only (window <= block)
+    third = asyncio.run(engine.generate_output("window-hit-2", prompt, features, SamplingParams(max_tokens=MAX_NEW)))
+    assert third.token_ids == want and third.num_cached_tokens == len(hashes) * size  # windows cached again

@@ -1,5 +1,5 @@
 """Step3 without Ray: the tiny preset, prompt building against `Step3p7Processor`, the per-view
-tower against transformers' vision path, and the sliding-window cache rows."""
+tower against transformers' vision path (the sliding layers' window blocks: test_step3_decode.py)."""
 
 from __future__ import annotations
 
@@ -64,18 +64,3 @@ def test_views_encoded_in_any_grouping_equal_transformers(step3_ckpt, step3_hf_m
         first += count
         assert got.shape == want.shape == (item.num_tokens, adapter.hidden_size)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-
-
-def test_sliding_window_rows_are_bounded_by_the_window(step3_ckpt):
-    """Sliding layers: 4 rows of one window each and the spare row a swap goes through; full-attention
-    layers: the paged pool's 10 blocks of 16."""
-    from raypipe.decode.kv_cache import KVCache
-
-    lang = language_adapter(step3_ckpt)
-    text = lang.text_config
-    cache = KVCache(text, max_num_seqs=4, max_model_len=512, num_blocks=10, block_size=16,
-                    device=torch.device("cpu"), dtype=torch.float32)
-    per_token = 2 * text.num_key_value_heads * text.head_dim * 4  # K+V, fp32
-    sliding = text.layer_types.count("sliding_attention")
-    full = text.layer_types.count("full_attention")
-    assert cache.nbytes == per_token * (sliding * (4 + 1) * text.sliding_window + full * 10 * 16)

@@ -194,9 +194,10 @@ def main(args) -> int:
     rng = np.random.default_rng(0)
     mix = length_mix(rng, 12 if quick else 32, 0.25 if quick else 1.0)
     result = {"model": str(checkpoint), "max_model_len": max_len, "mix": mix}
-    row_state = set(layer_types(text)) != {"full_attention"}
+    paged_only = set(layer_types(text)) == {"full_attention"}
+    row_state = "linear_attention" in layer_types(text)  # state snapshots: (f)
     mix_rows, step_rows, budget = [], [], 0
-    if not row_state:
+    if paged_only:
         budget, mix_rows, step_rows = layouts(checkpoint, text, max_len, mix, quick, result)
 
     chat_rows, side, max_tokens, conversations = multi_turn_chat(checkpoint, max_len, quick, result)
@@ -208,8 +209,8 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2, default=str))
         return 0
-    if row_state:
-        print(f"(a) and (b) skipped: {checkpoint.name} has layers with per-row state {sorted(set(layer_types(text)))}; "
+    if not paged_only:
+        print(f"(a) and (b) skipped: {checkpoint.name} has layers besides full attention {sorted(set(layer_types(text)))}; "
               "they compare full-attention cache layouts")
     else:
         print_table(f"(a) same KV bytes ({budget / 2**20:.0f} MiB = {SLOT_ROWS} slot rows of {max_len} tokens), "
@@ -231,7 +232,7 @@ def main(args) -> int:
     print(f"shared-prompt batch: {result['shared_batch_tok_s_ratio']:.2f}x tok/s with prefix caching")
     print_table(f"(e) {SYSTEM_REQUESTS} requests one after another sharing a {SYSTEM_TOKENS}-token system prompt",
                 ["hit rate", "requests 3+: cached tokens (median)", "snapshots", "snapshot bytes / cached token",
-                 "K/V bytes / token"], system_rows)
+                 "window K/V bytes / cached token", "K/V bytes / token"], system_rows)
     if interval_rows:
         print_table(f"(f) one {INTERVAL_PROMPT}-token prompt, a state snapshot every N blocks of "
                     f"{result['block_size']} tokens",
@@ -342,7 +343,8 @@ def shared_batch(checkpoint, max_len: int, quick: bool, result: dict):
 
 
 def system_prompt(checkpoint, max_len: int, result: dict) -> list[list]:
-    """(e) hit rate of requests sharing a 100-token system prompt, and the snapshots' bytes per cached token."""
+    """(e) hit rate of requests sharing a 100-token system prompt, and what the cache keeps besides full-attention
+    K/V per cached token: state snapshots (linear attention), cached window blocks (sliding layers)."""
     from raypipe import SamplingParams
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
@@ -364,14 +366,16 @@ def system_prompt(checkpoint, max_len: int, result: dict) -> list[list]:
     engine.shutdown()
     snapshot_bytes = stats.get("state_snapshots_cached", 0) * stats.get("state_snapshot_bytes", 0)
     cached_tokens = stats["kv_blocks_cached"] * stats["kv_block_size"]
+    window_bytes = stats.get("sliding_kv_blocks_cached", 0) * stats["kv_block_size"] * engine.runner.window_bytes_per_token
     result["system_prompt"] = {"hit_rate": stats["prefix_cache_hit_rate"], "cached_per_request": cached,
                                "snapshots": stats.get("state_snapshots_cached", 0),
                                "snapshot_bytes_per_cached_token": snapshot_bytes / max(cached_tokens, 1),
+                               "window_bytes_per_cached_token": window_bytes / max(cached_tokens, 1),
                                "kv_bytes_per_token": engine.runner.bytes_per_token,
                                "bytes_per_snapshot": stats.get("state_snapshot_bytes", 0)}
     r = result["system_prompt"]
     return [[r["hit_rate"], statistics.median(cached[2:]), r["snapshots"], r["snapshot_bytes_per_cached_token"],
-             r["kv_bytes_per_token"]]]
+             r["window_bytes_per_cached_token"], r["kv_bytes_per_token"]]]
 
 
 def snapshot_intervals(checkpoint, max_len: int, quick: bool, result: dict) -> list[list]:

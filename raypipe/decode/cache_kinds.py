@@ -9,15 +9,16 @@ builds one `LayerCache` per layer from `CACHE_KINDS`.
   last `kernel` inputs of the short causal conv) and a recurrent state per row, whatever the
   sequence length. A recurrent state cannot skip padding, so the runner prefills such models in
   groups of equal length (`PADDED_PREFILL_EXACT = False`).
-- `sliding_attention` (Step3): a ring of `sliding_window` K/V per row; memory bounded by the window.
+- `sliding_attention` (Step3): K/V in blocks of a pool of their own, through a window table per
+  sequence whose blocks are freed once they have left the window (`sliding_window.py`).
 
-The two bounded kinds keep fixed rows: `max_num_seqs` rows allocated up front (and one spare, row
+The linear kind keeps fixed rows: `max_num_seqs` rows allocated up front (and one spare, row
 `max_num_seqs`, through which the scheduler swaps two rows), row i belonging to batch row i, so rows
-join, leave and move together across those kinds (`row_tensors`: dim 0 is the row). A prefill may continue from a row's state (`WritePattern.starts[b] > 0`): the state the row
-holds after its earlier chunk, or a snapshot of those row tensors restored into the row
-(`kv_cache.KVCache.restore_state`, `snapshot_pool.py`): the linear kind feeds its conv state and
-recurrent state to transformers' layer as the chunk's initial state, the sliding kind attends over
-its ring and the chunk's own keys. Rows that start at token 0 ignore whatever their row held.
+join, leave and move together (`row_tensors`: dim 0 is the row). A prefill may continue from a
+row's state (`WritePattern.starts[b] > 0`): the state the row holds after its earlier chunk, or a
+snapshot of those row tensors restored into the row (`kv_cache.KVCache.restore_state`,
+`snapshot_pool.py`): the linear kind feeds its conv state and recurrent state to transformers' layer
+as the chunk's initial state. Rows that start at token 0 ignore whatever their row held.
 
 A new kind subclasses `LayerCache`, implements the methods its transformers layer calls (`update`
 for attention layers), its masks, `move_row` and `row_tensors` (what a snapshot copies), and
@@ -44,7 +45,8 @@ class WritePattern:
     Decode: rows `rows` (always `0..n-1`) each write one token at `write_index[row]`.
     Paged layers write the token slots `write_slots` (prefill: the `real` tokens, row-major) and read
     the blocks `read_blocks`, each row's first `kv_len / block_size` table entries, row-major (so
-    `kv_len` is a whole number of blocks; not needed by a prefill without a past).
+    `kv_len` is a whole number of blocks; not needed by a prefill without a past). Sliding-window
+    layers do the same through the rows' window tables (`window_slots` / `window_blocks`).
     """
 
     rows: slice | torch.Tensor = dataclasses.field(default_factory=lambda: slice(0, 0))  # prefill: row indices
@@ -56,6 +58,8 @@ class WritePattern:
     row_ids: torch.Tensor | None = None  # decode only: arange(n), for indexed writes
     write_slots: torch.Tensor | None = None
     read_blocks: torch.Tensor | None = None
+    window_slots: torch.Tensor | None = None
+    window_blocks: torch.Tensor | None = None
     in_round: bool = False  # decode: paged layers attend over the round's gathered rows (kv_cache.py)
     kv_len: int = 0  # keys an attention layer attends over in this forward
 
@@ -72,10 +76,11 @@ class CacheLimits:
     dtype: torch.dtype
     num_blocks: int  # paged pool, null block included
     block_size: int
+    window_blocks: int = 0  # the sliding-window layers' pool, null block included (0: no such layers)
 
     @property
     def num_rows(self) -> int:
-        """Rows of the bounded kinds: one per running sequence, and the spare a swap goes through."""
+        """Rows of the row-state kinds: one per running sequence, and the spare a swap goes through."""
         return self.max_num_seqs + 1
 
 
@@ -181,86 +186,6 @@ class LinearAttentionRows(LayerCache):
     @classmethod
     def decode_mask(cls, pattern, dtype):
         return None  # a generated token is never padding
-
-
-class SlidingWindowRows(LayerCache):
-    """K/V rings of `sliding_window` tokens per row (Step3's `sliding_attention` layers).
-
-    transformers' sliding layers let position q attend to keys k with `q - window < k <= q`, so a
-    row never needs more than its last `window` tokens: token p lives in slot `p % ring`, memory is
-    `max_num_seqs x ring` whatever the sequence length (ring = min(window, max_model_len)). Slot j
-    of a row that has consumed `c` tokens holds position `c - 1 - ((c - 1 - j) mod ring)`, which is
-    real exactly when it is >= 0 (slots not yet written, or left by a row's earlier occupant, are
-    masked). Keys come in ring order, not position order: attention does not care.
-
-    A prefill with no past attends over the prompt's own fresh keys (masked to the window); one where
-    some row continues (`starts[b] > 0`: a later chunk or a restored snapshot) attends over the rows'
-    rings before the start, then the fresh keys. Either way each row then writes its last `ring` new
-    tokens into their slots (older tokens' slots keep what they hold). Decode writes slot
-    `write_index % ring` and attends over the whole ring.
-    """
-
-    layer_type = "sliding_attention"
-
-    def __init__(self, text_config, limits: CacheLimits):
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        self.window = text_config.sliding_window
-        self.ring = min(self.window, limits.max_model_len)
-        shape = (limits.num_rows, text_config.num_key_value_heads, self.ring, head_dim)
-        self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
-        self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.values]
-
-    def row_tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.values]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, pattern: WritePattern):
-        if pattern.is_prefill:
-            out = key_states, value_states
-            if pattern.has_past:  # the rings before the chunk (copies: the writes below overwrite slots)
-                out = (torch.cat([self.keys[pattern.rows], key_states], dim=2),
-                       torch.cat([self.values[pattern.rows], value_states], dim=2))
-            width = key_states.shape[2]
-            index = torch.arange(width, device=key_states.device)[None, :]
-            lengths = pattern.lengths[:, None].to(key_states.device)
-            keep = (index < lengths) & (index >= lengths - self.ring)  # each row's last `ring` new tokens
-            rows = pattern.rows.to(key_states.device)[:, None].expand_as(keep)[keep]
-            slots = (pattern.starts[:, None].to(key_states.device) + index).remainder(self.ring).expand_as(keep)[keep]
-            self.keys[rows, :, slots] = key_states.transpose(1, 2)[keep]
-            self.values[rows, :, slots] = value_states.transpose(1, 2)[keep]
-            return out
-        slot = pattern.write_index.remainder(self.ring)
-        self.keys[pattern.row_ids, :, slot] = key_states[:, :, 0]
-        self.values[pattern.row_ids, :, slot] = value_states[:, :, 0]
-        return self.keys[pattern.rows], self.values[pattern.rows]
-
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        self.keys[dst] = self.keys[src]
-        self.values[dst] = self.values[src]
-
-    def held_positions(self, consumed: torch.Tensor) -> torch.Tensor:
-        """`(B, ring)`: the position each ring slot holds for rows that consumed `consumed` tokens (< 0: none)."""
-        slots = torch.arange(self.ring, device=consumed.device)
-        last = consumed[:, None] - 1
-        return last - (last - slots[None, :]).remainder(self.ring)
-
-    def prefill_mask(self, pattern, width, dtype):
-        pos = torch.arange(width, device=pattern.lengths.device)
-        in_window = (pos[:, None] - pos[None, :]) < self.window
-        causal = (pos[None, :] <= pos[:, None]) & in_window
-        allowed = causal[None] & (pos[None, None, :] < pattern.lengths[:, None, None])
-        if pattern.has_past:  # ring keys first: position h is seen by query starts + i when within the window
-            held = self.held_positions(pattern.starts)
-            query = pattern.starts[:, None] + pos[None, :]
-            ring = (held[:, None, :] >= 0) & (query[:, :, None] - held[:, None, :] < self.window)
-            allowed = torch.cat([ring, allowed], dim=2)
-        return additive(allowed[:, None], dtype)
-
-    def decode_mask(self, pattern, dtype):
-        held = self.held_positions(pattern.write_index + 1)  # this step's token is in its slot already
-        return additive((held >= 0)[:, None, None], dtype)
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,7 +18,7 @@ Why padding is harmless:
   they are recomputed from the step's tables and copied into the bucket's buffers, like the mask.
 
 Only for caches where every layer is paged full attention; anything else (linear attention state,
-sliding-window rings) runs eager (`supports` says why). Greedy tokens equal the eager step's, which the tests check
+sliding-window layers' window tables) runs eager (`supports` says why). Greedy tokens equal the eager step's, which the tests check
 against transformers' `generate()`.
 """
 

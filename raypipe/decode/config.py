@@ -12,7 +12,8 @@ class EngineConfig:
     max_num_seqs: int = 32  # running sequences (rows of the bounded cache kinds; paged K/V follow actual lengths)
     max_model_len: int | None = None  # prompt + output tokens; None: min(model's limit, DEFAULT_MAX_MODEL_LEN)
     # Prefill budget per round in prompt tokens (padding adds <= 10%). A longer prompt is prefilled over
-    # several rounds (chunked prefill; rows' linear-attention state and sliding-window rings carry over).
+    # several rounds (chunked prefill; rows' linear-attention state carries over). Sliding-window layers'
+    # window pool keeps room for one such chunk (decode/kv_pool_size.py).
     max_num_batched_tokens: int = 8192
     # Paged KV cache (decode/block_pool.py): tokens per block, and the pool's bytes. None: on CUDA
     # `kv_cache_free_memory_fraction` of the device memory free once the weights are loaded; on CPU
@@ -22,7 +23,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     kv_cache_free_memory_fraction: float = 0.8
     # Automatic prefix caching, for every layer kind: full-attention blocks by prefix hash; where layers keep
-    # per-row state (linear attention, sliding window) a hit also needs a snapshot of that state at exactly its
+    # per-row state (linear attention) a hit also needs a snapshot of that state at exactly its
     # last cached block (raypipe/decode/snapshot_pool.py). The snapshots get `state_snapshot_memory_fraction`
     # of the KV budget; one is taken every `snapshot_every_blocks` blocks of a prefill (also at branch points,
     # a prompt's last block boundary and where a sequence's decode stopped). None: as many blocks as one

@@ -58,6 +58,7 @@ from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
 from raypipe.decode.snapshot_pool import SnapshotPool
+from raypipe.decode.window_tables import WindowTables
 from raypipe.errors import CapacityError, EngineClosed, InvalidInput, QueueFull
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.prompt import PreparedPrompt
@@ -87,7 +88,8 @@ class LLMEngine:
                                   block_size=self.config.block_size, kv_cache_memory=self.config.kv_cache_memory,
                                   kv_cache_free_memory_fraction=self.config.kv_cache_free_memory_fraction,
                                   state_snapshot_fraction=self.config.state_snapshot_memory_fraction
-                                  if prefix_caching else 0.0)
+                                  if prefix_caching else 0.0,
+                                  max_num_batched_tokens=self.config.max_num_batched_tokens)
         self.decode_step = self._start_decode_step()
         self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
         self.snapshots, state = None, self.runner.cache.state_bytes_per_row
@@ -99,9 +101,13 @@ class LLMEngine:
                 prefix_caching = False
         block_bytes = max(self.runner.bytes_per_token * self.config.block_size, 1)
         self.snapshot_every = self.config.snapshot_every_blocks or max(1, -(-state // block_bytes))
+        self.window = None  # sliding-window layers' blocks (window_tables.py)
+        if self.runner.cache.window_blocks:
+            self.window = WindowTables(BlockPool(self.runner.cache.window_blocks, self.config.block_size),
+                                       self.adapter.text_config.sliding_window)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.pool,
                                    chunked_prefill=True, prefix_caching=prefix_caching, snapshots=self.snapshots,
-                                   snapshot_every=self.snapshot_every)
+                                   snapshot_every=self.snapshot_every, window=self.window)
         self._log_cache()
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
@@ -209,6 +215,7 @@ class LLMEngine:
                 "max_model_len": self.config.max_model_len, "kv_cache_bytes": self.runner.cache.nbytes,
                 "kv_cache_tokens": self.pool.capacity_tokens, **self.pool.stats(),
                 **(self.snapshots.stats() if self.snapshots is not None else {}),
+                **({f"sliding_{k}": v for k, v in self.window.pool.stats().items()} if self.window is not None else {}),
                 "prefix_caching": self.scheduler.prefix_caching, "chunked_prefill": self.scheduler.chunked_prefill,
                 "prefix_cache_query_tokens": s["prefill_tokens_asked"],
                 "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
@@ -223,12 +230,16 @@ class LLMEngine:
         cache, size = self.runner.cache, self.config.block_size
         blocks = cache.num_blocks - 1
         kinds = {"full_attention": "K/V in paged blocks (cached by prefix hash)",
-                 "sliding_attention": "a ring of the window's K/V per row (snapshotted at block boundaries)",
+                 "sliding_attention": "K/V in blocks of the window pool, freed as they leave the window "
+                                      "(cached by prefix hash; a hit needs the window before it)",
                  "linear_attention": "conv + recurrent state per row (snapshotted at block boundaries)"}
         log.info("KV cache: %d blocks x %d tokens = %d tokens of paged K/V (%.1f MiB, %d bytes per token); "
                  "prefix caching %s; chunked prefill on; per layer kind: %s", blocks, size, blocks * size,
                  cache.nbytes / 2**20, self.runner.bytes_per_token, "on" if self.scheduler.prefix_caching else "off",
                  "; ".join(f"{kind}: {kinds.get(kind, 'rows')}" for kind in sorted(set(cache.layer_types))))
+        if self.window is not None:
+            log.info("window pool: %d blocks x %d tokens (%d bytes per token) for the sliding layers' window of %d",
+                     cache.window_blocks - 1, size, self.runner.window_bytes_per_token, self.window.window)
         if self.snapshots is not None:
             log.info("state snapshots: %d slots x %d bytes = %.1f MiB (EngineConfig.state_snapshot_memory_fraction "
                      "= %g of the KV budget), one every %d blocks of a prefill, at branch points and where "
@@ -390,8 +401,7 @@ class LLMEngine:
         for seq, ids, logprobs in zip(running, new_ids, batch.take_logprobs(running)):
             self._emit(seq, self.output.append(seq, ids, logprobs))
             seq.num_computed = seq.cache_len
-            if self.snapshots is not None:
-                self.scheduler.decoded(seq)
+            self.scheduler.decoded(seq)
 
     def _emit(self, seq: Sequence, delta: RequestDelta) -> None:
         if seq.matcher is not None and seq.matcher.is_error():
@@ -443,6 +453,8 @@ class LLMEngine:
         for seq in self.scheduler.running:
             self.pool.release(seq.block_table)
             seq.block_table, seq.row = [], None
+            if self.window is not None:
+                self.window.release(seq)
             if self.snapshots is not None:
                 self.scheduler.drop_snapshots(seq)
         failed, self.scheduler.running = [s for s in self.scheduler.running if not s.finished], []

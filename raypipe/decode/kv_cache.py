@@ -1,8 +1,9 @@
 """The engine's cache: one `LayerCache` per decoder layer (kind from `layer_types`), allocated once.
 
 Full-attention layers keep K/V in blocks of the paged pool (`paged_attention.py`; which blocks a
-sequence holds is `block_pool.py`'s business), so memory follows actual lengths. The bounded kinds
-(sliding-window rings, linear-attention state) keep one fixed row per running sequence: batch row i
+sequence holds is `block_pool.py`'s business), so memory follows actual lengths; sliding-window
+layers the same through a pool and window tables of their own (`sliding_window.py`), so their memory
+follows the window. Linear-attention state keeps one fixed row per running sequence: batch row i
 is row i, the engine keeps the running batch compact, a request joining takes the next free row
 and a request leaving has the last row's state copied into its row (one sequence, never the batch).
 State snapshots (`snapshot_pool.py` decides which) are copies of one row of every row-state layer
@@ -24,13 +25,14 @@ import torch
 from transformers.cache_utils import Cache
 
 from raypipe.decode.block_pool import NULL_BLOCK
-from raypipe.decode.cache_kinds import CacheLimits, LayerCache, LinearAttentionRows, SlidingWindowRows, WritePattern
+from raypipe.decode.cache_kinds import CacheLimits, LayerCache, LinearAttentionRows, WritePattern
 from raypipe.decode.paged_attention import PagedAttentionLayer, token_slots
+from raypipe.decode.sliding_window import SlidingWindowBlocks
 
 CACHE_KINDS: dict[str, type[LayerCache]] = {
     PagedAttentionLayer.layer_type: PagedAttentionLayer,
     LinearAttentionRows.layer_type: LinearAttentionRows,
-    SlidingWindowRows.layer_type: SlidingWindowRows,
+    SlidingWindowBlocks.layer_type: SlidingWindowBlocks,
 }
 
 
@@ -59,15 +61,17 @@ def block_tables(tables: list[list[int]], width: int, device: torch.device) -> t
 
 class KVCache(Cache):
     def __init__(self, text_config, *, max_num_seqs: int, max_model_len: int, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, window_blocks: int = 0):
         super().__init__(layers=[])
-        limits = CacheLimits(max_num_seqs, max_model_len, torch.device(device), dtype, num_blocks, block_size)
+        limits = CacheLimits(max_num_seqs, max_model_len, torch.device(device), dtype, num_blocks, block_size,
+                             window_blocks)
         self.layer_types = layer_types(text_config)
         self.caches: list[LayerCache] = [CACHE_KINDS[kind](text_config, limits) for kind in self.layer_types]
         self.kinds = {kind: layer for kind, layer in zip(self.layer_types, self.caches)}  # one instance per kind
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
+        self.window_blocks = window_blocks
         self.block_size = block_size
         self.device = limits.device
         self.dtype = dtype
@@ -116,45 +120,67 @@ class KVCache(Cache):
         """Bytes of the layers' caches (paged blocks and rows; snapshots not included)."""
         return sum(t.numel() * t.element_size() for layer in self.caches for t in layer.tensors())
 
-    def prepare_prefill(self, rows: list[int], starts: list[int], lengths: list[int], tables: list[list[int]]) -> None:
+    def prepare_prefill(self, rows: list[int], starts: list[int], lengths: list[int], tables: list[list[int]],
+                        window_tables: list[list[int]] | None = None) -> None:
         """Rows `rows` (a group's sequences need not hold consecutive ones) compute positions
-        `starts[b]..starts[b]+lengths[b]-1` (right-padded to the longest), writing through their block `tables`."""
+        `starts[b]..starts[b]+lengths[b]-1` (right-padded to the longest), writing through their block
+        `tables` (and, for sliding-window layers, their `window_tables`)."""
         width = max(lengths)
         kv_blocks = -(-max(s + n for s, n in zip(starts, lengths)) // self.block_size)
         starts_t = torch.tensor(starts, device=self.device)
         lengths_t = torch.tensor(lengths, device=self.device)
-        table = block_tables(tables, max(kv_blocks, -(-(max(starts) + width) // self.block_size)), self.device)
+        table_width = max(kv_blocks, -(-(max(starts) + width) // self.block_size))
         query = starts_t[:, None] + torch.arange(width, device=self.device)[None, :]
         real = torch.arange(width, device=self.device)[None, :] < lengths_t[:, None]
         has_past = any(starts)
+
+        def access(block_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            table = block_tables(block_ids, table_width, self.device)
+            return (token_slots(table, query, self.block_size)[real],
+                    table[:, :kv_blocks].reshape(-1) if has_past else None)
+
+        write_slots, read_blocks = access(tables)
+        window_slots, window_blocks = access(window_tables) if self.window_blocks else (None, None)
         self.pattern = WritePattern(rows=torch.tensor(rows, device=self.device), lengths=lengths_t,
                                     starts=starts_t, has_past=has_past, real=real,
-                                    write_slots=token_slots(table, query, self.block_size)[real],
-                                    read_blocks=table[:, :kv_blocks].reshape(-1) if has_past else None,
+                                    write_slots=write_slots, read_blocks=read_blocks,
+                                    window_slots=window_slots, window_blocks=window_blocks,
                                     kv_len=kv_blocks * self.block_size if has_past else width)
 
-    def prepare_decode(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor) -> None:
+    def prepare_decode(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor,
+                       window_tables: torch.Tensor | None = None) -> None:
         """Rows `0..num_rows-1` each write one token at their own `write_index[row]` and attend over their
         first `kv_len` positions, rounded up to whole blocks; `tables` are their block tables
-        `(num_rows, >= kv_len / block_size)`, padded with the null block."""
-        self.pattern = self.decode_pattern(num_rows, write_index, kv_len, tables, self.pattern.row_ids)
+        `(num_rows, >= kv_len / block_size)`, padded with the null block (`window_tables` likewise, for
+        sliding-window layers)."""
+        self.pattern = self.decode_pattern(num_rows, write_index, kv_len, tables, self.pattern.row_ids, window_tables)
 
     def decode_pattern(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor,
-                       row_ids: torch.Tensor | None = None) -> WritePattern:
+                       row_ids: torch.Tensor | None = None, window_tables: torch.Tensor | None = None) -> WritePattern:
         if row_ids is None or row_ids.numel() != num_rows:
             row_ids = torch.arange(num_rows, device=self.device)
         kv_blocks = -(-kv_len // self.block_size)
-        return WritePattern(rows=slice(0, num_rows), write_index=write_index, row_ids=row_ids,
-                            kv_len=kv_blocks * self.block_size,
-                            write_slots=token_slots(tables, write_index[:, None], self.block_size)[:, 0],
-                            read_blocks=None if self.in_round else tables[:, :kv_blocks].reshape(-1),
-                            in_round=self.in_round)
 
-    def begin_decode_round(self, tables: torch.Tensor) -> None:
-        """The decode rows' K/V (blocks `tables`, `(rows, blocks)`) gathered once for a round of eager
-        steps, which then append to them (see paged_attention.py); until `end_decode_round`."""
+        def access(table: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if table is None:
+                return None, None
+            return (token_slots(table, write_index[:, None], self.block_size)[:, 0],
+                    None if self.in_round else table[:, :kv_blocks].reshape(-1))
+
+        write_slots, read_blocks = access(tables)
+        window_slots, window_blocks = access(window_tables)
+        return WritePattern(rows=slice(0, num_rows), write_index=write_index, row_ids=row_ids,
+                            kv_len=kv_blocks * self.block_size, write_slots=write_slots, read_blocks=read_blocks,
+                            window_slots=window_slots, window_blocks=window_blocks, in_round=self.in_round)
+
+    def begin_decode_round(self, tables: torch.Tensor, window_tables: torch.Tensor | None = None) -> None:
+        """The decode rows' K/V (blocks `tables`, `(rows, blocks)`; sliding layers' blocks `window_tables`)
+        gathered once for a round of eager steps, which then append to them (see paged_attention.py);
+        until `end_decode_round`."""
         for layer in self.caches:
-            if isinstance(layer, PagedAttentionLayer):
+            if isinstance(layer, SlidingWindowBlocks):
+                layer.begin_round(window_tables)
+            elif isinstance(layer, PagedAttentionLayer):
                 layer.begin_round(tables)
         self.in_round = True
 

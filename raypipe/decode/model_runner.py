@@ -23,11 +23,12 @@ from collections.abc import Callable
 import torch
 
 from raypipe.decode import compiled_step
+from raypipe.decode.cache_kinds import LinearAttentionRows
 from raypipe.decode.kv_cache import KVCache, block_tables, layer_types, paged_bytes_per_token
 from raypipe.decode.kv_pool_size import pool_blocks
-from raypipe.decode.paged_attention import PagedAttentionLayer
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence
+from raypipe.decode.sliding_window import window_bytes_per_token, window_pool_shape
 
 # on_step(step, ids) -> True when every row is done and the round may end early.
 StepCallback = Callable[[int, list[int]], bool]
@@ -39,7 +40,7 @@ class ModelRunner:
 
     def __init__(self, language_adapter, *, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, num_scheduler_steps: int, block_size: int, kv_cache_memory: int | None,
-                 kv_cache_free_memory_fraction: float, state_snapshot_fraction: float):
+                 kv_cache_free_memory_fraction: float, state_snapshot_fraction: float, max_num_batched_tokens: int):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = language_adapter.load_model(self.device, dtype)
@@ -47,14 +48,18 @@ class ModelRunner:
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len
         self.bytes_per_token = paged_bytes_per_token(text, dtype)
-        has_rows = set(layer_types(text)) != {PagedAttentionLayer.layer_type}  # bounded kinds keep row state
-        num_blocks, state_bytes = pool_blocks(
+        self.window_bytes_per_token = window_bytes_per_token(text, dtype)
+        has_rows = LinearAttentionRows.layer_type in layer_types(text)  # the kind that keeps row state
+        num_blocks, state_bytes, window_blocks = pool_blocks(
             device=self.device, bytes_per_token=self.bytes_per_token, block_size=block_size,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
             kv_cache_free_memory_fraction=kv_cache_free_memory_fraction,
-            state_fraction=state_snapshot_fraction if has_rows else 0.0)
+            state_fraction=state_snapshot_fraction if has_rows else 0.0,
+            window_bytes_per_token=self.window_bytes_per_token,
+            **window_pool_shape(text, block_size=block_size, max_model_len=max_model_len,
+                                num_scheduler_steps=num_scheduler_steps, max_num_batched_tokens=max_num_batched_tokens))
         self.cache = KVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
-                             block_size=block_size, device=self.device, dtype=dtype)
+                             block_size=block_size, device=self.device, dtype=dtype, window_blocks=window_blocks)
         state = self.cache.state_bytes_per_row
         self.num_snapshots = state_bytes // state if state else 0
         self.cache.allocate_snapshots(self.num_snapshots)
@@ -134,7 +139,8 @@ class ModelRunner:
                 visual.append(seq.visual_embeds[first: first + sum(t in self.placeholder_ids for t in tokens)])
         visual_embeds = torch.cat(visual).to(self.device) if visual else None
         ids, positions = ids.to(self.device), positions.to(self.device)
-        self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs])
+        self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs],
+                                           [s.window_table for s in seqs])
         return self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
                                   self.prefill_cache)
 
@@ -157,20 +163,20 @@ class ModelRunner:
         Eager steps attend over the rows' K/V gathered once for the round (`KVCache.begin_decode_round`);
         the static-shape step gathers per step (its buffers must keep their shapes and addresses)."""
         longest = max(s.cache_len for s in seqs)
-        tables = block_tables([s.block_table for s in seqs],
-                              -(-(min(longest + steps - 1, self.max_model_len - 1) + 1) // self.cache.block_size),
-                              self.device)
+        width = -(-(min(longest + steps - 1, self.max_model_len - 1) + 1) // self.cache.block_size)
+        tables = block_tables([s.block_table for s in seqs], width, self.device)
+        window_tables = block_tables([s.window_table for s in seqs], width, self.device) if self.cache.window_blocks else None
         eager = self.static_step is None
         if eager:
-            self.cache.begin_decode_round(tables)
+            self.cache.begin_decode_round(tables, window_tables)
         try:
-            return self._decode_steps(seqs, batch, steps, on_step, tables)
+            return self._decode_steps(seqs, batch, steps, on_step, tables, window_tables)
         finally:
             if eager:
                 self.cache.end_decode_round()
 
     def _decode_steps(self, seqs: list[Sequence], batch: SamplingBatch, steps: int, on_step: StepCallback,
-                      tables: torch.Tensor) -> int:
+                      tables: torch.Tensor, window_tables: torch.Tensor | None) -> int:
         n = len(seqs)
         tokens = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
         cache_len = torch.tensor([s.cache_len for s in seqs], device=self.device)
@@ -191,7 +197,7 @@ class ModelRunner:
             if self.static_step is not None:
                 logits = self.static_step(tokens, positions, write_index, kv_len, tables)
             else:
-                self.cache.prepare_decode(n, write_index, kv_len, tables)
+                self.cache.prepare_decode(n, write_index, kv_len, tables, window_tables)
                 hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),
                                     self.cache)
                 logits = self.model.logits(hidden[:, -1])

@@ -36,10 +36,10 @@ from raypipe.decode.cache_kinds import CacheLimits, LayerCache, WritePattern, ad
 class PagedAttentionLayer(LayerCache):
     layer_type = "full_attention"
 
-    def __init__(self, text_config, limits: CacheLimits):
+    def __init__(self, text_config, limits: CacheLimits, num_blocks: int | None = None):
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.heads, self.head_dim = text_config.num_key_value_heads, head_dim
-        shape = (limits.num_blocks, limits.block_size, self.heads, head_dim)
+        shape = (limits.num_blocks if num_blocks is None else num_blocks, limits.block_size, self.heads, head_dim)
         self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.round: tuple[torch.Tensor, torch.Tensor] | None = None  # this decode round's rows (K, V)
@@ -52,18 +52,24 @@ class PagedAttentionLayer(LayerCache):
     def tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values]
 
+    @staticmethod
+    def access(pattern: WritePattern) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The token slots this forward writes and the blocks it reads, through this kind's block tables."""
+        return pattern.write_slots, pattern.read_blocks
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, pattern: WritePattern):
         keys = self.keys.view(-1, self.heads, self.head_dim)
         values = self.values.view(-1, self.heads, self.head_dim)
+        write_slots, read_blocks = self.access(pattern)
         if pattern.is_prefill:
             # (B, H, W, D) -> the real tokens, row-major: (N, H, D)
-            keys.index_copy_(0, pattern.write_slots, key_states.transpose(1, 2)[pattern.real])
-            values.index_copy_(0, pattern.write_slots, value_states.transpose(1, 2)[pattern.real])
+            keys.index_copy_(0, write_slots, key_states.transpose(1, 2)[pattern.real])
+            values.index_copy_(0, write_slots, value_states.transpose(1, 2)[pattern.real])
             if not pattern.has_past:
                 return key_states, value_states
         else:
-            keys.index_copy_(0, pattern.write_slots, key_states[:, :, 0])
-            values.index_copy_(0, pattern.write_slots, value_states[:, :, 0])
+            keys.index_copy_(0, write_slots, key_states[:, :, 0])
+            values.index_copy_(0, write_slots, value_states[:, :, 0])
             if pattern.in_round:
                 round_keys, round_values = self.round
                 round_keys[pattern.row_ids, pattern.write_index] = key_states[:, :, 0]
@@ -71,8 +77,8 @@ class PagedAttentionLayer(LayerCache):
                 return (round_keys[:, : pattern.kv_len].transpose(1, 2),
                         round_values[:, : pattern.kv_len].transpose(1, 2))
         shape = (key_states.shape[0], pattern.kv_len, self.heads, self.head_dim)
-        return (self.keys.index_select(0, pattern.read_blocks).view(shape).transpose(1, 2),
-                self.values.index_select(0, pattern.read_blocks).view(shape).transpose(1, 2))
+        return (self.keys.index_select(0, read_blocks).view(shape).transpose(1, 2),
+                self.values.index_select(0, read_blocks).view(shape).transpose(1, 2))
 
     def begin_round(self, tables: torch.Tensor) -> None:
         """Gather the K/V of the blocks in `tables` `(rows, blocks)` into this round's rows."""

@@ -17,7 +17,11 @@ A round (see engine.py) decodes the running sequences K steps and prefills the j
    With `chunked_prefill` a prompt longer than what is left of the budget is prefilled over several
    rounds; without it, it runs whole, alone in its round.
 
-Models with per-row state (linear attention, sliding window; `cache_kinds.py`) also have a
+Models with sliding-window layers also have a window pool (`window_tables.py`): a sequence takes
+window blocks as it takes full-attention blocks, gives back those that have left the window after
+each chunk and each decode round (registered first: they stay cached), and a prefix hit is the
+longest cached run of full-attention blocks whose window blocks right before its end are cached
+too. Models with per-row state (linear attention; `cache_kinds.py`) also have a
 `SnapshotPool`: a prefix hit for them is the longest cached run of blocks whose last block has a
 state snapshot (`snapshot_pool.py`); that snapshot is restored into the sequence's row
 (`Round.restores`) and the rest is prefilled from it. Which states are kept (`_plan_snapshots`,
@@ -55,6 +59,7 @@ from raypipe.decode.block_pool import BlockPool
 from raypipe.decode.prefix_hash import extend_block_hashes
 from raypipe.decode.sequence import Sequence
 from raypipe.decode.snapshot_pool import SnapshotPool
+from raypipe.decode.window_tables import WindowTables
 
 MAX_PADDING = 0.1  # a prefill group's padded tokens may exceed its real tokens by this fraction
 
@@ -71,7 +76,7 @@ class Round:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool, *,
                  chunked_prefill: bool, prefix_caching: bool, snapshots: SnapshotPool | None = None,
-                 snapshot_every: int = 1):
+                 snapshot_every: int = 1, window: WindowTables | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pool = pool
@@ -80,6 +85,7 @@ class Scheduler:
         # None: every layer is paged; else the model's row state must be restored at a hit
         self.snapshots = snapshots
         self.snapshot_every = snapshot_every  # blocks between snapshots of a long prefill
+        self.window = window  # None: no sliding-window layers
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
@@ -168,11 +174,15 @@ class Scheduler:
                     self._give_back(seq, hit)
                     break
             need = self.pool.blocks_for(len(hit) * self.pool.block_size + chunk)
-            if need - len(hit) > self.pool.num_available:
+            end = len(hit) * self.pool.block_size + chunk
+            if need - len(hit) > self.pool.num_available or (
+                    self.window is not None and self.window.need(seq, end) > self.window.pool.num_available):
                 self._give_back(seq, hit)
                 break
             self.waiting.popleft()
             seq.block_table = hit + self.pool.allocate(need - len(hit))
+            if self.window is not None:
+                self.window.grow(seq, end)
             seq.num_computed = len(hit) * self.pool.block_size
             seq.num_registered = len(hit)
             seq.chunk_len = chunk
@@ -195,20 +205,32 @@ class Scheduler:
         full = (target - 1) // self.pool.block_size
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.pool.block_size, full, seq.placeholder_runs)
         hit = self.pool.take_cached(seq.block_hashes[:full])
-        if self.snapshots is None:
+        if self.snapshots is None and self.window is None:
             return hit
         keep = len(hit)
-        while keep and not self.snapshots.has(seq.block_hashes[keep - 1]):
+        while keep and not self._continues_at(seq, keep):
             keep -= 1
         self.pool.release(hit[keep:])
-        seq.branch_point = len(hit) * self.pool.block_size if len(hit) > keep else 0
-        if keep:
-            seq.restore_slot = self.snapshots.take(seq.block_hashes[keep - 1])
+        if self.window is not None:
+            self.window.take_hit(seq, seq.block_hashes, keep)
+        if self.snapshots is not None:
+            seq.branch_point = len(hit) * self.pool.block_size if len(hit) > keep else 0
+            if keep:
+                seq.restore_slot = self.snapshots.take(seq.block_hashes[keep - 1])
         return hit[:keep]
+
+    def _continues_at(self, seq: Sequence, blocks: int) -> bool:
+        """Whether `seq` can continue after its first `blocks` cached blocks: a state snapshot ends there
+        (row-state layers) and the window blocks before it are cached (sliding layers)."""
+        hashes = seq.block_hashes
+        return ((self.snapshots is None or self.snapshots.has(hashes[blocks - 1]))
+                and (self.window is None or self.window.cached_before(hashes, blocks)))
 
     def _give_back(self, seq: Sequence, hit: list[int]) -> None:
         """`seq` does not join after all: let go of its hit."""
         self.pool.release(hit)
+        if self.window is not None:
+            self.window.release(seq)
         if seq.restore_slot is not None:
             self.snapshots.release(seq.restore_slot)
             seq.restore_slot = None
@@ -243,7 +265,11 @@ class Scheduler:
 
     def decoded(self, seq: Sequence) -> None:
         """After `seq`'s decode steps: keep the boundary state it captured if its kept tokens reached it
-        (steps past its stop ran on tokens it dropped), as the one it registers when it leaves."""
+        (steps past its stop ran on tokens it dropped), as the one it registers when it leaves; give
+        back the window blocks it has left behind (cached first)."""
+        if self.window is not None:
+            self.cache_blocks(seq)
+            self.window.trim(seq)
         for position, slot in seq.snapshot_saves:
             if position <= seq.cache_len:
                 if seq.boundary is not None:
@@ -261,13 +287,16 @@ class Scheduler:
     def _grow(self, seq: Sequence, num_tokens: int, moves: list, preempted: list) -> bool:
         """Blocks for `num_tokens` of `seq`, preempting newer sequences while the pool is short."""
         need = self.pool.blocks_for(num_tokens) - len(seq.block_table)
-        while need > self.pool.num_available:
+        while need > self.pool.num_available or (
+                self.window is not None and self.window.need(seq, num_tokens) > self.window.pool.num_available):
             newer = [s for s in self.running if s.arrival > seq.arrival]
             if not newer:
                 return False
             self._preempt(max(newer, key=lambda s: s.arrival), moves, preempted)
         if need > 0:
             seq.block_table += self.pool.allocate(need)
+        if self.window is not None:
+            self.window.grow(seq, num_tokens)
         return True
 
     def _preempt(self, seq: Sequence, moves: list, preempted: list) -> None:
@@ -279,8 +308,11 @@ class Scheduler:
         self.counters["preemptions"] += 1
 
     def chunk_done(self, seq: Sequence) -> None:
-        """After `seq`'s prefill chunk: its full blocks and the state snapshots the chunk filled."""
+        """After `seq`'s prefill chunk: its full blocks and the state snapshots the chunk filled; the
+        window blocks it has left behind go back."""
         self.cache_blocks(seq)
+        if self.window is not None:
+            self.window.trim(seq)
         if seq.snapshot_saves:
             self._register_snapshots(seq, seq.snapshot_saves)
             seq.snapshot_saves = []
@@ -294,6 +326,8 @@ class Scheduler:
             extend_block_hashes(seq.block_hashes, seq.token_ids, self.pool.block_size, full, seq.placeholder_runs)
             for j in range(seq.num_registered, full):
                 self.pool.register(seq.block_table[j], seq.block_hashes[j])
+                if self.window is not None:
+                    self.window.register(seq, j, seq.block_hashes[j])
             seq.num_registered = full
 
     def _register_snapshots(self, seq: Sequence, saves: list[tuple[int, int]]) -> None:
@@ -334,6 +368,8 @@ class Scheduler:
                 self.drop_snapshots(seq)
             self.pool.release(seq.block_table)
             seq.block_table, seq.num_registered = [], 0
+            if self.window is not None:
+                self.window.release(seq)
             last = self.running.pop()
             if last is not seq:
                 self.running[seq.row] = last

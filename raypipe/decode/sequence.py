@@ -86,6 +86,9 @@ class Sequence:
     # Paged KV: the blocks holding this sequence's tokens, and how many tokens have K/V there. A
     # preempted sequence gives its blocks back and is recomputed from `token_ids` when it runs again.
     block_table: list[int] = dataclasses.field(default_factory=list)
+    # Sliding-window layers' blocks (window_tables.py), one entry per block of tokens like `block_table`;
+    # the null block where a block has left the window
+    window_table: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     chunk_len: int = 0  # tokens its prefill computes in the current round
     # Prefix caching (prefix_hash.py): placeholder runs with their items' digests, the hash of each

@@ -1,7 +1,6 @@
 """`SnapshotPool`: which state snapshots exist, who holds them, and which full-attention block each ends on.
 
-A model with bounded per-row state (gated-delta-net conv + recurrent state, sliding-window rings;
-`cache_kinds.py`) cannot continue from cached K/V blocks alone: the rows' state at the hit point
+A model with bounded per-row state (gated-delta-net conv + recurrent state; `cache_kinds.py`) cannot continue from cached K/V blocks alone: the rows' state at the hit point
 must be restored too. A snapshot is a copy of one sequence's row state (every row-state layer's
 `row_tensors`) taken when it had consumed exactly `P` tokens, `P` a multiple of the block size,
 and registered under the prefix hash of the block ending at `P` (`prefix_hash.py`: the hash chains

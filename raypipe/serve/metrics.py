@@ -107,7 +107,7 @@ class _LiveStats:
                     ("preemptions", "decode_preemptions", "Sequences preempted when the KV cache ran out"),
                     ("chunked_prefills", "decode_chunked_prefills", "Prompts prefilled over several rounds"),
                     ("state_snapshots_total", "state_snapshots_total",
-                     "Slots of the state-snapshot pool (models with linear-attention or sliding-window layers)"),
+                     "Slots of the state-snapshot pool (models with linear-attention layers)"),
                     ("state_snapshots_cached", "state_snapshots_cached",
                      "State snapshots registered in the prefix cache"),
                     ("state_snapshots_held", "state_snapshots_held", "State snapshots held by running sequences")):

@@ -3,8 +3,8 @@
 The decode engine runs transformers' `Step3p7TextModel` (gated attention, sliding-window and
 full-attention layers per `layer_types`, mixture-of-experts MLPs with a shared expert) plus
 `lm_head`, fed `inputs_embeds` with the image rows scattered over the `<im_patch>` tokens, explicit
-positions and one mask per layer type (the engine cache's `sliding_attention` rows keep only the
-window). MTP layers (`num_nextn_predict_layers`) are not run: greedy decoding does not need them.
+positions and one mask per layer type (the engine cache keeps the `sliding_attention` layers' K/V in
+blocks freed as they leave the window). MTP layers (`num_nextn_predict_layers`) are not run: greedy decoding does not need them.
 
 Step3 has no multimodal rope: a prompt token's position is its index, image tokens included.
 """
