@@ -5,9 +5,12 @@ right-padded batch into their blocks and rows, and samples the first token of ea
 prompt it completes. A chunk starts where the sequence's cached tokens end (a cached prefix, an
 earlier chunk, or 0): its positions and visual rows are those of its tokens in the whole prompt.
 Where a layer kind cannot skip padding (linear-attention state), the group runs as sub-batches of
-equal length. A sequence with state snapshots to take inside its chunk (`Sequence.snapshot_saves`)
-runs alone, its chunk split at those positions, and its row state is copied out at each (and at the
-chunk's end); decode copies a row's state at the step where it crosses its planned block boundary.
+equal length. State snapshots to take inside a chunk (`Sequence.snapshot_saves`) are filled by the
+same forward (`WritePattern.captures`: gated-delta-net layers hand over their conv and recurrent state
+there, `models/delta_net_prefill.py`); only where a row-state kind cannot (Step3's sliding rings) does
+that sequence run alone, its chunk split at those positions with its row state copied out between.
+A snapshot at the chunk's end is a copy of the row after the forward; decode copies a row's state at
+the step where it crosses its planned block boundary.
 `decode` runs K steps for the whole running batch: every step feeds the previous
 step's sampled ids (still on the device) back in, so the model never waits for the host.
 Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
@@ -81,7 +84,8 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
         """Compute the chunks of `seqs` (in their rows of the bounded cache kinds); first sampled ids of
         `sampled` (those whose prompt this completes, the rows of `batch`)."""
-        split = [s for s in seqs if any(p < s.num_computed + s.chunk_len for p, _ in s.snapshot_saves)]
+        split = [] if self.cache.captures_in_forward else [
+            s for s in seqs if any(p < s.num_computed + s.chunk_len for p, _ in s.snapshot_saves)]
         rest = [s for s in seqs if s not in split]
         runs: list[list[Sequence]] = [[s] for s in split]
         if self.cache.padded_prefill_exact:
@@ -103,7 +107,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _prefill_logits(self, seqs: list[Sequence], sampled: list[Sequence]) -> torch.Tensor:
         """Last-position logits of `sampled` from a right-padded forward over the chunks of `seqs` (a
-        sequence alone with snapshots inside its chunk: one forward per piece, its state saved between)."""
+        sequence alone with snapshots inside its chunk that its layers cannot capture in one forward: one
+        forward per piece, its state saved between)."""
         ends = [s.num_computed + s.chunk_len for s in seqs]
         starts = [s.num_computed for s in seqs]
         if len(seqs) == 1:
@@ -134,12 +139,16 @@ class ModelRunner:
                 visual.append(seq.visual_embeds[first: first + sum(t in self.placeholder_ids for t in tokens)])
         visual_embeds = torch.cat(visual).to(self.device) if visual else None
         ids, positions = ids.to(self.device), positions.to(self.device)
-        self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs])
+        captures = [(b, point - start, slot) for b, (seq, start, n) in enumerate(zip(seqs, starts, lengths))
+                    for point, slot in seq.snapshot_saves if start < point < start + n]
+        self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs],
+                                           captures)
         return self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
                                   self.prefill_cache)
 
     def _save_states(self, seqs: list[Sequence], consumed: list[int]) -> None:
-        """Copy the row state of each sequence that planned a snapshot where it now stands."""
+        """Copy the row state of each sequence that planned a snapshot where it now stands (those inside
+        the forward's chunk it filled itself)."""
         for seq, position in zip(seqs, consumed):
             for point, slot in seq.snapshot_saves:
                 if point == position:
