@@ -111,7 +111,7 @@ class ModelRunner:
         forward per piece, its state saved between)."""
         ends = [s.num_computed + s.chunk_len for s in seqs]
         starts = [s.num_computed for s in seqs]
-        if len(seqs) == 1:
+        if len(seqs) == 1 and not self.cache.captures_in_forward:
             for point in sorted(p for p, _ in seqs[0].snapshot_saves if p < ends[0]):
                 self._forward(seqs, [starts[0]], [point - starts[0]])
                 self._save_states(seqs, [point])
