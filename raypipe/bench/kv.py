@@ -22,8 +22,8 @@
     per token.
 (f) Models with per-row state only: a 2,048-token prompt prefilled with a state snapshot every N
     blocks (every block, the default — one snapshot's bytes in K/V blocks — and 4x that): prefill
-    seconds (each snapshot splits the prefill's forward) and snapshot bytes, against how many tokens
-    a prompt branching off at a random point recomputes (N blocks / 2 on average): what
+    seconds (a gated-delta-net model takes its snapshots inside the one forward) and snapshot bytes, against how many tokens a
+    prompt branching off at a random point recomputes (N blocks / 2 on average): what
     `EngineConfig.snapshot_every_blocks` trades.
 
 (a) and (b) compare the paged full-attention layout with the slot layout it replaced, so they run

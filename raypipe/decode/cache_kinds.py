@@ -62,6 +62,8 @@ class WritePattern:
     window_blocks: torch.Tensor | None = None
     in_round: bool = False  # decode: paged layers attend over the round's gathered rows (kv_cache.py)
     kv_len: int = 0  # keys an attention layer attends over in this forward
+    # prefill only: `(b, offset, slot)`: row b's state after `offset` tokens of its chunk goes to snapshot `slot`
+    captures: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def is_prefill(self) -> bool:
@@ -120,7 +122,9 @@ class LinearAttentionRows(LayerCache):
 
     The methods are the ones transformers' `Qwen3_5GatedDeltaNet` calls on its cache. A prefill row
     that starts at token 0 starts from zeros; one that continues (a later chunk, or a restored
-    snapshot) starts from its row's conv and recurrent state.
+    snapshot) starts from its row's conv and recurrent state. A prefill's captures are filled in the
+    same forward (`models/delta_net_prefill.py`): the conv inputs before each capture's offset here,
+    the recurrent state there from the delta rule's intermediate states.
     """
 
     layer_type = "linear_attention"
@@ -153,11 +157,12 @@ class LinearAttentionRows(LayerCache):
             return None  # transformers' chunked rule starts from zeros
         return _continuing(self.recurrent[pattern.rows], pattern)
 
-    def update_conv(self, inputs: torch.Tensor, pattern: WritePattern) -> torch.Tensor:
+    def update_conv(self, inputs: torch.Tensor, pattern: WritePattern, stored: list[torch.Tensor]) -> torch.Tensor:
         """Prefill: keep each row's last `kernel` inputs (its state's columns before the chunk, then the
-        chunk's real inputs); return what the layer's causal conv runs over: the chunk's inputs after the
-        rows' states (transformers keeps the conv's last `seq_len` outputs), or, when no row has a past,
-        the inputs alone (the conv pads them with zeros, which is what a fresh state holds)."""
+        chunk's real inputs), and those before each capture's offset in its snapshot slot (`stored`: this
+        layer's snapshot tensors); return what the layer's causal conv runs over: the chunk's inputs after
+        the rows' states (transformers keeps the conv's last `seq_len` outputs), or, when no row has a
+        past, the inputs alone (the conv pads them with zeros, which is what a fresh state holds)."""
         if not pattern.is_prefill:  # multi-token continuation is never run by the engine
             raise RuntimeError("linear-attention rows take multi-token forwards only in prefill")
         if pattern.has_past:
@@ -169,10 +174,17 @@ class LinearAttentionRows(LayerCache):
         cols = ends[:, None] - self.kernel + torch.arange(self.kernel, device=inputs.device)[None, :]
         index = cols[:, None, :].expand(-1, inputs.shape[1], -1)
         self.conv[pattern.rows] = joined.gather(2, index).to(self.conv.dtype)
+        for b, offset, slot in pattern.captures:
+            stored[0][slot] = joined[b, :, offset: offset + self.kernel]
         return joined if pattern.has_past else inputs
 
-    def update_recurrent(self, state: torch.Tensor, pattern: WritePattern) -> None:
+    def update_recurrent(self, state: torch.Tensor, pattern: WritePattern, stored: list[torch.Tensor],
+                         captured: dict[int, torch.Tensor] | None = None) -> None:
+        """The rows' state after the forward, and into each capture's slot the state after its offset
+        (`captured`: offset -> the batch's states there)."""
         self.recurrent[pattern.rows] = state.to(self.recurrent.dtype)
+        for b, offset, slot in pattern.captures:
+            stored[1][slot] = captured[offset][b]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.conv[dst] = self.conv[src]

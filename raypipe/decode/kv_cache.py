@@ -77,7 +77,8 @@ class KVCache(Cache):
         self.dtype = dtype
         self.pattern = WritePattern()
         self.in_round = False  # between begin_decode_round and end_decode_round
-        self.snapshots: list[list[torch.Tensor]] = []  # per layer, per row tensor: (slots, *row shape)
+        # per layer, per row tensor: (slots, *row shape); none until `allocate_snapshots`
+        self.snapshots: list[list[torch.Tensor]] = [[] for _ in self.caches]
 
     @property
     def row_state_kinds(self) -> list[str]:
@@ -121,10 +122,12 @@ class KVCache(Cache):
         return sum(t.numel() * t.element_size() for layer in self.caches for t in layer.tensors())
 
     def prepare_prefill(self, rows: list[int], starts: list[int], lengths: list[int], tables: list[list[int]],
-                        window_tables: list[list[int]] | None = None) -> None:
+                        window_tables: list[list[int]] | None = None,
+                        captures: list[tuple[int, int, int]] = ()) -> None:
         """Rows `rows` (a group's sequences need not hold consecutive ones) compute positions
         `starts[b]..starts[b]+lengths[b]-1` (right-padded to the longest), writing through their block
-        `tables` (and, for sliding-window layers, their `window_tables`)."""
+        `tables` (and, for sliding-window layers, their `window_tables`); `captures` `(b, offset, slot)`:
+        row b's state after `offset` tokens goes to snapshot `slot`."""
         width = max(lengths)
         kv_blocks = -(-max(s + n for s, n in zip(starts, lengths)) // self.block_size)
         starts_t = torch.tensor(starts, device=self.device)
@@ -145,7 +148,8 @@ class KVCache(Cache):
                                     starts=starts_t, has_past=has_past, real=real,
                                     write_slots=write_slots, read_blocks=read_blocks,
                                     window_slots=window_slots, window_blocks=window_blocks,
-                                    kv_len=kv_blocks * self.block_size if has_past else width)
+                                    kv_len=kv_blocks * self.block_size if has_past else width,
+                                    captures=tuple(captures))
 
     def prepare_decode(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor,
                        window_tables: torch.Tensor | None = None) -> None:
@@ -202,18 +206,24 @@ class KVCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return self.caches[layer_idx].update(key_states, value_states, self.pattern)
 
-    # Called by transformers' gated-delta-net layers.
+    # Called by the gated-delta-net layers (transformers' forward, and raypipe's prefill forward,
+    # models/delta_net_prefill.py, which also asks where states are to be captured).
+    def state_capture_offsets(self) -> list[int] | None:
+        """In a prefill: the distinct offsets into the chunk where some row's state is captured; None in decode."""
+        return sorted({offset for _, offset, _ in self.pattern.captures}) if self.pattern.is_prefill else None
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.caches[layer_idx].conv_state(self.pattern)
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        return self.caches[layer_idx].update_conv(conv_states, self.pattern)
+        return self.caches[layer_idx].update_conv(conv_states, self.pattern, self.snapshots[layer_idx])
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.caches[layer_idx].recurrent_state(self.pattern)
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
-        self.caches[layer_idx].update_recurrent(recurrent_states, self.pattern)
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               captured: dict[int, torch.Tensor] | None = None, **kwargs):
+        self.caches[layer_idx].update_recurrent(recurrent_states, self.pattern, self.snapshots[layer_idx], captured)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False  # rows keep only the latest state (no speculative rollback)

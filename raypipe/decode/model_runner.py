@@ -5,9 +5,11 @@ right-padded batch into their blocks and rows, and samples the first token of ea
 prompt it completes. A chunk starts where the sequence's cached tokens end (a cached prefix, an
 earlier chunk, or 0): its positions and visual rows are those of its tokens in the whole prompt.
 Where a layer kind cannot skip padding (linear-attention state), the group runs as sub-batches of
-equal length. A sequence with state snapshots to take inside its chunk (`Sequence.snapshot_saves`)
-runs alone, its chunk split at those positions, and its row state is copied out at each (and at the
-chunk's end); decode copies a row's state at the step where it crosses its planned block boundary.
+equal length. State snapshots to take inside a chunk (`Sequence.snapshot_saves`) are filled by the
+same forward (`WritePattern.captures`: gated-delta-net layers hand over their conv and recurrent state
+there, `models/delta_net_prefill.py`), so no forward is split at a snapshot.
+A snapshot at the chunk's end is a copy of the row after the forward; decode copies a row's state at
+the step where it crosses its planned block boundary.
 `decode` runs K steps for the whole running batch: every step feeds the previous
 step's sampled ids (still on the device) back in, so the model never waits for the host.
 Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
@@ -86,14 +88,12 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
         """Compute the chunks of `seqs` (in their rows of the bounded cache kinds); first sampled ids of
         `sampled` (those whose prompt this completes, the rows of `batch`)."""
-        split = [s for s in seqs if any(p < s.num_computed + s.chunk_len for p, _ in s.snapshot_saves)]
-        rest = [s for s in seqs if s not in split]
-        runs: list[list[Sequence]] = [[s] for s in split]
+        runs: list[list[Sequence]] = []
         if self.cache.padded_prefill_exact:
-            runs += [rest] if rest else []
+            runs = [seqs]
         else:
-            for seq in rest:  # `seqs` come sorted by chunk length
-                if len(runs) > len(split) and runs[-1][0].chunk_len == seq.chunk_len:
+            for seq in seqs:  # `seqs` come sorted by chunk length
+                if runs and runs[-1][0].chunk_len == seq.chunk_len:
                     runs[-1].append(seq)
                 else:
                     runs.append([seq])
@@ -107,15 +107,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _prefill_logits(self, seqs: list[Sequence], sampled: list[Sequence]) -> torch.Tensor:
-        """Last-position logits of `sampled` from a right-padded forward over the chunks of `seqs` (a
-        sequence alone with snapshots inside its chunk: one forward per piece, its state saved between)."""
+        """Last-position logits of `sampled` from a right-padded forward over the chunks of `seqs`."""
         ends = [s.num_computed + s.chunk_len for s in seqs]
         starts = [s.num_computed for s in seqs]
-        if len(seqs) == 1:
-            for point in sorted(p for p, _ in seqs[0].snapshot_saves if p < ends[0]):
-                self._forward(seqs, [starts[0]], [point - starts[0]])
-                self._save_states(seqs, [point])
-                starts = [point]
         lengths = [end - start for start, end in zip(starts, ends)]
         hidden = self._forward(seqs, starts, lengths)
         self._save_states(seqs, ends)
@@ -139,13 +133,16 @@ class ModelRunner:
                 visual.append(seq.visual_embeds[first: first + sum(t in self.placeholder_ids for t in tokens)])
         visual_embeds = torch.cat(visual).to(self.device) if visual else None
         ids, positions = ids.to(self.device), positions.to(self.device)
+        captures = [(b, point - start, slot) for b, (seq, start, n) in enumerate(zip(seqs, starts, lengths))
+                    for point, slot in seq.snapshot_saves if start < point < start + n]
         self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs],
-                                           [s.window_table for s in seqs])
+                                           [s.window_table for s in seqs], captures)
         return self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
                                   self.prefill_cache)
 
     def _save_states(self, seqs: list[Sequence], consumed: list[int]) -> None:
-        """Copy the row state of each sequence that planned a snapshot where it now stands."""
+        """Copy the row state of each sequence that planned a snapshot where it now stands (those inside
+        the forward's chunk it filled itself)."""
         for seq, position in zip(seqs, consumed):
             for point, slot in seq.snapshot_saves:
                 if point == position:

@@ -32,7 +32,7 @@ state snapshot (`snapshot_pool.py`); that snapshot is restored into the sequence
    (b) the branch point: where a joining prompt's cached run of blocks ends, so the next prompt
        sharing that prefix (a system prompt) finds a state there;
    (c) every `snapshot_every` blocks of a prefill, and the prompt's last block boundary.
-A state inside a chunk is taken by splitting the chunk's forward there (`ModelRunner.prefill`).
+A state inside a chunk is handed over by the chunk's one forward (`ModelRunner.prefill`).
 
 Row i of the running batch is row i of the bounded cache kinds; the batch stays compact: a
 sequence leaving (finished or preempted) hands its row to the last running sequence, whose row

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from raypipe.models import delta_net_prefill
 from raypipe.models.checkpoint import load_module_weights, load_tensors
 
 LM_HEAD_PREFIXES = ("lm_head.",)
@@ -22,6 +23,8 @@ class TextDecoder(torch.nn.Module):
         super().__init__()
         self.model = model
         self.lm_head = lm_head
+        if "linear_attention" in (getattr(adapter.text_config, "layer_types", None) or ()):
+            delta_net_prefill.install(model)  # one prefill forward hands the cache states inside its chunk
         self.to(device).eval()
         self.device = torch.device(device)
         self.dtype = dtype

@@ -1,0 +1,69 @@
+"""The prefill forward of transformers' gated-delta-net layers, handing the cache states at chosen positions.
+
+Prefix caching for a hybrid model (Qwen3.5, MiniCPM-V 4.6) keeps snapshots of each linear-attention
+layer's conv and recurrent state at block boundaries inside a prefill chunk (the prompt's last
+boundary, branch points, every N blocks: `decode/scheduler.py`). transformers' layer only hands its
+cache the state at the chunk's end, so the engine used to split the whole forward at each such
+position. This forward does the layer's work once over the chunk and asks the cache where it wants
+states (`state_capture_offsets()`: tokens into the chunk); the cache keeps the conv inputs there
+itself (`update_conv_state` sees them all), and the delta rule returns the recurrent states there
+(`delta_rule.py`), given back with the final one (`update_recurrent_state(..., captured=...)`).
+Attention and MLP layers are untouched, so they run once over the whole chunk.
+
+Everything else is transformers' layer as it is (its projections, causal conv, gated norm; the
+decode step and any cache that does not ask for captures go to its own `forward`), so the module's
+weights and shapes are its own (a tensor-parallel rank's head slice too).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from raypipe.models.delta_rule import chunked_gated_delta_rule
+
+
+def install(model: torch.nn.Module) -> None:
+    """Route the prefill of every gated-delta-net layer of `model` through `prefill_forward`."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+
+    for module in model.modules():
+        if isinstance(module, (Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet)):
+            module.forward = functools.partial(_forward, module, module.forward)
+
+
+def _forward(net, transformers_forward, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
+             **kwargs) -> torch.Tensor:
+    offsets = getattr(cache_params, "state_capture_offsets", lambda: None)()
+    if offsets is None:  # decode, or a cache that takes no captures
+        return transformers_forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+    return prefill_forward(net, hidden_states, cache_params, attention_mask, offsets)
+
+
+def prefill_forward(net, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None,
+                    offsets: list[int]) -> torch.Tensor:
+    """`net`'s output over a prefill chunk `(B, L, hidden)`; the cache gets the conv and recurrent state at
+    the chunk's end and at each of `offsets` (tokens into the chunk)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_mask_to_padding_states, causal_conv1d_fn
+
+    hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)
+    batch, length, _ = hidden_states.shape
+    initial = cache.get_recurrent_state(net.layer_idx)
+    # The cache keeps each row's last conv inputs (and those before each offset) and returns what the
+    # causal conv runs over: the chunk after the rows' earlier inputs; its last `length` outputs are ours.
+    mixed = cache.update_conv_state(net.in_proj_qkv(hidden_states).transpose(1, 2), net.layer_idx)
+    mixed = causal_conv1d_fn(mixed, net.conv1d.weight.squeeze(1), net.conv1d.bias, activation=net.activation)
+    query, key, value = mixed[:, :, -length:].transpose(1, 2).split([net.key_dim, net.key_dim, net.value_dim], -1)
+    query = query.reshape(batch, length, -1, net.head_k_dim)
+    key = key.reshape(batch, length, -1, net.head_k_dim)
+    value = value.reshape(batch, length, -1, net.head_v_dim)
+    beta = net.in_proj_b(hidden_states).sigmoid()
+    g = -net.A_log.float().exp() * F.softplus(net.in_proj_a(hidden_states).float() + net.dt_bias)
+    out, final, captured = chunked_gated_delta_rule(query, key, value, g, beta, initial, boundaries=offsets)
+    cache.update_recurrent_state(final, net.layer_idx, captured=dict(zip(offsets, captured)))
+    gate = net.in_proj_z(hidden_states).reshape(-1, net.head_v_dim)
+    out = net.norm(out.reshape(-1, net.head_v_dim), gate).reshape(batch, length, -1)
+    return net.out_proj(out)
