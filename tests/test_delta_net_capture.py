@@ -65,7 +65,7 @@ def _forward(model, cache, tokens, rows, starts, lengths, captures=()):
     ids = torch.stack([tokens[r][s: s + n] for r, s, n in zip(rows, starts, lengths)])
     positions = (torch.tensor(starts)[:, None] + torch.arange(width)[None, :]).expand(3, -1, -1)
     tables = [list(range(1 + 9 * r, 10 + 9 * r)) for r in rows]
-    cache.prepare_prefill(rows, starts, lengths, tables, captures)
+    cache.prepare_prefill(rows, starts, lengths, tables, captures=captures)
     return model.prefill(ids, None, positions, cache.masks(torch.float32), cache)
 
 
