@@ -34,8 +34,7 @@ from raypipe.decode.model_runner import ModelRunner
 from raypipe.errors import GroupFailed
 from raypipe.parallel.collectives import Collectives
 from raypipe.parallel.group import RankGroup
-from raypipe.parallel.rank_runner import RankAdapter, decode_fields, prefill_fields, rank_info
-from raypipe.parallel.shards import WeightShard
+from raypipe.parallel.rank_runner import RankAdapter, decode_fields, prefill_fields, rank_info, weight_shard
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ class GroupRunner(ModelRunner):
         # caching is off in a group (the engine turns it off when its runner holds no snapshot).
         runner_kwargs["state_snapshot_fraction"] = 0.0
         self.collectives = Collectives(0, tensor_parallel_size, device)
-        super().__init__(RankAdapter(adapter, WeightShard(adapter.text_config, 0, tensor_parallel_size,
+        super().__init__(RankAdapter(adapter, weight_shard(adapter.text_config, 0, tensor_parallel_size,
                                                           self.collectives)), **runner_kwargs)
         self.cuda = False  # ids read on the host after every step: the ranks' collectives stay in one order
         self._lock = threading.Lock()
