@@ -17,16 +17,17 @@ import torch
 from safetensors import safe_open
 
 from raypipe import SamplingParams
-from raypipe.decode.config import EngineConfig
+from raypipe.decode.config import EXPERT_SPLITS, EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.models.checkpoint import safetensors_files
 from raypipe.models.prompt import build_prompt
-from raypipe.models.registry import language_adapter, vision_adapter
+from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
 from raypipe.models.step3.loading import load_step3_model
 from raypipe.parallel import runner_factory
 from raypipe.parallel.collectives import Collectives, open_store
+from raypipe.parallel.rank_runner import weight_shard
 from raypipe.parallel.shards import sharded_parameter_bytes
-from raypipe.parallel.step3_shards import EXPERT_SPLITS, Step3Shard
+from raypipe.parallel.step3_shards import Step3Shard
 from tests import decode_reference
 from tests import step3_reference as ref
 from tests.conftest import random_images
@@ -177,3 +178,11 @@ def test_both_expert_splits_equal_one_device_forward(step3_ckpt, split):
     assert not errors, errors
     for r in (0, 1):
         torch.testing.assert_close(got[r], want, atol=1e-5, rtol=1e-4)
+
+
+def test_tensor_parallel_experts_are_refused_where_they_are_not_built():
+    with pytest.raises(ValueError, match="expert_split"):
+        EngineConfig(expert_split="rows")
+    moe = language_adapter(preset_checkpoint("tiny-qwen3-vl-moe")).text_config
+    with pytest.raises(ValueError, match="built for Step3 only"):
+        weight_shard(moe, 0, 2, None, "tensor")

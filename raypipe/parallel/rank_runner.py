@@ -22,10 +22,16 @@ from raypipe.parallel.step3_shards import Step3Shard
 OWN_RULES = {"step3p5": Step3Shard}
 
 
-def weight_shard(text_config, rank: int, world_size: int, collectives):
-    """Rank `rank`'s sharding rule: the family's own (`OWN_RULES`), else the checkpoint's plan (`WeightShard`)."""
-    rule = OWN_RULES.get(text_config.model_type, WeightShard)
-    return rule(text_config, rank, world_size, collectives)
+def weight_shard(text_config, rank: int, world_size: int, collectives, expert_split: str = "experts"):
+    """Rank `rank`'s sharding rule: the family's own (`OWN_RULES`), else the checkpoint's plan (`WeightShard`,
+    whose experts are split whole: `EngineConfig.expert_split` "tensor" is built for the own rules only)."""
+    rule = OWN_RULES.get(text_config.model_type)
+    if rule is not None:
+        return rule(text_config, rank, world_size, collectives, expert_split)
+    if expert_split != "experts" and getattr(text_config, "num_experts", 0):
+        raise ValueError(f"expert_split {expert_split!r} is built for Step3 only; {type(text_config).__name__}'s "
+                         f"experts are split whole across ranks (expert_split 'experts')")
+    return WeightShard(text_config, rank, world_size, collectives)
 
 
 class RankAdapter:

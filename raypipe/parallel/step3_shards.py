@@ -15,7 +15,8 @@ explicit-cache forward:
   q_norm / k_norm act per head size and stay whole.
 - experts: the plan's `packed_colwise` / `moe_tp_experts` (tensor-parallel experts) and its
   `base_model_ep_plan` (`ep_dispatch_experts`: all-to-all dispatch) are DTensor machinery over the
-  process-wide default group. We split the routed experts ourselves, one of two ways (`EXPERT_SPLITS`):
+  process-wide default group. We split the routed experts ourselves, one of two ways
+  (`EngineConfig.expert_split`):
   `"experts"` (the default): each rank holds E/N whole experts, the router is on every rank (so every
   rank routes every token alike), tokens routed to another rank's experts get the sentinel index
   `num_experts`, which Step3's expert loop skips (as `shards.ExpertSplit` does for Qwen3-VL-MoE);
@@ -39,9 +40,8 @@ import re
 
 import torch
 
+from raypipe.decode.config import EXPERT_SPLITS
 from raypipe.parallel.shards import ColumnParallelLinear, RowParallelLinear
-
-EXPERT_SPLITS = ("experts", "tensor")  # whole experts per rank / every expert's width split
 _LAYER = re.compile(r"layers\.\d+\.(.+)\.(weight|bias)$")
 _COLUMNS = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.g_proj", "mlp.gate_proj",
             "mlp.up_proj", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"}  # this rank's output rows
