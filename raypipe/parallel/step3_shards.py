@@ -42,6 +42,7 @@ import torch
 
 from raypipe.decode.config import EXPERT_SPLITS
 from raypipe.parallel.shards import ColumnParallelLinear, RowParallelLinear
+
 _LAYER = re.compile(r"layers\.\d+\.(.+)\.(weight|bias)$")
 _COLUMNS = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.g_proj", "mlp.gate_proj",
             "mlp.up_proj", "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj"}  # this rank's output rows
