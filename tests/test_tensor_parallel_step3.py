@@ -156,17 +156,20 @@ def test_both_expert_splits_equal_one_device_forward(step3_ckpt, split):
     positions = torch.arange(60)[None].expand(2, -1)
     with torch.no_grad():
         want = whole(inputs_embeds=inputs, position_ids=positions, use_cache=False).last_hidden_state
+    # Loaded one after the other here, not in the threads: transformers' `no_init_weights` patches torch's init
+    # functions process-wide, and two overlapping uses leave them patched for the rest of the session.
+    collectives = [Collectives(r, 2, torch.device("cpu")) for r in (0, 1)]
+    models = [adapter.load_model(torch.device("cpu"), torch.float32,
+                                 shard=Step3Shard(adapter.text_config, r, 2, collectives[r], split)) for r in (0, 1)]
     store, host, port = open_store()
     got, errors = {}, []
 
     def rank(r: int):
         try:
-            collectives = Collectives(r, 2, torch.device("cpu"))
-            collectives.connect(store if r == 0 else None, host, port, f"step3-{split}")
-            model = adapter.load_model(torch.device("cpu"), torch.float32,
-                                       shard=Step3Shard(adapter.text_config, r, 2, collectives, split))
+            collectives[r].connect(store if r == 0 else None, host, port, f"step3-{split}")
             with torch.no_grad():
-                got[r] = model.model(inputs_embeds=inputs, position_ids=positions, use_cache=False).last_hidden_state
+                got[r] = models[r].model(inputs_embeds=inputs, position_ids=positions,
+                                         use_cache=False).last_hidden_state
         except BaseException as exc:  # surfaced below: a thread's exception would not fail the test
             errors.append(exc)
 
