@@ -17,9 +17,11 @@ import torch
 from raypipe import SamplingParams
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
-from raypipe.models.registry import preset_checkpoint, vision_adapter
+from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
 from raypipe.parallel import runner_factory
-from raypipe.parallel.shards import sharded_parameter_bytes
+from raypipe.parallel.rank_runner import weight_shard
+from raypipe.parallel.shards import sharded_parameter_bytes, tp_plan
+from raypipe.parallel.step3_shards import Step3Shard
 from tests import decode_reference as ref
 
 MAX_NEW = 16
@@ -104,7 +106,11 @@ def test_group_logprobs_match_one_device(engines, cases):
     """Log-softmax of the logits, top 5 per step: fp32, atol 1e-5 / rtol 1e-4 (the all-reduce sums the
     two ranks' partial products in another order than one GEMM does)."""
     prompt, embeds, _ = cases[5]
-    params = SamplingParams(max_tokens=MAX_NEW, logprobs=5)
+    assert_same_top_logprobs(engines, prompt, embeds, SamplingParams(max_tokens=MAX_NEW, logprobs=5))
+
+
+def assert_same_top_logprobs(engines, prompt, embeds, params: SamplingParams) -> None:
+    """The same tokens on every engine, and the same top log-probabilities per step within fp32 tolerance."""
     outs = [asyncio.run(e.generate_output("logprobs", prompt, embeds, params)) for e in engines]
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].logprobs, outs[1].logprobs):
@@ -125,6 +131,9 @@ def test_each_rank_holds_half_of_the_decoder_layers(engines):
 
 
 def test_a_plan_the_group_cannot_shard_exactly_is_refused_by_its_styles():
-    config = EngineConfig(max_num_seqs=1, max_model_len=64, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="moe_tp_experts"):  # Step3's MoE experts
-        LLMEngine(preset_checkpoint("tiny-step3"), config, runner_factory=runner_factory(config))
+    """Step3's plan gathers attention outputs (`colwise_gather_output`): `tp_plan` refuses it by name, which is
+    why Step3 is sharded by raypipe's own rule (tests/test_tensor_parallel_step3.py)."""
+    text_config = language_adapter(preset_checkpoint("tiny-step3")).text_config
+    with pytest.raises(ValueError, match="colwise_gather_output"):
+        tp_plan(text_config)
+    assert isinstance(weight_shard(text_config, 0, 2, None), Step3Shard)

@@ -8,8 +8,10 @@ eager, one torch thread per rank (the one-device engine gets one thread too), si
     for the slower rank counts there too);
 (b) per rank, measured in its own process: parameter bytes of the decoder layers and of the rest, the
     paged pool's bytes and resident memory, next to the one-device engine's.
-Outputs of the two engines are compared token for token. On a 2-core machine TP=2 uses both cores and
+Outputs of the engines are compared token for token. On a 2-core machine TP=2 uses both cores and
 TP=1 one: the step-time ratio shows whether the split pays for its collectives there, not GPU behaviour.
+A model whose experts can also be split by width (Step3, `EngineConfig.expert_split` "tensor") gets a
+third engine, TP=N with tensor-parallel experts, next to the default whole-experts split.
 """
 
 from __future__ import annotations
@@ -49,21 +51,26 @@ def main(args) -> int:
     from raypipe.bench.decode import make_prompts
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
-    from raypipe.models.registry import resolve_model
+    from raypipe.models.registry import language_adapter, resolve_model
     from raypipe.parallel import runner_factory
-    from raypipe.parallel.rank_runner import rank_info
+    from raypipe.parallel.rank_runner import OWN_RULES, rank_info
     from raypipe.runtime.ray_cluster import connect_ray
 
     connect_ray()
     tp = args.tp
     checkpoint = resolve_model(args.model or "small")
     max_tokens, repeats = (16, 1) if args.quick else (48, 3)
+    text_config = language_adapter(checkpoint).text_config
+    variants = [(1, "experts"), (tp, "experts")]  # (ranks, expert split); the key of each engine is its label
+    if text_config.model_type in OWN_RULES and getattr(text_config, "n_routed_experts", 0):
+        variants.append((tp, "tensor"))
     engines = {}
-    for size in (1, tp):
+    for size, split in variants:
         config = EngineConfig(max_num_seqs=max(BATCHES), max_model_len=512, num_threads=1, compiled_decode=False,
-                              tensor_parallel_size=size)
-        engines[size] = LLMEngine(checkpoint, config, runner_factory=runner_factory(config))
-    prompt = make_prompts(engines[1].tokenizer, 1)[0]
+                              tensor_parallel_size=size, expert_split=split)
+        engines[_label(size, split)] = LLMEngine(checkpoint, config, runner_factory=runner_factory(config))
+    one = _label(1, "experts")
+    prompt = make_prompts(engines[one].tokenizer, 1)[0]
     result = {"model": str(checkpoint), "tensor_parallel_size": tp, "max_tokens": max_tokens, "repeats": repeats,
               "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "batches": {}}
     try:
@@ -72,21 +79,25 @@ def main(args) -> int:
         identical = True
         for batch in BATCHES:
             row = {}
-            for size, engine in engines.items():
-                runs = [run_batch(engine, [prompt] * batch, max_tokens, f"tp{size}-{batch}-{r}") for r in range(repeats)]
-                row[size] = {"step_s": statistics.median(r[1] for r in runs),
-                             "collective_s": statistics.median(r[2] for r in runs), "outputs": runs[0][0]}
-            identical &= row[1]["outputs"] == row[tp]["outputs"]
-            result["batches"][batch] = {
-                "tp1_step_ms": row[1]["step_s"] * 1e3, f"tp{tp}_step_ms": row[tp]["step_s"] * 1e3,
-                "speedup": row[1]["step_s"] / row[tp]["step_s"],
-                "collective_share": row[tp]["collective_s"] / row[tp]["step_s"]}
+            for label, engine in engines.items():
+                runs = [run_batch(engine, [prompt] * batch, max_tokens, f"{label}-{batch}-{r}") for r in range(repeats)]
+                row[label] = {"step_s": statistics.median(r[1] for r in runs),
+                              "collective_s": statistics.median(r[2] for r in runs), "outputs": runs[0][0]}
+            identical &= all(r["outputs"] == row[one]["outputs"] for r in row.values())
+            result["batches"][batch] = {label: {"step_ms": r["step_s"] * 1e3, "speedup": row[one]["step_s"] / r["step_s"],
+                                                "collective_share": r["collective_s"] / r["step_s"]}
+                                        for label, r in row.items()}
         result["identical_outputs"] = identical
-        result["ranks"] = {1: [rank_info(0, engines[1].runner)], tp: engines[tp].runner.info()}
+        result["ranks"] = {label: engine.runner.info() if label != one else [rank_info(0, engine.runner)]
+                           for label, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.shutdown()
     return emit(args, f"decode_tp{tp}", result, lambda r, path: describe(r, path))
+
+
+def _label(size: int, split: str) -> str:
+    return f"TP={size}" if size == 1 or split == "experts" else f"TP={size} tensor experts"
 
 
 def describe(result: dict, path) -> None:
@@ -94,15 +105,16 @@ def describe(result: dict, path) -> None:
     print(f"model {result['model']}, {result['max_tokens']} tokens per request, median of {result['repeats']}, "
           f"one torch thread per rank; {result['cpu_count']} CPUs, load average at start "
           f"{result['load_average'][0]:.2f}")
-    print_table(f"(a) decode step, TP={tp} vs TP=1", ["batch", "TP=1 ms", f"TP={tp} ms", "TP=1 / TP", "in collectives"],
-                [[b, r["tp1_step_ms"], r[f"tp{tp}_step_ms"], r["speedup"], f"{100 * r['collective_share']:.0f}%"]
-                 for b, r in result["batches"].items()])
+    print_table(f"(a) decode step, TP={tp} vs TP=1 (TP=1 / engine: > 1 is faster than one device)",
+                ["batch", "engine", "step ms", "TP=1 / engine", "in collectives"],
+                [[b, label, r["step_ms"], r["speedup"], f"{100 * r['collective_share']:.0f}%"]
+                 for b, row in result["batches"].items() for label, r in row.items()])
     mib = 2.0**20
     rows = []
-    for size, ranks in result["ranks"].items():
+    for label, ranks in result["ranks"].items():
         for r in ranks:
-            rows.append([f"TP={size}", r["rank"], r["parameter_bytes"]["decoder_layers"] / mib,
+            rows.append([label, r["rank"], r["parameter_bytes"]["decoder_layers"] / mib,
                          r["parameter_bytes"]["other"] / mib, r["kv_cache_bytes"] / mib, r["rss_bytes"] / mib])
     print_table("(b) per rank, measured in its process (MiB)", ["engine", "rank", "decoder layers", "embeddings+head",
                                                                 "KV pool", "resident"], rows)
-    print(f"\noutputs identical TP={tp} vs TP=1: {'yes' if result['identical_outputs'] else 'NO'}; JSON: {path}")
+    print(f"\noutputs identical on every engine: {'yes' if result['identical_outputs'] else 'NO'}; JSON: {path}")

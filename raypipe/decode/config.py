@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the checkpoint allows more
+EXPERT_SPLITS = ("experts", "tensor")  # how a decode group splits MoE experts (`EngineConfig.expert_split`)
 
 
 @dataclasses.dataclass(slots=True)
@@ -38,6 +39,9 @@ class EngineConfig:
     # Devices the language model spans (raypipe/parallel/): that many ranks, one per GPU, weights
     # sharded by the checkpoint's tensor-parallel plan; each rank uses num_threads CPU threads.
     tensor_parallel_size: int = 1
+    # MoE layers in a group: "experts" (each rank holds E/N whole experts, the router on every rank) or
+    # "tensor" (each rank holds every expert's 1/N of the expert width; Step3 only). README "Tensor parallelism".
+    expert_split: str = "experts"
     # Requests queued beyond the running ones (they hold their prompts and image embeddings); one
     # more is refused with `raypipe.errors.QueueFull`, a retryable `CapacityError`.
     max_num_waiting: int = 1024
@@ -93,6 +97,8 @@ class EngineConfig:
                              f"{self.state_snapshot_memory_fraction!r}")
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError(f"EngineConfig.grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}")
+        if self.expert_split not in EXPERT_SPLITS:
+            raise ValueError(f"EngineConfig.expert_split must be one of {EXPERT_SPLITS}, got {self.expert_split!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
 

@@ -20,4 +20,4 @@ def runner_factory(config):
     from raypipe.parallel.leader import GroupRunner
 
     return functools.partial(GroupRunner, tensor_parallel_size=config.tensor_parallel_size,
-                             num_threads=config.num_threads)
+                             num_threads=config.num_threads, expert_split=config.expert_split)

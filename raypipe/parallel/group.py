@@ -64,7 +64,7 @@ class RankGroup:
 
     @classmethod
     def start(cls, checkpoint: str, collectives: Collectives, runner_kwargs: dict,
-              num_threads: int | None) -> "RankGroup":
+              num_threads: int | None, expert_split: str) -> "RankGroup":
         world = collectives.world_size
         bundle = rank_bundle(collectives.device.type)
         current = ray.util.get_current_placement_group()
@@ -76,7 +76,8 @@ class RankGroup:
         workers = [RemoteRankWorker.options(
             num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=first + i),
-        ).remote(checkpoint, rank, world, runner_kwargs, num_threads) for i, rank in enumerate(range(1, world))]
+        ).remote(checkpoint, rank, world, runner_kwargs, num_threads, expert_split)
+            for i, rank in enumerate(range(1, world))]
         group = cls(workers, placement, owns)
         try:
             ray.get([w.loaded.remote() for w in workers])

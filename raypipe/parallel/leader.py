@@ -34,28 +34,28 @@ from raypipe.decode.model_runner import ModelRunner
 from raypipe.errors import GroupFailed
 from raypipe.parallel.collectives import Collectives
 from raypipe.parallel.group import RankGroup
-from raypipe.parallel.rank_runner import RankAdapter, decode_fields, prefill_fields, rank_info
-from raypipe.parallel.shards import WeightShard
+from raypipe.parallel.rank_runner import RankAdapter, decode_fields, prefill_fields, rank_info, weight_shard
 
 log = logging.getLogger(__name__)
 
 
 class GroupRunner(ModelRunner):
-    def __init__(self, adapter, *, tensor_parallel_size: int, num_threads: int | None, **runner_kwargs):
+    def __init__(self, adapter, *, tensor_parallel_size: int, num_threads: int | None, expert_split: str,
+                 **runner_kwargs):
         device = torch.device(runner_kwargs["device"])
         # The ranks do not mirror row-state snapshots yet: none are kept, so a hybrid family's prefix
         # caching is off in a group (the engine turns it off when its runner holds no snapshot).
         runner_kwargs["state_snapshot_fraction"] = 0.0
         self.collectives = Collectives(0, tensor_parallel_size, device)
-        super().__init__(RankAdapter(adapter, WeightShard(adapter.text_config, 0, tensor_parallel_size,
-                                                          self.collectives)), **runner_kwargs)
+        super().__init__(RankAdapter(adapter, weight_shard(adapter.text_config, 0, tensor_parallel_size,
+                                                          self.collectives, expert_split)), **runner_kwargs)
         self.cuda = False  # ids read on the host after every step: the ranks' collectives stay in one order
         self._lock = threading.Lock()
         self.decode_collective_seconds = 0.0  # of collectives.seconds, inside decode rounds (the benchmark's share)
         # The other ranks get this pool's exact size (on CUDA free memory differs per device).
         rank_kwargs = dict(runner_kwargs, kv_cache_memory=(self.cache.num_blocks - 1) * self.cache.block_size
                            * self.bytes_per_token, device=None)
-        self.group = RankGroup.start(str(adapter.checkpoint), self.collectives, rank_kwargs, num_threads)
+        self.group = RankGroup.start(str(adapter.checkpoint), self.collectives, rank_kwargs, num_threads, expert_split)
 
     def use_static_step(self, batch_buckets=None, kv_buckets=None) -> str | None:
         return "a tensor-parallel group runs eager decode steps (a compiled step would hold the all-reduces)"

@@ -16,12 +16,28 @@ import torch
 
 from raypipe.decode.sequence import Sequence
 from raypipe.parallel.shards import WeightShard, sharded_parameter_bytes
+from raypipe.parallel.step3_shards import Step3Shard
+
+# Text models sharded by a rule of raypipe's own instead of their config's plan (model_type -> rule).
+OWN_RULES = {"step3p5": Step3Shard}
+
+
+def weight_shard(text_config, rank: int, world_size: int, collectives, expert_split: str = "experts"):
+    """Rank `rank`'s sharding rule: the family's own (`OWN_RULES`), else the checkpoint's plan (`WeightShard`,
+    whose experts are split whole: `EngineConfig.expert_split` "tensor" is built for the own rules only)."""
+    rule = OWN_RULES.get(text_config.model_type)
+    if rule is not None:
+        return rule(text_config, rank, world_size, collectives, expert_split)
+    if expert_split != "experts" and getattr(text_config, "num_experts", 0):
+        raise ValueError(f"expert_split {expert_split!r} is built for Step3 only; {type(text_config).__name__}'s "
+                         f"experts are split whole across ranks (expert_split 'experts')")
+    return WeightShard(text_config, rank, world_size, collectives)
 
 
 class RankAdapter:
     """The two things `ModelRunner` asks its language adapter for, as one rank sees them."""
 
-    def __init__(self, adapter, shard: WeightShard):
+    def __init__(self, adapter, shard):
         self.adapter, self.shard = adapter, shard
         self.text_config = shard.local_text_config(adapter.text_config)
 
@@ -52,6 +68,8 @@ def rank_info(rank: int, runner, collective_seconds: float = 0.0) -> dict:
     layers / the rest), its pool (blocks, bytes), resident memory and seconds spent in collectives."""
     return {"rank": rank, "pid": os.getpid(), "device": str(runner.device), "num_blocks": runner.cache.num_blocks,
             "parameter_bytes": sharded_parameter_bytes(runner.model), "kv_cache_bytes": runner.cache.nbytes,
+            # bytes this process read from the checkpoint for its shard (families that count them: Step3)
+            "checkpoint_bytes_read": getattr(runner.model, "checkpoint_bytes_read", None),
             "rss_bytes": _resident_bytes(), "collective_seconds": collective_seconds}
 
 

@@ -22,8 +22,7 @@ import torch
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.models.registry import language_adapter
 from raypipe.parallel.collectives import Collectives
-from raypipe.parallel.rank_runner import RankAdapter, mirror, rank_info
-from raypipe.parallel.shards import WeightShard
+from raypipe.parallel.rank_runner import RankAdapter, mirror, rank_info, weight_shard
 from raypipe.runtime.device import pick_device
 
 log = logging.getLogger(__name__)
@@ -48,13 +47,14 @@ class FollowerRunner(ModelRunner):
 
 
 class RankWorker:
-    def __init__(self, checkpoint: str, rank: int, world_size: int, runner_kwargs: dict, num_threads: int | None):
+    def __init__(self, checkpoint: str, rank: int, world_size: int, runner_kwargs: dict, num_threads: int | None,
+                 expert_split: str):
         if num_threads:
             torch.set_num_threads(num_threads)
         device = pick_device()
         adapter = language_adapter(checkpoint)
         self.collectives = Collectives(rank, world_size, device)
-        shard = WeightShard(adapter.text_config, rank, world_size, self.collectives)
+        shard = weight_shard(adapter.text_config, rank, world_size, self.collectives, expert_split)
         self.runner = FollowerRunner(RankAdapter(adapter, shard), self.collectives, **dict(runner_kwargs, device=device))
         self.runner.model.lm_head = torch.nn.Identity()  # logits are rank 0's: this rank keeps no vocab matrix
         self.rank = rank
