@@ -63,7 +63,7 @@ class RankGroup:
         self.pid = os.getpid()
 
     @classmethod
-    def start(cls, checkpoint: str, collectives: Collectives, runner_kwargs: dict,
+    def start(cls, checkpoint: str, collectives: Collectives, runner_kwargs: dict, num_snapshots: int,
               num_threads: int | None) -> "RankGroup":
         world = collectives.world_size
         bundle = rank_bundle(collectives.device.type)
@@ -76,7 +76,7 @@ class RankGroup:
         workers = [RemoteRankWorker.options(
             num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=first + i),
-        ).remote(checkpoint, rank, world, runner_kwargs, num_threads) for i, rank in enumerate(range(1, world))]
+        ).remote(checkpoint, rank, world, runner_kwargs, num_snapshots, num_threads) for i, rank in enumerate(range(1, world))]
         group = cls(workers, placement, owns)
         try:
             ray.get([w.loaded.remote() for w in workers])

@@ -1,8 +1,9 @@
 """`RankWorker`: rank r > 0 of a decode group, a Ray actor that runs what rank 0 sends.
 
 It holds its shard of the language model and its own paged pool (rank 0's number of blocks, its
-own heads), and on a thread of its own repeats: receive the next message, run it through its
-`ModelRunner` exactly as rank 0 does (prefill chunks, a decode round, row moves). It never samples:
+own heads; rank 0's number of state snapshot slots), and on a thread of its own repeats: receive the
+next message, run it through its `ModelRunner` exactly as rank 0 does (prefill chunks, a decode round,
+row moves, snapshot restores). It never samples:
 each decode step's input ids (and whether the round ends) come from rank 0 after that step, and
 its language model has no lm_head (logits are rank 0's).
 
@@ -30,10 +31,13 @@ log = logging.getLogger(__name__)
 
 
 class FollowerRunner(ModelRunner):
-    """A rank's runner whose sampled ids are rank 0's."""
+    """A rank's runner whose sampled ids are rank 0's, with rank 0's number of state snapshot slots."""
 
-    def __init__(self, adapter, collectives: Collectives, **runner_kwargs):
+    def __init__(self, adapter, collectives: Collectives, num_snapshots: int, **runner_kwargs):
         super().__init__(adapter, **runner_kwargs)
+        self.num_snapshots = num_snapshots
+        self.cache.allocate_snapshots(num_snapshots)
+        self.prefill_cache = self.cache.view()  # a view made before the slots existed would not see them
         self.collectives = collectives
         self.cuda = False  # as rank 0 (leader.py): every step's ids on the host before the next step
         self.stop_round = False
@@ -48,14 +52,16 @@ class FollowerRunner(ModelRunner):
 
 
 class RankWorker:
-    def __init__(self, checkpoint: str, rank: int, world_size: int, runner_kwargs: dict, num_threads: int | None):
+    def __init__(self, checkpoint: str, rank: int, world_size: int, runner_kwargs: dict, num_snapshots: int,
+                 num_threads: int | None):
         if num_threads:
             torch.set_num_threads(num_threads)
         device = pick_device()
         adapter = language_adapter(checkpoint)
         self.collectives = Collectives(rank, world_size, device)
         shard = WeightShard(adapter.text_config, rank, world_size, self.collectives)
-        self.runner = FollowerRunner(RankAdapter(adapter, shard), self.collectives, **dict(runner_kwargs, device=device))
+        self.runner = FollowerRunner(RankAdapter(adapter, shard), self.collectives, num_snapshots,
+                                     **dict(runner_kwargs, device=device))
         self.runner.model.lm_head = torch.nn.Identity()  # logits are rank 0's: this rank keeps no vocab matrix
         self.rank = rank
 
@@ -82,6 +88,8 @@ class RankWorker:
                     self.runner.decode([mirror(f) for f in rows], None, steps, self.runner.on_step)
                 elif kind == "move":
                     self.runner.move_rows(args[0])
+                elif kind == "restore":
+                    self.runner.restore(args[0])
         except BaseException:
             log.exception("rank %d of the decode group failed", self.rank)
             os._exit(1)
