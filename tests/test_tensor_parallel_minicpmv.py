@@ -1,7 +1,8 @@
 """A tensor-parallel decode group for MiniCPM-V 4.6's hybrid language model, two ranks over gloo: each rank
 holds half of the full-attention heads (paged K/V) and half of the gated-delta-net heads (their conv and
 recurrent state rows). Greedy tokens equal one device's and transformers' generate(), K=1 and K=8, with
-images, requests joining a running batch, and preemption (a preempted row's state recomputed on both ranks)."""
+images, requests joining a running batch and preemption (a preempted row's state recomputed on both ranks),
+with prefix caching on: both engines hold the same number of state snapshot slots (each rank its own heads')."""
 
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ def cases(minicpmv_ckpt):
 
 @pytest.fixture(scope="module")
 def engines(minicpmv_ckpt, cases, ray_local):
-    """One device and a group of two with the same number of blocks: about two of the longest requests'
-    worth, so a batch of all of them preempts. Prefix caching off on both: a group keeps no state snapshots
-    (so none of the budget goes to them there), and one device must get the same blocks."""
+    """One device and a group of two with the same number of blocks and state snapshot slots: about two of the
+    longest requests' worth of blocks, so a batch of all of them preempts. Prefix caching on (the default),
+    so the group keeps mirrored state snapshots."""
     longest = -(-(max(len(p.prompt_token_ids) for p, _, _ in cases) + MAX_NEW) // BLOCK)
     probe = LLMEngine(minicpmv_ckpt, EngineConfig(max_num_seqs=1, max_model_len=64))
     block_bytes = probe.runner.bytes_per_token * BLOCK
@@ -51,8 +52,7 @@ def engines(minicpmv_ckpt, cases, ray_local):
     made = []
     for tp in (1, 2):
         config = EngineConfig(max_num_seqs=8, max_model_len=longest * BLOCK, block_size=BLOCK, num_threads=1,
-                              kv_cache_memory=(2 * longest + 1) * block_bytes // tp, tensor_parallel_size=tp,
-                              enable_prefix_caching=False)
+                              kv_cache_memory=(2 * longest + 1) * block_bytes // tp, tensor_parallel_size=tp)
         made.append(LLMEngine(minicpmv_ckpt, config, runner_factory=runner_factory(config)))
     yield made
     for engine in made:
@@ -63,6 +63,7 @@ def engines(minicpmv_ckpt, cases, ray_local):
 def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
     single, group = engines
     assert single.runner.cache.num_blocks == group.runner.cache.num_blocks
+    assert single.runner.num_snapshots == group.runner.num_snapshots > 0
     one, two = on_both(engines, k, cases, [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)] * len(cases), "mini")
     assert two == one == [w for _, _, w in cases]
     assert group.stats()["preemptions"] > 0 and group.stats()["failed_rounds"] == 0

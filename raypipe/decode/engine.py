@@ -97,7 +97,7 @@ class LLMEngine:
             if self.runner.num_snapshots:
                 self.snapshots = SnapshotPool(self.runner.num_snapshots, state)
                 self.pool.on_evict = self.snapshots.drop
-            else:  # no snapshot can be held (a decode group, or no memory for one): a hit could not restore rows
+            else:  # no snapshot can be held (no memory for one): a hit could not restore rows
                 prefix_caching = False
         block_bytes = max(self.runner.bytes_per_token * self.config.block_size, 1)
         self.snapshot_every = self.config.snapshot_every_blocks or max(1, -(-state // block_bytes))

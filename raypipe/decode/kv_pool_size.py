@@ -25,8 +25,19 @@ preempt) depending on their length.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """A runner's pools as sized: full-attention blocks and window blocks (null blocks included) and state
+    snapshot slots. A decode group's other ranks take rank 0's (on CUDA free memory differs per device)."""
+
+    num_blocks: int
+    window_blocks: int
+    num_snapshots: int
 
 
 def pool_blocks(*, device: torch.device, bytes_per_token: int, block_size: int, max_num_seqs: int,

@@ -27,7 +27,7 @@ import torch
 from raypipe.decode import compiled_step
 from raypipe.decode.cache_kinds import LinearAttentionRows
 from raypipe.decode.kv_cache import KVCache, block_tables, layer_types, paged_bytes_per_token
-from raypipe.decode.kv_pool_size import pool_blocks
+from raypipe.decode.kv_pool_size import PoolShape, pool_blocks
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence
 from raypipe.decode.sliding_window import window_bytes_per_token, window_pool_shape
@@ -42,7 +42,8 @@ class ModelRunner:
 
     def __init__(self, language_adapter, *, device: torch.device, dtype: torch.dtype, max_num_seqs: int,
                  max_model_len: int, num_scheduler_steps: int, block_size: int, kv_cache_memory: int | None,
-                 kv_cache_free_memory_fraction: float, state_snapshot_fraction: float, max_num_batched_tokens: int):
+                 kv_cache_free_memory_fraction: float, state_snapshot_fraction: float, max_num_batched_tokens: int,
+                 pool: PoolShape | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = language_adapter.load_model(self.device, dtype)
@@ -51,20 +52,21 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.bytes_per_token = paged_bytes_per_token(text, dtype)
         self.window_bytes_per_token = window_bytes_per_token(text, dtype)
-        has_rows = LinearAttentionRows.layer_type in layer_types(text)  # the kind that keeps row state
-        num_blocks, state_bytes, window_blocks = pool_blocks(
-            device=self.device, bytes_per_token=self.bytes_per_token, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-            kv_cache_free_memory_fraction=kv_cache_free_memory_fraction,
-            state_fraction=state_snapshot_fraction if has_rows else 0.0,
-            window_bytes_per_token=self.window_bytes_per_token,
-            **window_pool_shape(text, block_size=block_size, max_model_len=max_model_len,
-                                num_scheduler_steps=num_scheduler_steps, max_num_batched_tokens=max_num_batched_tokens))
+        state_bytes = 0
+        if pool is None:
+            num_blocks, state_bytes, window_blocks = self._size_pool(
+                text, block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                kv_cache_memory=kv_cache_memory, kv_cache_free_memory_fraction=kv_cache_free_memory_fraction,
+                state_snapshot_fraction=state_snapshot_fraction, num_scheduler_steps=num_scheduler_steps,
+                max_num_batched_tokens=max_num_batched_tokens)
+        else:
+            num_blocks, window_blocks = pool.num_blocks, pool.window_blocks
         self.cache = KVCache(text, max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks,
                              block_size=block_size, device=self.device, dtype=dtype, window_blocks=window_blocks)
         state = self.cache.state_bytes_per_row
-        self.num_snapshots = state_bytes // state if state else 0
+        self.num_snapshots = pool.num_snapshots if pool else state_bytes // state if state else 0
         self.cache.allocate_snapshots(self.num_snapshots)
+        self.pool = PoolShape(num_blocks, window_blocks, self.num_snapshots)
         self.placeholder_ids = set(self.model.placeholder_ids.tolist())
         self.prefill_cache = self.cache.view()  # prefill may run on another thread than decode
         self.cuda = self.device.type == "cuda"
@@ -72,6 +74,21 @@ class ModelRunner:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.host_ids = torch.empty((num_scheduler_steps, max_num_seqs), dtype=torch.long, pin_memory=True)
         self.static_step: compiled_step.StaticDecodeStep | None = None
+
+    def _size_pool(self, text, *, block_size: int, max_num_seqs: int, max_model_len: int,
+                   kv_cache_memory: int | None, kv_cache_free_memory_fraction: float,
+                   state_snapshot_fraction: float, num_scheduler_steps: int,
+                   max_num_batched_tokens: int) -> tuple[int, int, int]:
+        """Full-attention blocks, snapshot bytes and window blocks from the memory budget (`kv_pool_size.py`)."""
+        has_rows = LinearAttentionRows.layer_type in layer_types(text)  # the kind that keeps row state
+        return pool_blocks(
+            device=self.device, bytes_per_token=self.bytes_per_token, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+            kv_cache_free_memory_fraction=kv_cache_free_memory_fraction,
+            state_fraction=state_snapshot_fraction if has_rows else 0.0,
+            window_bytes_per_token=self.window_bytes_per_token,
+            **window_pool_shape(text, block_size=block_size, max_model_len=max_model_len,
+                                num_scheduler_steps=num_scheduler_steps, max_num_batched_tokens=max_num_batched_tokens))
 
     def use_static_step(self, batch_buckets: tuple[int, ...] | None = None,
                         kv_buckets: tuple[int, ...] | None = None) -> str | None:

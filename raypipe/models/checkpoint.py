@@ -38,7 +38,8 @@ def load_tensors(folder: str | pathlib.Path, prefixes: tuple[str, ...], *, dtype
     Checkpoints in the wild use different layouts for the same module (`visual.*` in the original
     Qwen release, `model.visual.*` in newer transformers saves); callers pass every layout they accept.
     With `shard` (a tensor-parallel rank's weight shard, `raypipe.parallel.shards`), each tensor is
-    read through `shard.read(name, f.get_slice(key))`: only this rank's slice leaves the file.
+    read through `shard.read(name, f.get_slice(key))`: only this rank's slice leaves the file (and tensors it
+    does not hold at all, `shard.holds(name)` false, are not read).
     """
     out: dict[str, torch.Tensor] = {}
     for path in safetensors_files(folder):
@@ -50,6 +51,8 @@ def load_tensors(folder: str | pathlib.Path, prefixes: tuple[str, ...], *, dtype
                 if prefix is None:
                     continue
                 name = key[len(prefix):]
+                if shard is not None and not shard.holds(name):  # another rank's expert, stored apart
+                    continue
                 if name in out:
                     raise ValueError(f"{path}: {key!r} duplicates a tensor already read under another layout")
                 tensor = f.get_tensor(key) if shard is None else shard.read(name, f.get_slice(key))

@@ -50,7 +50,7 @@ class TextDecoder(torch.nn.Module):
         if shard is not None:
             shard.prepare(model)
         state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + head_prefixes, shard=shard)
-        if convert is not None:  # not with `shard`: a family that converts refuses tensor parallelism
+        if convert is not None:  # with `shard`, over this rank's tensors only
             state = convert(state)
         load_module_weights(model, state, what=f"{adapter.checkpoint} language model")
         if getattr(adapter.config, "tie_word_embeddings", False):

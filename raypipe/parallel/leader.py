@@ -7,9 +7,17 @@ this `GroupRunner`, which sends each piece of work to the other ranks before run
     decode (K steps of a round)   -> ("decode", the rows, K)              once per round
                                      then after each step the sampled ids and whether the round ends
     move_rows                     -> ("move", moves)
+    restore (prefix hits)         -> ("restore", (slot, row) pairs)
 
 so the plan travels once per round and a step adds one broadcast of `rows + 1` ids next to the
-layers' all-reduces. Sampling happens on rank 0 only (every sampler feature, grammars included,
+layers' all-reduces.
+
+Row-state snapshots (a hybrid family's prefix caching, `decode/snapshot_pool.py`) are mirrored: every
+rank holds rank 0's number of snapshot slots, each slot holding that rank's heads' state. A take
+(row r's state at position p into slot s) is part of the sequence's fields in the prefill or decode
+message (`Sequence.snapshot_saves`), so every rank copies at the same point of the same forward; a
+restore (slot s into row r) is its own message before the round's forwards; a drop is bookkeeping on
+rank 0 only (the slot is simply written again later). Sampling happens on rank 0 only (every sampler feature, grammars included,
 as with one device); the other ranks take its ids as their next input.
 
 The engine may prefill on one thread while it decodes on another; a group runs the two one after
@@ -43,18 +51,15 @@ class GroupRunner(ModelRunner):
     def __init__(self, adapter, *, tensor_parallel_size: int, num_threads: int | None, expert_split: str,
                  **runner_kwargs):
         device = torch.device(runner_kwargs["device"])
-        # The ranks do not mirror row-state snapshots yet: none are kept, so a hybrid family's prefix
-        # caching is off in a group (the engine turns it off when its runner holds no snapshot).
-        runner_kwargs["state_snapshot_fraction"] = 0.0
         self.collectives = Collectives(0, tensor_parallel_size, device)
         super().__init__(RankAdapter(adapter, weight_shard(adapter.text_config, 0, tensor_parallel_size,
                                                           self.collectives, expert_split)), **runner_kwargs)
         self.cuda = False  # ids read on the host after every step: the ranks' collectives stay in one order
         self._lock = threading.Lock()
         self.decode_collective_seconds = 0.0  # of collectives.seconds, inside decode rounds (the benchmark's share)
-        # The other ranks get this pool's exact size (on CUDA free memory differs per device).
-        rank_kwargs = dict(runner_kwargs, kv_cache_memory=(self.cache.num_blocks - 1) * self.cache.block_size
-                           * self.bytes_per_token, device=None)
+        # The other ranks get this pool's exact size, its blocks and its snapshot slots (on CUDA free memory
+        # differs per device).
+        rank_kwargs = dict(runner_kwargs, pool=self.pool, device=None)
         self.group = RankGroup.start(str(adapter.checkpoint), self.collectives, rank_kwargs, num_threads, expert_split)
 
     def use_static_step(self, batch_buckets=None, kv_buckets=None) -> str | None:
@@ -85,6 +90,13 @@ class GroupRunner(ModelRunner):
         with self._group_work("move"):
             self.collectives.broadcast_object(("move", moves))
             super().move_rows(moves)
+
+    def restore(self, restores) -> None:
+        if not restores:
+            return
+        with self._group_work("restore"):
+            self.collectives.broadcast_object(("restore", restores))
+            super().restore(restores)
 
     @contextlib.contextmanager
     def _group_work(self, what: str):

@@ -46,17 +46,20 @@ class RankAdapter:
 
 
 def prefill_fields(seq: Sequence) -> dict:
-    """What a rank needs to prefill `seq`'s chunk of this round (its prompt, positions and visual rows)."""
+    """What a rank needs to prefill `seq`'s chunk of this round (its prompt, positions and visual rows, and the
+    state snapshots to take inside it)."""
     return dict(request_id=seq.request_id, prompt_ids=seq.prompt_ids, positions=seq.positions,
                 rope_delta=seq.rope_delta, visual_embeds=seq.visual_embeds, output_ids=seq.output_ids, row=seq.row,
-                block_table=seq.block_table, num_computed=seq.num_computed, chunk_len=seq.chunk_len)
+                block_table=seq.block_table, window_table=seq.window_table, num_computed=seq.num_computed,
+                chunk_len=seq.chunk_len, snapshot_saves=seq.snapshot_saves)
 
 
 def decode_fields(seq: Sequence) -> dict:
-    """What a rank needs for `seq`'s decode steps: its length, last token, block table and rope offset."""
+    """What a rank needs for `seq`'s decode steps: its length, last token, block tables, rope offset and the
+    state snapshot it takes where a step crosses a block boundary."""
     return dict(request_id=seq.request_id, prompt_ids=seq.prompt_ids, positions=None, rope_delta=seq.rope_delta,
                 visual_embeds=None, output_ids=seq.output_ids, row=seq.row, block_table=seq.block_table,
-                num_computed=seq.num_computed)
+                window_table=seq.window_table, num_computed=seq.num_computed, snapshot_saves=seq.snapshot_saves)
 
 
 def mirror(fields: dict) -> Sequence:

@@ -16,8 +16,9 @@ independent as attention's: each rank keeps its key heads and the value heads th
 rows of the fused projection and of the depthwise conv; z, a, b, A_log, dt_bias rows), the gated
 norm (per head size) whole, and `out_proj` is row-parallel.
 
-Mixture-of-experts layers (Qwen3-VL-MoE) are expert-parallel (`ExpertSplit`): each rank holds E/N
-whole experts (the plan's `packed_colwise` / `moe_tp_experts` entries would cut every expert in N and
+Mixture-of-experts layers (Qwen3-VL-MoE, Qwen3.5-MoE) are expert-parallel (`ExpertSplit`): each rank holds E/N
+whole experts (sliced from fused tensors, or only its experts' tensors read where the checkpoint stores
+each expert apart and the family fuses them on load) (the plan's `packed_colwise` / `moe_tp_experts` entries would cut every expert in N and
 need both an all-gather and an all-reduce per layer); the router is on every rank, so every rank
 routes every token alike. transformers' expert loop already skips a sentinel index (its own
 expert-parallel path): tokens routed to another rank's experts get it, each rank sums its experts'
@@ -64,9 +65,30 @@ class RowParallelLinear(torch.nn.Linear):
         return out + self.bias if self.bias is not None else out
 
 
+# Plans raypipe writes for text configs that carry none, in the shape of transformers' own (model_type -> plan).
+# Qwen3-VL's dense text model (`qwen3_vl_text`) has no `base_model_tp_plan` in transformers 5.23, though its
+# layers are Qwen3's: q/k/v split by heads (GQA: each rank keeps num_key_value_heads / N whole kv heads, still
+# serving its own query heads), q_norm/k_norm normalise each head over head_dim and so stay whole on every
+# rank, o_proj sums the ranks' heads; the MLP splits its width (gate/up rows, down columns). It is
+# Qwen3-VL-MoE's plan less its expert entries, and Qwen3's (which lists q_norm/k_norm as replicated).
+RAYPIPE_PLANS = {
+    "qwen3_vl_text": {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    },
+}
+
+
 def tp_plan(text_config) -> dict[str, str]:
-    """The config's `base_model_tp_plan`, or `ValueError` naming what keeps it from being used."""
-    plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
+    """The config's `base_model_tp_plan` (else raypipe's own, `RAYPIPE_PLANS`), or `ValueError` naming what
+    keeps it from being used."""
+    plan = dict(getattr(text_config, "base_model_tp_plan", None)
+                or RAYPIPE_PLANS.get(getattr(text_config, "model_type", None), {}))
     if "linear_attention" in (getattr(text_config, "layer_types", None) or ()):
         plan = {pattern: style for pattern, style in plan.items() if LINEAR_ATTENTION not in f".{pattern}"}
     if _num_experts(text_config):
@@ -134,6 +156,10 @@ class WeightShard:
                                           self.collectives)
             setattr(parent, child, local)
 
+    def holds(self, name: str) -> bool:
+        """Whether this rank reads tensor `name` at all (not another rank's expert stored apart)."""
+        return self.experts.holds(name)
+
     def read(self, name: str, tensor_slice) -> torch.Tensor:
         """Tensor `name` (a state-dict key of the text model) from a safetensors slice: this rank's part."""
         module, _, param = name.rpartition(".")
@@ -175,6 +201,12 @@ class ExpertSplit:
 
     def owns(self, module_name: str) -> bool:
         return self.count > 0 and re.fullmatch(r"layers\.\d+\.mlp\.experts", module_name) is not None
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank reads tensor `name`: False for one expert's own tensor (a checkpoint that stores
+        experts apart, `layers.N.mlp.experts.<e>.<proj>.weight`: Qwen3.5-MoE's) where `e` is another rank's."""
+        apart = re.fullmatch(r"layers\.\d+\.mlp\.experts\.(\d+)\..+", name) if self.count else None
+        return apart is None or self.first <= int(apart.group(1)) < self.first + self.count
 
     def prepare(self, experts: torch.nn.Module) -> None:
         for name, param in list(experts.named_parameters(recurse=False)):

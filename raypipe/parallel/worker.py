@@ -1,8 +1,9 @@
 """`RankWorker`: rank r > 0 of a decode group, a Ray actor that runs what rank 0 sends.
 
 It holds its shard of the language model and its own paged pool (rank 0's number of blocks, its
-own heads), and on a thread of its own repeats: receive the next message, run it through its
-`ModelRunner` exactly as rank 0 does (prefill chunks, a decode round, row moves). It never samples:
+own heads; rank 0's number of state snapshot slots), and on a thread of its own repeats: receive the
+next message, run it through its `ModelRunner` exactly as rank 0 does (prefill chunks, a decode round,
+row moves, snapshot restores). It never samples:
 each decode step's input ids (and whether the round ends) come from rank 0 after that step, and
 its language model has no lm_head (logits are rank 0's).
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class FollowerRunner(ModelRunner):
-    """A rank's runner whose sampled ids are rank 0's."""
+    """A rank's runner whose sampled ids are rank 0's, in a pool of rank 0's shape (`runner_kwargs["pool"]`)."""
 
     def __init__(self, adapter, collectives: Collectives, **runner_kwargs):
         super().__init__(adapter, **runner_kwargs)
@@ -82,6 +83,8 @@ class RankWorker:
                     self.runner.decode([mirror(f) for f in rows], None, steps, self.runner.on_step)
                 elif kind == "move":
                     self.runner.move_rows(args[0])
+                elif kind == "restore":
+                    self.runner.restore(args[0])
         except BaseException:
             log.exception("rank %d of the decode group failed", self.rank)
             os._exit(1)

@@ -29,14 +29,12 @@ from raypipe.models.text_decoder import TextDecoder
 
 class Qwen3_5LanguageAdapter(Qwen3VLLanguageAdapter):
     def load_model(self, device: torch.device, dtype: torch.dtype, shard=None) -> TextDecoder:
-        if shard is not None:  # its hybrid layers would shard as MiniCPM-V 4.6's do, but no test holds it yet
-            raise ValueError("tensor parallelism is not built for Qwen3.5 yet: run it with tensor_parallel_size 1")
         if self.config.model_type == "qwen3_5_moe":
             from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel as text_model
         else:
             from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel as text_model
         return TextDecoder.from_checkpoint(self, text_model, device, dtype, prefixes=LANGUAGE_PREFIXES,
-                                           exclude=VISION_EXCLUDE, convert=fused_experts)
+                                           exclude=VISION_EXCLUDE, convert=fused_experts, shard=shard)
 
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -45,7 +43,8 @@ _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\
 def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` with per-expert projections fused as transformers' MoE experts hold them: per layer
     `gate_up_proj` (experts, 2 x intermediate, hidden; gate rows first) and `down_proj` (experts, hidden,
-    intermediate). Tensors already fused, and every other tensor, pass unchanged."""
+    intermediate), the experts present in index order (a tensor-parallel rank reads only its own:
+    `raypipe.parallel.shards.ExpertSplit`). Tensors already fused, and every other tensor, pass unchanged."""
     out, experts = {}, {}
     for key, tensor in state.items():
         match = _EXPERT.fullmatch(key)
@@ -54,8 +53,8 @@ def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             experts.setdefault(match.group(1), {})[(int(match.group(2)), match.group(3))] = tensor
     for prefix, parts in experts.items():
-        count = 1 + max(e for e, _ in parts)
+        held = sorted({e for e, _ in parts})  # every expert, or a tensor-parallel rank's consecutive share
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((parts[e, "gate_proj"], parts[e, "up_proj"]))
-                                                     for e in range(count)])
-        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
+                                                     for e in held])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in held])
     return out
