@@ -21,6 +21,7 @@ from tests.test_tensor_parallel import on_both
 
 MAX_NEW = 12
 BLOCK = 8
+SNAPSHOT_SHARE = 0.5
 REQUESTS = [("Say something.", []), ("What is in this picture?", [(300, 500)]),
             ("Compare these:", [(60, 50), (450, 460), (100, 1000)]), ("hi", [(224, 224)]), ("x", [])]
 
@@ -44,15 +45,19 @@ def cases(minicpmv_ckpt):
 def engines(minicpmv_ckpt, cases, ray_local):
     """One device and a group of two with the same number of blocks and state snapshot slots: about two of the
     longest requests' worth of blocks, so a batch of all of them preempts. Prefix caching on (the default),
-    so the group keeps mirrored state snapshots."""
+    so the group keeps mirrored state snapshots; half the budget for them, so a prompt's snapshot outlives
+    the one its request takes where it stops."""
     longest = -(-(max(len(p.prompt_token_ids) for p, _, _ in cases) + MAX_NEW) // BLOCK)
-    probe = LLMEngine(minicpmv_ckpt, EngineConfig(max_num_seqs=1, max_model_len=64))
-    block_bytes = probe.runner.bytes_per_token * BLOCK
+    probe = LLMEngine(minicpmv_ckpt, EngineConfig(max_num_seqs=1, max_model_len=64, block_size=BLOCK,
+                                                  state_snapshot_memory_fraction=SNAPSHOT_SHARE))
+    budget = decode_reference.kv_budget(probe, 2 * longest, k=EngineConfig().num_scheduler_steps, block_size=BLOCK,
+                                        max_model_len=longest * BLOCK)
     probe.shutdown()
     made = []
     for tp in (1, 2):
         config = EngineConfig(max_num_seqs=8, max_model_len=longest * BLOCK, block_size=BLOCK, num_threads=1,
-                              kv_cache_memory=(2 * longest + 1) * block_bytes // tp, tensor_parallel_size=tp)
+                              kv_cache_memory=-(-budget // tp), tensor_parallel_size=tp,
+                              state_snapshot_memory_fraction=SNAPSHOT_SHARE)
         made.append(LLMEngine(minicpmv_ckpt, config, runner_factory=runner_factory(config)))
     yield made
     for engine in made:
@@ -77,3 +82,22 @@ def test_each_rank_holds_half_of_the_linear_attention_state(engines):
                         for a, b in zip(rows, whole))
     ranks = group.runner.info()
     assert ranks[0]["parameter_bytes"]["decoder_layers"] == ranks[1]["parameter_bytes"]["decoder_layers"]
+
+
+def test_group_repeat_hits_through_a_mirrored_state_snapshot(engines, cases):
+    """The one-image prompt twice on each engine: generate()'s tokens both times, the repeat continuing from a
+    state snapshot (restored on every rank, each its own heads' rows), as many hit tokens on both."""
+    import asyncio
+
+    prompt, features, want = cases[1]
+    hits = []
+    for engine in engines:
+        for i in range(2):
+            before = engine.stats()
+            out = asyncio.run(engine.generate_output(f"repeat-{id(engine)}-{i}", prompt, features,
+                                                     SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)))
+            assert out.token_ids == want
+        after = engine.stats()
+        hits.append((after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
+                     after["snapshot_hits"] - before["snapshot_hits"]))
+    assert hits[0] == hits[1] and hits[1][0] > 0 and hits[1][1] == 1
