@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/raypipe demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=25 tests
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
 
 # The wheel cluster.yaml syncs to every node (file_mounts): exactly this checkout's code.
 wheel: $(STAMP)

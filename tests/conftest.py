@@ -83,30 +83,23 @@ class SharedServe:
 SHARED_SERVE = SharedServe()
 
 
-# Modules that run first, longest first, so that with `pytest -n 2` (the README's test command) the two
-# workers start on the longest groups and finish together.
-FIRST = ("the shared Serve", "test_fake_cluster.py", "test_batch.py")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items):
-    """The modules that use the shared Serve run one after another as one group, so Serve starts once and
-    is down for every other module (one that starts a Serve of its own, on its own port, must not find ours
-    running). Every module is an `xdist_group` of its own (the Serve users one together): under
-    `--dist loadgroup` a module's tests, and so its module-scoped fixtures, stay on one worker."""
+    """The modules that use the shared Serve run one after another, where the first of them stands, so
+    Serve starts once and is down for every other module (one that starts a Serve of its own, on its own
+    port, must not find ours running). Pytest runs modules in file order otherwise."""
     modules: dict = {}  # module path -> its items, in collection order
     for item in items:
         modules.setdefault(item.path, []).append(item)
     users = [path for path, group in modules.items() if any(SharedServe.FIXTURE in i.fixturenames for i in group)]
-    groups: dict = {}  # group name -> its modules
+    if not users:
+        return
+    order = []
     for path in modules:
-        groups.setdefault("the shared Serve" if path in users else path.name, []).append(path)
-    order = [name for name in FIRST if name in groups] + [name for name in groups if name not in FIRST]
-    items[:] = [item for name in order for path in groups[name] for item in modules[path]]
-    for name in order:
-        for path in groups[name]:
-            for item in modules[path]:
-                item.add_marker(pytest.mark.xdist_group(name))
+        if path == users[0]:
+            order.extend(users)
+        elif path not in users:
+            order.append(path)
+    items[:] = [item for path in order for item in modules[path]]
 
 
 @pytest.fixture(scope="module", autouse=True)
