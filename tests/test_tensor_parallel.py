@@ -77,6 +77,26 @@ def on_both(engines, k: int, cases, params, tag: str) -> tuple[list, list]:
             [o.token_ids for o in ref.staggered(group, cases, params, f"{tag}-tp2-{k}")])
 
 
+def one_device_and_group(checkpoint, cases, *, block: int, max_new: int, shares: dict | None = None,
+                         **config) -> list[LLMEngine]:
+    """One device and a group of two with the same pool: about two of the longest `cases`' worth of blocks,
+    so a batch of all of them preempts. The budget buys those full-attention blocks with their window-pool
+    and snapshot shares (`shares`: EngineConfig fields that size them, on both engines and the probe);
+    a rank holds half the heads, so half the bytes."""
+    longest = -(-(max(len(p.prompt_token_ids) for p, _, _ in cases) + max_new) // block)
+    probe = LLMEngine(checkpoint, EngineConfig(max_num_seqs=1, max_model_len=64, block_size=block, **(shares or {})))
+    budget = ref.kv_budget(probe, 2 * longest, k=EngineConfig().num_scheduler_steps, block_size=block,
+                           max_model_len=longest * block)
+    probe.shutdown()
+    made = []
+    for tp in (1, 2):
+        engine_config = EngineConfig(max_num_seqs=8, max_model_len=longest * block, block_size=block, num_threads=1,
+                                     kv_cache_memory=-(-budget // tp), tensor_parallel_size=tp,
+                                     **(shares or {}), **config)
+        made.append(LLMEngine(checkpoint, engine_config, runner_factory=runner_factory(engine_config)))
+    return made
+
+
 @pytest.mark.parametrize("k", [1, 8])
 def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
     group = engines[1]

@@ -18,12 +18,10 @@ from safetensors import safe_open
 
 from raypipe import SamplingParams
 from raypipe.decode.config import EXPERT_SPLITS, EngineConfig
-from raypipe.decode.engine import LLMEngine
 from raypipe.models.checkpoint import safetensors_files
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
 from raypipe.models.step3.loading import load_step3_model
-from raypipe.parallel import runner_factory
 from raypipe.parallel.collectives import Collectives, open_store
 from raypipe.parallel.rank_runner import weight_shard
 from raypipe.parallel.shards import sharded_parameter_bytes
@@ -31,7 +29,7 @@ from raypipe.parallel.step3_shards import Step3Shard
 from tests import decode_reference
 from tests import step3_reference as ref
 from tests.conftest import random_images
-from tests.test_tensor_parallel import assert_same_top_logprobs, on_both
+from tests.test_tensor_parallel import assert_same_top_logprobs, on_both, one_device_and_group
 
 REST = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")  # read whole by every rank
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
@@ -62,16 +60,7 @@ def engines(step3_ckpt, cases, ray_local):
     """One device and a group of two with the same number of blocks: about two of the longest requests' worth,
     so a batch of all of them preempts. Each budget buys those full-attention blocks and their window-pool
     share; a group's ranks hold half the heads each, so half the bytes."""
-    longest = -(-(max(len(p.prompt_token_ids) for p, _, _ in cases) + MAX_NEW) // BLOCK)
-    probe = LLMEngine(step3_ckpt, EngineConfig(max_num_seqs=1, max_model_len=64, block_size=BLOCK))
-    single_budget = decode_reference.kv_budget(probe, 2 * longest, k=EngineConfig().num_scheduler_steps,
-                                               block_size=BLOCK, max_model_len=longest * BLOCK)
-    probe.shutdown()
-    made = []
-    for tp, budget in ((1, single_budget), (2, -(-single_budget // 2))):
-        config = EngineConfig(max_num_seqs=8, max_model_len=longest * BLOCK, block_size=BLOCK, num_threads=1,
-                              max_num_batched_tokens=CHUNK, kv_cache_memory=budget, tensor_parallel_size=tp)
-        made.append(LLMEngine(step3_ckpt, config, runner_factory=runner_factory(config)))
+    made = one_device_and_group(step3_ckpt, cases, block=BLOCK, max_new=MAX_NEW, max_num_batched_tokens=CHUNK)
     yield made
     for engine in made:
         engine.shutdown()
