@@ -158,8 +158,8 @@ class ModelRunner:
                                   self.prefill_cache)
 
     def _save_states(self, seqs: list[Sequence], consumed: list[int]) -> None:
-        """Copy the row state of each sequence that planned a snapshot where it now stands (those inside
-        the forward's chunk it filled itself)."""
+        """Copy the row state of each sequence that planned a snapshot where its chunk ended (snapshots
+        inside the chunk were filled by the forward itself)."""
         for seq, position in zip(seqs, consumed):
             for point, slot in seq.snapshot_saves:
                 if point == position:
