@@ -9,10 +9,11 @@ from raypipe.decode.sequence import Sequence
 from raypipe.inputs.sampling import SamplingParams
 
 
-def _seq(length: int, output: int = 0) -> Sequence:
+def _seq(length: int, output: int = 0, tokens: list[int] | None = None) -> Sequence:
     import torch
 
-    seq = Sequence(f"s{length}", list(range(length)), torch.zeros((3, length), dtype=torch.long), 0, None,
+    tokens = tokens if tokens is not None else list(range(length))
+    seq = Sequence(f"s{length}", tokens, torch.zeros((3, len(tokens)), dtype=torch.long), 0, None,
                    SamplingParams(), lambda item: None)
     seq.output_ids = list(range(output))
     return seq
@@ -102,3 +103,24 @@ def test_a_dry_pool_preempts_the_newest_running_sequence():
     assert plan.preempted == [new] and plan.decode == [old]
     assert new.block_table == [] and new.num_computed == 0 and list(scheduler.waiting) == [new]
     assert len(old.block_table) == 3 and scheduler.counters["preemptions"] == 1
+
+
+def test_rows_sharing_a_prompt_wait_for_the_first_to_compute_it():
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=2000, pool=BlockPool(100, 16),
+                          chunked_prefill=True, prefix_caching=True)
+    shared = list(range(200))
+    first, *followers = [_seq(0, tokens=shared + [300 + i] * 20) for i in range(4)]
+    other = _seq(0, tokens=list(range(500, 560)))  # behind them, sharing nothing: it goes ahead
+    for seq in (first, *followers, other):
+        scheduler.add(seq)
+    joined = [s for g in scheduler.schedule(lambda seq: 1).prefill for s in g]
+    assert sorted(joined, key=lambda s: s.arrival) == [first, other]
+    assert list(scheduler.waiting) == followers and scheduler.counters["deferred_admissions"] == 3
+    for seq in joined:  # the chunk ran: its blocks are registered
+        seq.num_computed += seq.chunk_len
+        seq.output_ids.append(1)
+        scheduler.chunk_done(seq)
+    joined = [s for g in scheduler.schedule(lambda seq: 1).prefill for s in g]
+    assert sorted(joined, key=lambda s: s.arrival) == followers
+    assert [s.num_computed for s in followers] == [192] * 3  # the shared prompt's full blocks, computed once
+    assert scheduler.counters["prefix_cache_hit_tokens"] == 3 * 192

@@ -222,6 +222,7 @@ class LLMEngine:
                 "prefix_cache_hit_rate": (s["prefix_cache_hit_tokens"] / s["prefill_tokens_asked"]
                                           if s["prefill_tokens_asked"] else 0.0),
                 "preemptions": s["preemptions"], "chunked_prefills": s["chunked_prefills"],
+                "deferred_admissions": s["deferred_admissions"],
                 **({"snapshot_every_blocks": self.snapshot_every} if self.snapshots is not None else {}),
                 "device": str(self.device), "decode_step": self.decode_step}
 

@@ -15,7 +15,10 @@ A round (see engine.py) decodes the running sequences K steps and prefills the j
    that does not fit waits (a long prompt is never starved). With prefix caching a joining
    sequence first takes the cached blocks of its longest cached prefix and computes only the rest.
    With `chunked_prefill` a prompt longer than what is left of the budget is prefilled over several
-   rounds; without it, it runs whole, alone in its round.
+   rounds; without it, it runs whole, alone in its round. A waiting sequence whose next block (or,
+   with row state, a better restore point) a prefill under way is computing waits for it instead of
+   computing it too (`_would_recompute_pending`): rows sharing a long prompt that arrive together
+   compute it once, in the first row, and join with the hit; the sequences behind it go ahead.
 
 Models with sliding-window layers also have a window pool (`window_tables.py`): a sequence takes
 window blocks as it takes full-attention blocks, gives back those that have left the window after
@@ -89,7 +92,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
-        self.counters = dict(prefill_tokens_asked=0, prefix_cache_hit_tokens=0, preemptions=0, chunked_prefills=0)
+        self.counters = dict(prefill_tokens_asked=0, prefix_cache_hit_tokens=0, preemptions=0, chunked_prefills=0,
+                             deferred_admissions=0)
 
     def add(self, seq: Sequence) -> None:
         seq.arrival = next(self._arrivals)
@@ -162,10 +166,16 @@ class Scheduler:
 
     def _admit(self, budget: int, scheduled: bool) -> list[Sequence]:
         joining: list[Sequence] = []
+        deferred: list[Sequence] = []
+        pending = self._pending_blocks_and_states(self.running)
         while self.waiting and budget > 0 and len(self.running) + len(joining) < self.max_num_seqs:
             seq = self.waiting[0]
             target = seq.cache_len  # a resumed sequence recomputes all but its newest token
-            hit = self._cached_prefix(seq, target)
+            hit, run = self._cached_prefix(seq, target)
+            if self._would_recompute_pending(seq, len(hit), run, pending):
+                self._give_back(seq, hit)
+                deferred.append(self.waiting.popleft())
+                continue
             chunk = target - len(hit) * self.pool.block_size
             if chunk > budget:
                 if self.chunked_prefill:
@@ -193,20 +203,56 @@ class Scheduler:
             self.counters["chunked_prefills"] += chunk < target - seq.num_computed
             budget -= chunk
             joining.append(seq)
+            self._add_pending(seq, pending)
+        self.counters["deferred_admissions"] += len(deferred)
+        self.waiting.extendleft(reversed(deferred))  # they keep their place at the front
         return joining
 
-    def _cached_prefix(self, seq: Sequence, target: int) -> list[int]:
-        """Cached blocks of `seq`'s longest cached prefix, referenced; at least one token is left to
-        compute (a prefill needs a last position, and the block it writes must be its own). With row
-        state, the prefix ends where a snapshot ends (`seq.restore_slot`, held), and where the cached
-        blocks went on further, that point is `seq`'s branch point."""
+    def _pending_blocks_and_states(self, seqs: list[Sequence]) -> tuple[set[bytes], set[bytes]]:
+        """Hashes of the blocks and the state snapshots that the prefills among `seqs` will register
+        as their prompts go on (this round's chunk and the ones after it)."""
+        pending: tuple[set[bytes], set[bytes]] = (set(), set())
+        if self.prefix_caching:
+            for seq in seqs:
+                if not seq.decoding and seq.row is not None:
+                    self._add_pending(seq, pending)
+        return pending
+
+    def _add_pending(self, seq: Sequence, pending: tuple[set[bytes], set[bytes]]) -> None:
         if not self.prefix_caching:
-            return []
+            return
+        size = self.pool.block_size
+        blocks, states = pending
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, seq.cache_len // size, seq.placeholder_runs)
+        blocks.update(seq.block_hashes[seq.num_registered: seq.cache_len // size])
+        if self.snapshots is not None:
+            states.update(seq.block_hashes[p // size - 1]
+                          for p in self._snapshot_points(seq, seq.num_computed, seq.cache_len))
+
+    def _would_recompute_pending(self, seq: Sequence, hit: int, run: int,
+                                 pending: tuple[set[bytes], set[bytes]]) -> bool:
+        """Whether `seq` would compute what a prefill under way is computing: the block after its cached
+        run of `run` blocks, or (row state) a state after its hit of `hit` blocks. It waits for that
+        prefill's chunk instead (a shared prompt is then computed once, not by every row admitted
+        with the first; SGLang defers such requests too), then joins with the longer hit."""
+        blocks, states = pending
+        hashes = seq.block_hashes[: (seq.cache_len - 1) // self.pool.block_size]
+        return ((run < len(hashes) and hashes[run] in blocks)
+                or any(hashes[j] in states for j in range(hit, run)))
+
+    def _cached_prefix(self, seq: Sequence, target: int) -> tuple[list[int], int]:
+        """Cached blocks of `seq`'s longest cached prefix, referenced, and how many blocks the cached
+        run of its hashes has (more, where a row-state or window model cannot continue at its end). At
+        least one token is left to compute (a prefill needs a last position, and the block it writes
+        must be its own). With row state, the prefix ends where a snapshot ends (`seq.restore_slot`,
+        held), and where the cached blocks went on further, that point is `seq`'s branch point."""
+        if not self.prefix_caching:
+            return [], 0
         full = (target - 1) // self.pool.block_size
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.pool.block_size, full, seq.placeholder_runs)
         hit = self.pool.take_cached(seq.block_hashes[:full])
         if self.snapshots is None and self.window is None:
-            return hit
+            return hit, len(hit)
         keep = len(hit)
         while keep and not self._continues_at(seq, keep):
             keep -= 1
@@ -217,7 +263,7 @@ class Scheduler:
             seq.branch_point = len(hit) * self.pool.block_size if len(hit) > keep else 0
             if keep:
                 seq.restore_slot = self.snapshots.take(seq.block_hashes[keep - 1])
-        return hit[:keep]
+        return hit[:keep], len(hit)
 
     def _continues_at(self, seq: Sequence, blocks: int) -> bool:
         """Whether `seq` can continue after its first `blocks` cached blocks: a state snapshot ends there
@@ -239,12 +285,9 @@ class Scheduler:
         """Slots for the states this round's chunk of `seq` passes and the cache lacks: every
         `snapshot_every` blocks, its branch point, its prompt's (or a resume's) last block boundary."""
         size = self.pool.block_size
-        start, end = seq.num_computed, seq.num_computed + seq.chunk_len
-        points = {p for p in range(start - start % size + size, end + 1, size)
-                  if p % (self.snapshot_every * size) == 0 or p == seq.branch_point
-                  or p == seq.cache_len - seq.cache_len % size}
+        end = seq.num_computed + seq.chunk_len
         extend_block_hashes(seq.block_hashes, seq.token_ids, size, end // size, seq.placeholder_runs)
-        for p in sorted(points):
+        for p in self._snapshot_points(seq, seq.num_computed, end):
             key = seq.block_hashes[p // size - 1]
             if not self.snapshots.has(key) and key not in planned:
                 slot = self.snapshots.allocate()
@@ -252,6 +295,13 @@ class Scheduler:
                     return
                 planned.add(key)
                 seq.snapshot_saves.append((p, slot))
+
+    def _snapshot_points(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The block boundaries in `(start, end]` where `seq`'s prefill keeps a state, ascending."""
+        size = self.pool.block_size
+        return [p for p in range(start - start % size + size, end + 1, size)
+                if p % (self.snapshot_every * size) == 0 or p == seq.branch_point
+                or p == seq.cache_len - seq.cache_len % size]
 
     def _plan_capture(self, seq: Sequence, steps: int) -> None:
         """A slot for the last block boundary `seq` may cross in this round's decode steps (what it

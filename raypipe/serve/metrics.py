@@ -119,7 +119,9 @@ class _LiveStats:
                     ("prefix_cache_hit_tokens", "prefix_cache_hits", "Prompt tokens taken from the prefix cache"),
                     ("snapshots_taken", "state_snapshots_taken", "State snapshots registered"),
                     ("snapshot_hits", "state_snapshot_hits", "Prefix hits restored from a state snapshot"),
-                    ("snapshot_evictions", "state_snapshot_evictions", "State snapshots evicted")):
+                    ("snapshot_evictions", "state_snapshot_evictions", "State snapshots evicted"),
+                    ("deferred_admissions", "decode_deferred_admissions",
+                     "Admissions put off a round: a prefill under way was computing the same prefix")):
                 if key in decoder:  # exposed as `<name>_total`
                     yield CounterMetricFamily(f"raypipe_{name}", help_text, value=float(decoder[key]))
         if encoder := live.get("encoder"):
