@@ -12,10 +12,14 @@
 (c) A 5-turn chat about one image (the image re-sent, the conversation growing): prompt tokens
     computed and time to first token per turn, prefix caching on vs off (medians over
     conversations, each with its own image; the embeddings are random rows of the right shape,
-    the engine's cost does not depend on their values).
+    the engine's cost does not depend on their values). Answers are held to lowercase letters
+    (`logit_bias`): a random-weight model otherwise emits bytes that are not valid UTF-8, so the
+    answer re-sent as history would tokenize to other ids and every turn would recompute it, which
+    a real model's answers do not cause; the table says whether every answer round-tripped.
 (d) A batch job whose rows share one long prompt (a 1,000-token instruction, then each row's own
-    short text): tokens/s and prompt tokens computed, prefix caching on vs off. Rows admitted in
-    the same round as the first one still compute the prefix (blocks are cached once computed).
+    short text): tokens/s and prompt tokens computed, prefix caching on vs off. Rows that arrive
+    while the first computes the shared prompt wait for its blocks (the scheduler's deferral) and
+    compute only their own text (with row state: from the nearest snapshot).
 (e) A 100-token system prompt shared by 16 requests, one after another, each with its own question:
     the prefix-cache hit rate (a model with per-row state hits from the third request on, at the
     branch point the second one kept), and state-snapshot bytes per cached token next to K/V bytes
@@ -156,6 +160,8 @@ def chat_turns(engine, vision, image: np.ndarray, seed: int, max_tokens: int, qu
     from raypipe.models.prompt import build_prompt
 
     adapter, rng = engine.adapter, torch.Generator().manual_seed(seed)
+    letters = engine.tokenizer.convert_tokens_to_ids(list("abcdefghijklmnopqrstuvwxyz"))
+    params = SamplingParams(max_tokens=max_tokens, logit_bias={token: 100.0 for token in letters})
     messages, turns = [], []
     for question in questions:
         content = ([{"type": "image", "image": image}] if not messages else []) + [{"type": "text", "text": question}]
@@ -166,17 +172,18 @@ def chat_turns(engine, vision, image: np.ndarray, seed: int, max_tokens: int, qu
                       for layout in prompt.visual_layouts]
 
         async def first_token_and_text():
-            start, first, text = time.perf_counter(), None, ""
-            async for delta in engine.generate(f"chat-{seed}-{len(turns)}", prompt, embeds,
-                                               SamplingParams(max_tokens=max_tokens)):
+            start, first, text, ids = time.perf_counter(), None, "", []
+            async for delta in engine.generate(f"chat-{seed}-{len(turns)}", prompt, embeds, params):
                 first = first or time.perf_counter() - start
                 text += delta.text
-            return first, text
+                ids += delta.token_ids
+            return first, text, ids
 
         before = engine.stats()["prefill_tokens"]
-        ttft, answer = asyncio.run(first_token_and_text())
+        ttft, answer, ids = asyncio.run(first_token_and_text())
         turns.append({"prompt_tokens": len(prompt.prompt_token_ids), "ttft_s": ttft,
-                      "computed_tokens": engine.stats()["prefill_tokens"] - before})
+                      "computed_tokens": engine.stats()["prefill_tokens"] - before,
+                      "round_trips": engine.tokenizer.encode(answer, add_special_tokens=False) == ids})
         messages.append({"role": "assistant", "content": answer})
     return turns
 
@@ -226,7 +233,8 @@ def main(args) -> int:
                 ["turn", "prompt tokens", "computed (off)", "computed (on)", "TTFT off ms", "TTFT on ms", "off / on"],
                 chat_rows)
     print(f"turns 2-{TURNS}: TTFT {result['chat_ttft_ratio_turns_2_on']:.2f}x lower with prefix caching (median); "
-          f"hit rate {result['chat']['on_hit_rate']:.2f}")
+          f"hit rate {result['chat']['on_hit_rate']:.2f}; every answer re-sent as the same tokens: "
+          f"{'yes' if result['chat']['on_answers_round_trip'] and result['chat']['off_answers_round_trip'] else 'no'}")
     print_table(f"(d) a batch of {len(rows)} rows sharing a 1000-token prompt, {batch_tokens} tokens each",
                 ["prefix caching", "rows", "prompt tokens", "computed", "seconds", "tok/s"], batch_rows)
     print(f"shared-prompt batch: {result['shared_batch_tok_s_ratio']:.2f}x tok/s with prefix caching")
@@ -297,8 +305,9 @@ def multi_turn_chat(checkpoint, max_len: int, quick: bool, result: dict):
                                                     enable_prefix_caching=caching))
         runs = [chat_turns(engine, vision, np.random.default_rng(c).integers(0, 256, (side, side, 3), dtype=np.uint8),
                            c, max_tokens, questions) for c in range(conversations)]
-        result["chat"][name] = [{k: statistics.median(run[t][k] for run in runs) for k in runs[0][t]}
+        result["chat"][name] = [{k: statistics.median(run[t][k] for run in runs) for k in runs[0][t] if k != "round_trips"}
                                 for t in range(TURNS)]
+        result["chat"][f"{name}_answers_round_trip"] = all(turn["round_trips"] for run in runs for turn in run)
         result["chat"][f"{name}_hit_rate"] = engine.stats()["prefix_cache_hit_rate"]
         engine.shutdown()
     chat_rows = []

@@ -6,6 +6,6 @@ FAMILY = ModelFamily(
     model_type="step3p7",
     vision="raypipe.models.step3.vision:Step3VisionAdapter",
     language="raypipe.models.step3.language:Step3LanguageAdapter",
-    presets=("tiny-step3",),
+    presets=("tiny-step3", "small-step3"),
     write_preset="raypipe.models.step3.preset:write",
 )

@@ -1,4 +1,5 @@
-"""`tiny-step3`: a deterministic tiny Step3.7 checkpoint (transformers `step3p7`), a real HF folder.
+"""`tiny-step3` / `small-step3`: deterministic Step3.7 checkpoints (transformers `step3p7`), real HF folders;
+tiny for tests, small for benchmarks.
 
 Same recipe as every preset (`raypipe.models.presets`) (seeded init, `initializer_range=0.2` in every sub-config so a
 wrong position, window or image order changes the greedy output, byte-level tokenizer) with what
@@ -46,6 +47,18 @@ SHAPES = {
                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                   mlp_layer_types=["dense", "sparse", "sparse"], sliding_window=16,
                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, share_expert_dim=32),
+        processor=dict(size={"height": 224, "width": 224}, patch_size=168, max_image_size=896),
+    ),
+    # Benchmark-sized (like `small` / `small-minicpmv`): the real model's layer pattern at a smaller
+    # scale (three sliding-window layers to one full-attention layer, a dense first MLP then MoE), a
+    # window of 128 tokens (the real one is 512) so a chat's prompt leaves it several times over.
+    "small-step3": dict(
+        vision=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, mlp_ratio=2.0, image_size=224),
+        text=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_sliding_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 2,
+                  mlp_layer_types=["dense"] + ["sparse"] * 7, sliding_window=128,
+                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=384, share_expert_dim=384),
         processor=dict(size={"height": 224, "width": 224}, patch_size=168, max_image_size=896),
     ),
 }
