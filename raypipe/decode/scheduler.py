@@ -234,7 +234,8 @@ class Scheduler:
         """Whether `seq` would compute what a prefill under way is computing: the block after its cached
         run of `run` blocks, or (row state) a state after its hit of `hit` blocks. It waits for that
         prefill's chunk instead (a shared prompt is then computed once, not by every row admitted
-        with the first; SGLang defers such requests too), then joins with the longer hit."""
+        with the first; SGLang's LPM policy puts back waiting requests sharing a prefix likewise),
+        then joins with the longer hit."""
         blocks, states = pending
         hashes = seq.block_hashes[: (seq.cache_len - 1) // self.pool.block_size]
         return ((run < len(hashes) and hashes[run] in blocks)
