@@ -61,41 +61,35 @@ def test_encode_reports_missing_file(tmp_path, capsys):
     assert code == 2 and "no such file" in capsys.readouterr().out
 
 
-def test_generate_with_a_video(tmp_path, tiny_ckpt, ray_address):
-    from raypipe.inputs.video import VideoMetadata, VideoSampling
-    from raypipe.models.evs import retained_count
-    from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner
-    from raypipe.testing.sample_videos import index_frames, make_video
-
-    video = tmp_path / "clip.mp4"
-    video.write_bytes(make_video(index_frames(30, 96, 128), fps=10))
-    proc = run_cli("generate", "--model", str(tiny_ckpt), "--num-encoders", "1", "--video", str(video),
-                   "--video-pruning-rate", "0.5", "--prompt", "What happens?", "--max-tokens", "6",
-                   "--temperature", "0", ray_address=ray_address)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip()  # the generated text
-    config = QwenVideoConfig.from_checkpoint(tiny_ckpt)
-    plan = frame_planner(config, VideoSampling())(VideoMetadata(30, 10.0, 3.0, 128, 96))
-    groups = len(plan.indices) // config.temporal_patch_size
-    planned = retained_count(groups, plan.height * plan.width // config.factor**2, 0.5)
-    assert f"({planned} from 0 images and 1 videos)" in proc.stderr, proc.stderr
-
-
-def test_generate_with_a_json_schema(tmp_path, tiny_ckpt, ray_address, capsys):
+def test_generate_with_a_video_and_a_json_schema(tmp_path, tiny_ckpt, ray_address, capsys):
+    """One command for both flags (each command costs ~30 s on 2 cores): the video's planned token count
+    with EVS, and text that is JSON under the schema, ended by the grammar (finish_reason stop)."""
     import json
 
     import jsonschema
 
     from raypipe.cli import main
+    from raypipe.inputs.video import VideoMetadata, VideoSampling
+    from raypipe.models.evs import retained_count
+    from raypipe.models.qwen2_5_vl.video import QwenVideoConfig, frame_planner
+    from raypipe.testing.sample_videos import index_frames, make_video
     from raypipe.testing.structured_schemas import SCHEMAS
 
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(make_video(index_frames(30, 96, 128), fps=10))
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMAS["nested"]))
-    proc = run_cli("generate", "--model", str(tiny_ckpt), "--num-encoders", "1", "--prompt", "A user as JSON.",
-                   "--max-tokens", "96", "--temperature", "0", "--json-schema", str(schema_file),
-                   ray_address=ray_address)
+    proc = run_cli("generate", "--model", str(tiny_ckpt), "--num-encoders", "1", "--video", str(video),
+                   "--video-pruning-rate", "0.5", "--prompt", "What happens? A user as JSON.", "--max-tokens", "96",
+                   "--temperature", "0", "--json-schema", str(schema_file), ray_address=ray_address)
     assert proc.returncode == 0 and "finish_reason=stop" in proc.stderr, proc.stdout + proc.stderr
+    assert proc.stdout.strip()  # the generated text
     jsonschema.validate(json.loads(proc.stdout), SCHEMAS["nested"])
+    config = QwenVideoConfig.from_checkpoint(tiny_ckpt)
+    plan = frame_planner(config, VideoSampling())(VideoMetadata(30, 10.0, 3.0, 128, 96))
+    groups = len(plan.indices) // config.temporal_patch_size
+    planned = retained_count(groups, plan.height * plan.width // config.factor**2, 0.5)
+    assert f"({planned} from 0 images and 1 videos)" in proc.stderr, proc.stderr
     with pytest.raises(SystemExit) as missing:  # argparse refuses it, before any model or Ray
         main(["generate", "--prompt", "x", "--json-schema", str(tmp_path / "nope.json")])
     assert missing.value.code == 2 and "cannot read" in capsys.readouterr().err
