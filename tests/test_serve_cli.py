@@ -48,18 +48,21 @@ def test_raypipe_serve_command(tiny_ckpt, tmp_path):
         assert noise not in output, output[-3000:]
 
 
-def test_taken_port_fails_at_start():
-    """Issue 9 item 2: Serve's proxy binds with SO_REUSEPORT, so a second server would share the port."""
+def test_taken_port_fails_at_start(capsys, monkeypatch):
+    """Issue 9 item 2: Serve's proxy binds with SO_REUSEPORT, so a second server would share the port.
+    The command's `main` in this process: the refusal comes before any Ray (a subprocess cost ~10 s of imports)."""
+    from raypipe.cli import main
+
+    monkeypatch.setenv("RAYPIPE_API_KEY", "")
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as Serve's own proxy binds
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        env = {**os.environ, "RAY_ADDRESS": "", "RAYPIPE_API_KEY": ""}
-        second = subprocess.run([sys.executable, "-m", "raypipe.cli", "serve", "--model", "tiny", "--port", str(port)],
-                                env=env, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 1 and f"port {port}" in second.stderr and "in use" in second.stderr, second.stderr
-    assert "Ray" not in second.stderr  # refused before starting (or joining) any Ray
+        code = main(["serve", "--model", "tiny", "--port", str(port)])
+    stderr = capsys.readouterr().err
+    assert code == 1 and f"port {port}" in stderr and "in use" in stderr, stderr
+    assert "Ray" not in stderr  # refused before starting (or joining) any Ray
 
 
 def test_serve_runs_the_config_file_with_flags_overriding(tmp_path):
