@@ -23,10 +23,11 @@ requests enter the decode batch one round later; their outputs do not change.
 
 Callers `await` deltas from `generate()`; validation happens in the caller's task before a
 request is queued, so a bad request fails alone. Requests submitted in one turn of the caller's
-event loop (a burst sent with `asyncio.gather`, a batch's rows) reach the scheduler in the same round,
-never split by a round that starts meanwhile: the scheduler sees what their prompts share, computes
-a shared prefix once and, for row state, keeps a state where they diverge (`scheduler.py`). The engine needs no Ray actor around it: image
-embeddings may be tensors or Ray `ObjectRef`s (awaited in `generate`).
+event loop (a burst sent with `asyncio.gather`, a batch's rows) reach the scheduler in the same
+round, never split by a round that starts meanwhile: the scheduler sees what their prompts share,
+computes a shared prefix once and, for row state, keeps a state where they diverge (`scheduler.py`).
+The engine needs no Ray actor around it: image embeddings may be tensors or Ray `ObjectRef`s
+(awaited in `generate`).
 
 Work is bounded: at most `max_num_seqs + max_num_waiting` requests are in the engine, one more is
 refused with `QueueFull` (retryable); an engine whose KV cache cannot hold one `max_model_len`
