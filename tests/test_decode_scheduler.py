@@ -1,11 +1,14 @@
 """Scheduler admission: prefill chunks run in length groups with bounded padding; joining sequences
-take consecutive rows after the running batch, within the round's token budget and the pool's blocks."""
+take consecutive rows after the running batch, within the round's token budget and the pool's blocks;
+rows sharing a prompt wait for the first to compute it, and (row state) for the state it keeps where
+their prompts leave its own."""
 
 from __future__ import annotations
 
 from raypipe.decode.block_pool import BlockPool
 from raypipe.decode.scheduler import MAX_PADDING, Scheduler, group_by_length
 from raypipe.decode.sequence import Sequence
+from raypipe.decode.snapshot_pool import SnapshotPool
 from raypipe.inputs.sampling import SamplingParams
 
 
@@ -124,3 +127,25 @@ def test_rows_sharing_a_prompt_wait_for_the_first_to_compute_it():
     assert sorted(joined, key=lambda s: s.arrival) == followers
     assert [s.num_computed for s in followers] == [192] * 3  # the shared prompt's full blocks, computed once
     assert scheduler.counters["prefix_cache_hit_tokens"] == 3 * 192
+
+
+def test_rows_waiting_for_a_shared_prompt_hit_its_state_where_they_leave_it():
+    # Row state: a hit must end on a state snapshot. The first row's prefill keeps one every 5 blocks (80, 160)
+    # and at its last boundary (208); the rows waiting for its blocks leave its prompt after 12 blocks (192),
+    # so it keeps one there too, and every one of them joins with all 192 shared tokens (none from 160).
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=2000, pool=BlockPool(100, 16),
+                          chunked_prefill=True, prefix_caching=True, snapshots=SnapshotPool(16, 1), snapshot_every=5)
+    shared = list(range(200))
+    first, *followers = [_seq(0, tokens=shared + [300 + i] * 20) for i in range(4)]
+    for seq in (first, *followers):
+        scheduler.add(seq)
+    plan = scheduler.schedule(lambda seq: 1)
+    assert [s for g in plan.prefill for s in g] == [first] and list(scheduler.waiting) == followers
+    assert sorted(position for position, _ in first.snapshot_saves) == [80, 160, 192, 208]
+    first.num_computed += first.chunk_len
+    first.output_ids.append(1)
+    scheduler.chunk_done(first)
+    plan = scheduler.schedule(lambda seq: 1)
+    assert sorted((s for g in plan.prefill for s in g), key=lambda s: s.arrival) == followers
+    assert [s.num_computed for s in followers] == [192] * 3
+    assert len(plan.restores) == 3 and len({slot for slot, _ in plan.restores}) == 1  # the one state at 192

@@ -22,8 +22,12 @@ boundary, so rows are only moved and blocks only taken or given back while nothi
 requests enter the decode batch one round later; their outputs do not change.
 
 Callers `await` deltas from `generate()`; validation happens in the caller's task before a
-request is queued, so a bad request fails alone. The engine needs no Ray actor around it: image
-embeddings may be tensors or Ray `ObjectRef`s (awaited in `generate`).
+request is queued, so a bad request fails alone. Requests submitted in one turn of the caller's
+event loop (a burst sent with `asyncio.gather`, a batch's rows) reach the scheduler in the same
+round, never split by a round that starts meanwhile: the scheduler sees what their prompts share,
+computes a shared prefix once and, for row state, keeps a state where they diverge (`scheduler.py`).
+The engine needs no Ray actor around it: image embeddings may be tensors or Ray `ObjectRef`s
+(awaited in `generate`).
 
 Work is bounded: at most `max_num_seqs + max_num_waiting` requests are in the engine, one more is
 refused with `QueueFull` (retryable); an engine whose KV cache cannot hold one `max_model_len`
@@ -123,6 +127,7 @@ class LLMEngine:
                               prefill_seconds=0.0, decode_seconds=0.0)
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
+        self._arriving: list[Sequence] = []  # submitted in the caller's current event-loop turn
         self._aborts: set[Sequence] = set()  # objects, not ids: an id may be reused once its request ends
         self._live: dict[str, Sequence] = {}  # submitted, not yet finished (guarded by _cond)
         self._capacity = self.config.max_num_seqs + self.config.max_num_waiting
@@ -199,6 +204,7 @@ class LLMEngine:
     def _abort(self, seq: Sequence) -> None:
         with self._cond:
             if self._live.get(seq.request_id) is seq:
+                self._deliver_arrivals()  # the engine sees a request before its abort
                 self._aborts.add(seq)
                 self._cond.notify()
 
@@ -290,8 +296,19 @@ class LLMEngine:
                 raise QueueFull(f"decode engine is full ({self.config.max_num_seqs} running and "
                                 f"{self.config.max_num_waiting} waiting requests); retry later")
             self._live[seq.request_id] = seq
-            self._inbox.append(seq)
-            self._cond.notify()
+            self._arriving.append(seq)
+            if len(self._arriving) == 1:  # the first of its turn: the rest of the turn follows it in
+                asyncio.get_running_loop().call_soon(self._deliver_arrivals)
+
+    def _deliver_arrivals(self) -> None:
+        """Hand the requests submitted in one turn of the event loop to the engine thread at once: a
+        round that took only the first of a burst would prefill its prompt before the scheduler knew
+        that the others share it (for row state: before it knew where to keep a state for them)."""
+        with self._cond:  # re-entrant: `_abort` calls it holding the lock
+            if self._arriving:
+                self._inbox += self._arriving
+                self._arriving = []
+                self._cond.notify()
 
     # ---- engine thread ----
 

@@ -32,8 +32,10 @@ state snapshot (`snapshot_pool.py`); that snapshot is restored into the sequence
    (a) the last block boundary a sequence's decode crossed, registered when it leaves (finished,
        aborted or preempted): the next turn of a chat repeats prompt + output, so it continues from
        there, recomputing less than a block;
-   (b) the branch point: where a joining prompt's cached run of blocks ends, so the next prompt
-       sharing that prefix (a system prompt) finds a state there;
+   (b) branch points: where a joining prompt's cached run of blocks ends, so the next prompt
+       sharing that prefix (a system prompt) finds a state there; and where a prompt waiting for a
+       prefill's blocks leaves that prefill's prompt (`_wait_for_branch_point`), so that prompts
+       sent together join at their branch point, not at the periodic state before it;
    (c) every `snapshot_every` blocks of a prefill, and the prompt's last block boundary.
 A state inside a chunk is handed over by the chunk's one forward (`ModelRunner.prefill`).
 
@@ -208,29 +210,29 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))  # they keep their place at the front
         return joining
 
-    def _pending_blocks_and_states(self, seqs: list[Sequence]) -> tuple[set[bytes], set[bytes]]:
-        """Hashes of the blocks and the state snapshots that the prefills among `seqs` will register
-        as their prompts go on (this round's chunk and the ones after it)."""
-        pending: tuple[set[bytes], set[bytes]] = (set(), set())
+    def _pending_blocks_and_states(self, seqs: list[Sequence]) -> tuple[dict[bytes, Sequence], set[bytes]]:
+        """Hashes of the blocks (with the prefill computing each) and of the state snapshots that the
+        prefills among `seqs` will register as their prompts go on (this round's chunk and the ones after it)."""
+        pending: tuple[dict[bytes, Sequence], set[bytes]] = ({}, set())
         if self.prefix_caching:
             for seq in seqs:
                 if not seq.decoding and seq.row is not None:
                     self._add_pending(seq, pending)
         return pending
 
-    def _add_pending(self, seq: Sequence, pending: tuple[set[bytes], set[bytes]]) -> None:
+    def _add_pending(self, seq: Sequence, pending: tuple[dict[bytes, Sequence], set[bytes]]) -> None:
         if not self.prefix_caching:
             return
         size = self.pool.block_size
         blocks, states = pending
         extend_block_hashes(seq.block_hashes, seq.token_ids, size, seq.cache_len // size, seq.placeholder_runs)
-        blocks.update(seq.block_hashes[seq.num_registered: seq.cache_len // size])
+        blocks.update(dict.fromkeys(seq.block_hashes[seq.num_registered: seq.cache_len // size], seq))
         if self.snapshots is not None:
             states.update(seq.block_hashes[p // size - 1]
                           for p in self._snapshot_points(seq, seq.num_computed, seq.cache_len))
 
     def _would_recompute_pending(self, seq: Sequence, hit: int, run: int,
-                                 pending: tuple[set[bytes], set[bytes]]) -> bool:
+                                 pending: tuple[dict[bytes, Sequence], set[bytes]]) -> bool:
         """Whether `seq` would compute what a prefill under way is computing: the block after its cached
         run of `run` blocks, or (row state) a state after its hit of `hit` blocks. It waits for that
         prefill's chunk instead (a shared prompt is then computed once, not by every row admitted
@@ -238,8 +240,25 @@ class Scheduler:
         then joins with the longer hit."""
         blocks, states = pending
         hashes = seq.block_hashes[: (seq.cache_len - 1) // self.pool.block_size]
-        return ((run < len(hashes) and hashes[run] in blocks)
-                or any(hashes[j] in states for j in range(hit, run)))
+        if run < len(hashes) and hashes[run] in blocks:
+            if self.snapshots is not None:
+                self._wait_for_branch_point(hashes, run, pending)
+            return True
+        return any(hashes[j] in states for j in range(hit, run))
+
+    def _wait_for_branch_point(self, hashes: list[bytes], run: int,
+                               pending: tuple[dict[bytes, Sequence], set[bytes]]) -> None:
+        """A waiting prompt (its block `hashes`, the first `run` cached) shares the blocks after `run`
+        with a prefill under way, up to where it leaves that prefill's prompt: the prefill keeps a state
+        there, so the waiting prompt hits the whole shared prefix. Without it, the prefill's states would
+        lie only at its periodic points, and the first prompt to leave it would recompute up to
+        `snapshot_every - 1` blocks from the one before (taking the branch-point state for the rest)."""
+        blocks, states = pending
+        end = run
+        while end < len(hashes) and hashes[end] in blocks:  # hashes chain: one prefill computes them all
+            end += 1
+        blocks[hashes[end - 1]].branch_points.add(end * self.pool.block_size)
+        states.add(hashes[end - 1])
 
     def _cached_prefix(self, seq: Sequence, target: int) -> tuple[list[int], int]:
         """Cached blocks of `seq`'s longest cached prefix, referenced, and how many blocks the cached
@@ -261,7 +280,7 @@ class Scheduler:
         if self.window is not None:
             self.window.take_hit(seq, seq.block_hashes, keep)
         if self.snapshots is not None:
-            seq.branch_point = len(hit) * self.pool.block_size if len(hit) > keep else 0
+            seq.branch_points = {len(hit) * self.pool.block_size} if len(hit) > keep else set()
             if keep:
                 seq.restore_slot = self.snapshots.take(seq.block_hashes[keep - 1])
         return hit[:keep], len(hit)
@@ -301,7 +320,7 @@ class Scheduler:
         """The block boundaries in `(start, end]` where `seq`'s prefill keeps a state, ascending."""
         size = self.pool.block_size
         return [p for p in range(start - start % size + size, end + 1, size)
-                if p % (self.snapshot_every * size) == 0 or p == seq.branch_point
+                if p % (self.snapshot_every * size) == 0 or p in seq.branch_points
                 or p == seq.cache_len - seq.cache_len % size]
 
     def _plan_capture(self, seq: Sequence, steps: int) -> None:

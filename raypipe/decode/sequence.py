@@ -103,7 +103,9 @@ class Sequence:
     snapshot_saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     boundary: tuple[int, int] | None = None
     restore_slot: int | None = None
-    branch_point: int = 0  # where its cached run of blocks ended past its last snapshot (0: none)
+    # Block boundaries where another prompt leaves this one, so its prefill keeps a state there: where its
+    # cached run of blocks ended past its last snapshot, and where a prompt waiting for its blocks diverges
+    branch_points: set[int] = dataclasses.field(default_factory=set)
     # Prompt tokens its first admission took from the prefix cache (what usage reports; not a resume's), None before
     num_cached_tokens: int | None = None
     finish_reason: str | None = None
