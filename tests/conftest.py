@@ -10,6 +10,9 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYPIPE_CACHE", tempfile.mkdtemp(prefix="raypipe-test-cache-"))
+# Compiled decode buckets outlive a run (as inductor's default /tmp cache did before raypipe pointed it under
+# RAYPIPE_CACHE, which is new per run here): a second suite run on a machine does not compile them again.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "raypipe-test-inductor"))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

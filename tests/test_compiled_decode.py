@@ -8,6 +8,7 @@ across the 128 -> 256 KV boundary.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -120,3 +121,14 @@ def test_cuda_graphs_match_generate(tiny_ckpt, cases):
     finally:
         engine.shutdown()
         torch.cuda.empty_cache()
+
+
+def test_compiled_buckets_are_cached_under_raypipes_cache(monkeypatch, tmp_path):
+    from raypipe.decode.compiled_step import use_compile_cache
+
+    monkeypatch.setenv("RAYPIPE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_compile_cache() == tmp_path / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice wins
+    assert use_compile_cache() == tmp_path / "mine"

@@ -21,9 +21,13 @@ from collections.abc import Callable
 PRESET_VERSION = "v6"  # part of the cache folder name: bump when any family's preset changes
 
 
+def cache_root() -> pathlib.Path:
+    """raypipe's on-disk cache: preset checkpoints here, compiled decode steps (`compiled_step.py`)."""
+    return pathlib.Path(os.environ.get("RAYPIPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "raypipe"))
+
+
 def default_cache_dir() -> pathlib.Path:
-    root = os.environ.get("RAYPIPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "raypipe")
-    return pathlib.Path(root) / "presets"
+    return cache_root() / "presets"
 
 
 def write_once(target: pathlib.Path, write: Callable[[pathlib.Path], None]) -> pathlib.Path:
