@@ -69,6 +69,7 @@ BF16_MAX_RELATIVE_ERROR = 0.05  # ||ours - fp32 reference|| / ||reference|| per 
 # bf16 greedy decoding parts from transformers' at near ties (even on the first token): each engine token is
 # checked against transformers' logits on the engine's own sequence instead (see `language_gaps`)
 BF16_MAX_LOGIT_GAP = 0.1  # in standard deviations of that position's logits
+KV_BYTES = 64 << 20  # each engine's pool: the default (80% of the free GPU memory) would crowd the next test
 LM_PROMPTS = ["Describe a red sofa near the window.", "What is two plus two?", "Hello", "Name three blue things."]
 
 
@@ -123,7 +124,8 @@ def language_gaps(preset: str, device: str, max_tokens: int = 8) -> tuple[list[f
 
     ckpt = preset_checkpoint(preset)
     engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, dtype="bfloat16",
-                                          decode_batch_buckets=(4,), decode_kv_buckets=(256,)))
+                                          kv_cache_memory=KV_BYTES, decode_batch_buckets=(4,),
+                                          decode_kv_buckets=(256,)))
     prompts = [list(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                          add_generation_prompt=True, return_dict=False))
                for text in LM_PROMPTS]
@@ -173,8 +175,8 @@ def test_cuda_graph_decode_in_bf16_equals_eager():
     outputs, modes = [], []
     for compiled in (True, False):
         engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, dtype="bfloat16",
-                                              compiled_decode=compiled, decode_batch_buckets=(1, 4),
-                                              decode_kv_buckets=(256,)))
+                                              kv_cache_memory=KV_BYTES, compiled_decode=compiled,
+                                              decode_batch_buckets=(1, 4), decode_kv_buckets=(256,)))
         prompts = [engine.tokenizer.encode(text) for text in LM_PROMPTS]
 
         async def all_requests():

@@ -44,7 +44,8 @@ def run(plan, recorder) -> None:
             seconds = timed(encode, requests, device)
             flops = 2 * params * tokens if tokens and params else None
             recorder.add(preset=preset, mode=mode, images=len(units), seconds=round(seconds, 3),
-                         images_s=round(len(units) / seconds, 1), tower_params_m=round(params / 1e6, 1) if params else None,
+                         images_s=round(len(units) / seconds, 1),
+                         tower_params_m=round(params / 1e6, 1) if params else None,
                          mfu=round(flops / seconds / peak, 4) if flops and peak else None)
         del tower
         if device.type == "cuda":

@@ -21,7 +21,7 @@ class CheckPlan:
     budgets_s: dict[str, float]
     smoke_presets: tuple[str, ...]  # every family's tower on one image (the smallest preset of each family)
     smoke_engine_presets: tuple[str, ...]  # the engine generates on these
-    decode_presets: tuple[str, ...]  # "large" is the synthetic preset written on the machine (synthetic.py)
+    decode_presets: tuple[str, ...]  # "large": the preset section `large` writes on the machine (synthetic.py)
     decode_batches: tuple[int, ...]
     decode_max_tokens: int
     decode_modes: tuple[str, ...]  # "graphs" (the static-shape step), "eager", "transformers" (a static batch)
@@ -46,7 +46,7 @@ SMOKE_ENGINE_PRESETS = ("tiny", "tiny-qwen3.5")
 
 GPU = CheckPlan(
     device="cuda", dtype="bfloat16",
-    budgets_s={"versions": 20, "smoke": 45, "tests": 170, "decode": 170, "encode": 60},
+    budgets_s={"versions": 20, "smoke": 40, "tests": 170, "large": 45, "decode": 150, "encode": 50},
     smoke_presets=SMOKE_PRESETS, smoke_engine_presets=SMOKE_ENGINE_PRESETS,
     decode_presets=("small", "small-qwen3.5", "large"), decode_batches=(1, 8, 64), decode_max_tokens=128,
     decode_modes=("graphs", "eager", "transformers"),
@@ -57,7 +57,7 @@ GPU = CheckPlan(
 # large preset, MFU) is reported as skipped with its reason, as on a GPU any mode that cannot run is.
 CPU = CheckPlan(
     device="cpu", dtype="float32",
-    budgets_s={"versions": 20, "smoke": 60, "tests": 60, "decode": 60, "encode": 40},
+    budgets_s={"versions": 20, "smoke": 60, "tests": 60, "large": 20, "decode": 60, "encode": 40},
     smoke_presets=SMOKE_PRESETS, smoke_engine_presets=SMOKE_ENGINE_PRESETS,
     decode_presets=("tiny", "tiny-qwen3.5", "large"), decode_batches=(1, 2), decode_max_tokens=4,
     decode_modes=("graphs", "eager", "transformers"),

@@ -1,4 +1,5 @@
-"""`Recorder`: a section's results, on disk after every entry, so a section cut mid-way still reports what it finished."""
+"""`Recorder`: a section's results, on disk after every entry, so a section cut mid-way still reports what
+it finished."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ SECTIONS = {  # name -> module; run in the order of the plan's budgets
     "versions": "raypipe.gpucheck.versions",
     "smoke": "raypipe.gpucheck.smoke",
     "tests": "raypipe.gpucheck.gpu_tests",
+    "large": "raypipe.gpucheck.synthetic",
     "decode": "raypipe.gpucheck.decode_speed",
     "encode": "raypipe.gpucheck.encode_speed",
 }

@@ -20,6 +20,7 @@ from raypipe.models.registry import resolve_model, vision_adapter
 from raypipe.runtime.device import resolve_dtype
 
 MAX_TOKENS = 8
+KV_BYTES = 64 << 20  # not the default 80% of a GPU's free memory: later sections need it
 
 
 def run(plan, recorder) -> None:
@@ -37,7 +38,8 @@ def run(plan, recorder) -> None:
     for preset in plan.smoke_engine_presets:
         start = time.perf_counter()
         checkpoint = resolve_model(preset)
-        engine = LLMEngine(checkpoint, EngineConfig(max_num_seqs=4, max_model_len=1024, dtype=plan.dtype))
+        engine = LLMEngine(checkpoint, EngineConfig(max_num_seqs=4, max_model_len=1024, dtype=plan.dtype,
+                                                    kv_cache_memory=KV_BYTES))
         try:
             vision = vision_adapter(checkpoint)
             prompt = image_prompt(engine.tokenizer, vision)

@@ -1,15 +1,18 @@
-"""The `large` preset: a Qwen2.5-VL checkpoint of the 3B model's shape with random weights, written on the
-GPU machine itself from a config (nothing downloaded, nothing carried: 7.5 GB would not travel).
+"""Section `large`, and the preset it writes: a Qwen2.5-VL checkpoint of the 3B model's shape with random
+weights, written on the GPU machine itself from a config (nothing downloaded, nothing carried: 7.5 GB
+would not travel).
 
 It is built on the GPU in bf16 (a CPU init of 3.8 B parameters would take minutes of the check's budget)
-and written once under the preset cache. Its tokenizer is the presets' byte-level one, so the vocabulary
-(and the LM head) is far smaller than the real model's 151,936 tokens: decode GEMMs are the real model's,
-the logits projection is not. Other presets come from the registry as usual.
+and written once under the preset cache, in a section of its own so that a slow disk is cut there and not
+in the middle of a measurement; `decode` and `encode` only read it. Its tokenizer is the presets'
+byte-level one, so the vocabulary (and the LM head) is far smaller than the real model's 151,936 tokens:
+decode GEMMs are the real model's, the logits projection is not. Other presets come from the registry.
 """
 
 from __future__ import annotations
 
 import pathlib
+import time
 
 import torch
 
@@ -18,6 +21,7 @@ from raypipe.models.qwen2_5_vl.preset import write_shape
 from raypipe.models.registry import resolve_model
 
 LARGE = "large"
+ON_GPU_ONLY = "written and run only on a GPU (3.8 B parameters)"
 # Qwen2.5-VL-3B-Instruct's shape (config.json of the released model), pixel bounds as the `small` preset's
 LARGE_SHAPE = dict(
     vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
@@ -31,24 +35,36 @@ LARGE_SHAPE = dict(
 )
 
 
+def run(plan, recorder) -> None:
+    if plan.device != "cuda":
+        recorder.skip(f"{LARGE} preset", ON_GPU_ONLY)
+        return
+    start = time.perf_counter()
+    folder = write_once(large_folder(), write)
+    recorder.add(preset=LARGE, seconds=round(time.perf_counter() - start, 1),
+                 gigabytes=round(sum(f.stat().st_size for f in folder.iterdir()) / 1e9, 2))
+
+
 def checkpoint_for(preset: str, plan, recorder) -> pathlib.Path | None:
-    """The checkpoint folder of `preset`, the large one written first if needed; None (and a skip) where it cannot be."""
+    """The checkpoint folder of `preset`; None (and a skip) for the large one where section `large` did not write it."""
     if preset != LARGE:
         return resolve_model(preset)
-    if plan.device != "cuda":
-        recorder.skip(f"{LARGE} preset", "written and run only on a GPU (3.8 B parameters)")
+    folder = large_folder()
+    if not (folder / "raypipe_preset.json").is_file():  # written last: the folder is complete
+        recorder.skip(f"{LARGE} preset", "not written: see section `large`" if plan.device == "cuda" else ON_GPU_ONLY)
         return None
-    return write_large()
+    return folder
 
 
-def write_large() -> pathlib.Path:
-    def write(folder: pathlib.Path) -> None:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device("cuda"):
-                write_shape(folder, LARGE_SHAPE)
-        finally:
-            torch.set_default_dtype(previous)
+def large_folder() -> pathlib.Path:
+    return default_cache_dir() / f"{LARGE}-qwen2_5_vl-{PRESET_VERSION}"
 
-    return write_once(default_cache_dir() / f"{LARGE}-qwen2_5_vl-{PRESET_VERSION}", write)
+
+def write(folder: pathlib.Path) -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            write_shape(folder, LARGE_SHAPE)
+    finally:
+        torch.set_default_dtype(previous)
