@@ -45,7 +45,7 @@ gpu-wheels:
 	@total=$$(cat $(GPU_WHEELS_DIR)/*.whl | wc -c); printf "%6.1f MiB  in all\n" $$(echo "$$total / 1048576" | bc -l); \
 		test $$total -le $(GPU_WHEELS_MAX_BYTES) || { echo "over 60 MiB: they would not travel"; exit 1; }
 	@echo "On the GPU machine (carry $(GPU_WHEELS_DIR)), from the repository root:"
-	@echo "  python -m pip install -q --no-deps --no-index --target .gpu-site $(GPU_WHEELS_DIR)/*.whl && PYTHONPATH=.gpu-site:\$$PWD HF_HUB_OFFLINE=1 python -m raypipe.gpucheck --out \$$OUT/gpu-check.json"
+	@echo "  python -m pip install -q --no-deps --no-index --target .gpu-site $(GPU_WHEELS_DIR)/*.whl && PYTHONPATH=\$$PWD/.gpu-site:\$$PWD HF_HUB_OFFLINE=1 python -m raypipe.gpucheck --out \$$OUT/gpu-check.json"
 
 bench: $(STAMP)
 	$(VENV)/bin/raypipe bench encode
