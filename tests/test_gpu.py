@@ -1,7 +1,10 @@
-"""CUDA paths (skipped without a GPU): the vision tower on the device, and the decode loop's
-side-stream copy of sampled ids into pinned memory, checked against transformers on the same device."""
+"""CUDA paths (marked `gpu`, skipped without a GPU; `python -m raypipe.gpucheck` runs them on the lent
+machine): the vision tower on the device, and the decode loop's side-stream copy of sampled ids into
+pinned memory, checked against transformers on the same device; every family's tower and language model
+in bf16 against transformers; CUDA-graph decode against eager decode in bf16."""
 
 import asyncio
+import gc
 
 import pytest
 import torch
@@ -11,6 +14,15 @@ from tests import decode_reference as ref
 from tests.conftest import gpu, random_images, reference_embeddings
 
 pytestmark = gpu
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory():
+    """Engines and models of one test leave the device to the next: an engine started with the default KV
+    budget takes a share of the memory free at its start, which the caching allocator would still hold."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
