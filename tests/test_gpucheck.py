@@ -118,3 +118,15 @@ def test_a_section_past_its_budget_is_cut_and_reported(tmp_path):
     record = run_section("tests", plans.CPU, tmp_path, budget_s=1.0)  # pytest alone takes longer to start
     assert record["status"] == "cut" and record["budget_s"] == 1.0
     assert time.monotonic() - started < 10
+
+
+def test_gpu_plan_fits_one_command_on_the_lent_machine():
+    assert plans.GPU.total_s <= 8 * 60  # at most 10 minutes a command there; the rest is install and start-up
+    assert list(plans.GPU.budgets_s) == list(plans.CPU.budgets_s)  # the dry run runs the same sections
+
+
+def test_cli_subcommand_takes_the_module_flags():
+    from raypipe.cli import build_parser
+
+    args = build_parser().parse_args(["gpu-check", "--cpu", "--out", "r.json", "--sections", "versions"])
+    assert (args.command, args.cpu, args.out, args.sections) == ("gpu-check", True, "r.json", "versions")
