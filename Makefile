@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean wheel
+.PHONY: demo test install bench clean wheel gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,30 @@ wheel: $(STAMP)
 	rm -rf dist
 	$(VENV)/bin/pip wheel -q --no-deps --no-build-isolation -w dist .
 
+# The wheels the lent GPU machine lacks for the engine and towers (docs/gpu.md): it has Python 3.12, torch,
+# transformers 5.17, tokenizers, safetensors, huggingface_hub, numpy, pillow, pytest, but no network. They
+# travel in an ignored folder of the working tree (under 60 MiB: with the tree, at most 64 MiB travel).
+# transformers 5.23 needs huggingface_hub >= 1.31 (5.17 needs only >= 1.5, < 2): the newest 1.x goes along.
+# Not torch (the machine's own 2.11 runs transformers 5.23, which needs >= 2.6), not Ray (79 MB; not needed).
+GPU_WHEELS_DIR ?= gpu-wheels
+GPU_WHEELS := transformers==5.23.0 huggingface_hub==1.33.0 llguidance==1.9.1 av==18.1.0
+GPU_PLATFORMS := $(foreach p,manylinux_2_31 manylinux_2_28 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
+GPU_WHEELS_MAX_BYTES := 62914560
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS_DIR) && mkdir -p $(GPU_WHEELS_DIR)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d $(GPU_WHEELS_DIR) $(GPU_WHEELS) 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	@ls -l $(GPU_WHEELS_DIR)/*.whl | awk '{printf "%6.1f MiB  %s\n", $$5 / 1048576, $$9}'
+	@total=$$(cat $(GPU_WHEELS_DIR)/*.whl | wc -c); printf "%6.1f MiB  in all\n" $$(echo "$$total / 1048576" | bc -l); \
+		test $$total -le $(GPU_WHEELS_MAX_BYTES) || { echo "over 60 MiB: they would not travel"; exit 1; }
+	@echo "On the GPU machine (carry $(GPU_WHEELS_DIR)), from the repository root:"
+	@echo "  python -m pip install -q --no-deps --no-index --target .gpu-site $(GPU_WHEELS_DIR)/*.whl && PYTHONPATH=\$$PWD/.gpu-site:\$$PWD HF_HUB_OFFLINE=1 python -m raypipe.gpucheck --out \$$OUT/gpu-check.json"
+
 bench: $(STAMP)
 	$(VENV)/bin/raypipe bench encode
 	$(VENV)/bin/raypipe bench decode
 	$(VENV)/bin/raypipe bench serve
 
 clean:
-	rm -rf $(VENV) bench-results dist
+	rm -rf $(VENV) bench-results dist $(GPU_WHEELS_DIR) .gpu-site

@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_batch(sub)
 
+    from raypipe.gpucheck.options import add_arguments  # argparse only: no torch, no Ray
+
+    add_arguments(sub.add_parser("gpu-check", help="every GPU question in one short run, without Ray (docs/gpu.md); "
+                                                   "the same as `python -m raypipe.gpucheck`"))
+
     bench = sub.add_parser("bench", help="benchmarks that print tables and ratios")
     bench.add_argument("target", choices=["encode", "decode", "detok", "serve", "serve-load", "batch", "cluster",
                                                  "cluster-batch", "step3", "video", "structured", "kv", "peer"],
@@ -208,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         from raypipe.jobs.batch import run_batch_command
 
         return run_batch_command(args)
+    if args.command == "gpu-check":
+        from raypipe.gpucheck.__main__ import run_command
+
+        return run_command(args)
     if args.command == "bench":
         import importlib
 

@@ -18,7 +18,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# `@gpu` marks a test for `pytest -m gpu` (what `python -m raypipe.gpucheck` runs); without CUDA it is skipped
+gpu = pytest.mark.gpu
 
 
 @pytest.fixture(scope="session")
@@ -87,9 +88,14 @@ SHARED_SERVE = SharedServe()
 
 
 def pytest_collection_modifyitems(items):
-    """The modules that use the shared Serve run one after another, where the first of them stands, so
-    Serve starts once and is down for every other module (one that starts a Serve of its own, on its own
-    port, must not find ours running). Pytest runs modules in file order otherwise."""
+    """`@gpu` tests are skipped without CUDA. The modules that use the shared Serve run one after another,
+    where the first of them stands, so Serve starts once and is down for every other module (one that
+    starts a Serve of its own, on its own port, must not find ours running). Pytest runs modules in file
+    order otherwise."""
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
     modules: dict = {}  # module path -> its items, in collection order
     for item in items:
         modules.setdefault(item.path, []).append(item)

@@ -102,7 +102,6 @@ def test_compiled_forwards_equal_eager(qwen):
 
 
 @gpu
-@pytest.mark.gpu
 def test_cuda_graphs_equal_eager_forwards(tiny_ckpt):
     adapter = vision_adapter(tiny_ckpt)
     tower = adapter.load_tower(torch.device("cuda"), torch.bfloat16)

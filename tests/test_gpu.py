@@ -1,7 +1,10 @@
-"""CUDA paths (skipped without a GPU): the vision tower on the device, and the decode loop's
-side-stream copy of sampled ids into pinned memory, checked against transformers on the same device."""
+"""CUDA paths (marked `gpu`, skipped without a GPU; `python -m raypipe.gpucheck` runs them on the lent
+machine): the vision tower on the device, and the decode loop's side-stream copy of sampled ids into
+pinned memory, checked against transformers on the same device; every family's tower and language model
+in bf16 against transformers; CUDA-graph decode against eager decode in bf16."""
 
 import asyncio
+import gc
 
 import pytest
 import torch
@@ -11,6 +14,15 @@ from tests import decode_reference as ref
 from tests.conftest import gpu, random_images, reference_embeddings
 
 pytestmark = gpu
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory():
+    """Engines and models of one test leave the device to the next: an engine started with the default KV
+    budget takes a share of the memory free at its start, which the caching allocator would still hold."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +71,136 @@ def test_decode_engine_on_cuda_matches_generate_on_cuda(tiny_ckpt, hf_cuda):
         engine.shutdown()
     assert [out.token_ids for out in outputs] == [want for _, _, want in cases]
 
+
+
+# Every family, in bf16 on the GPU: the vision tower against transformers' own vision path (fp32, CPU: the
+# exact reference), and the engine's greedy tokens against transformers' generate() in bf16 on the same GPU.
+FAMILY_PRESETS = ["tiny", "tiny-minicpmv", "tiny-step3", "tiny-llava-ov", "tiny-qwen3-vl", "tiny-qwen3.5"]
+TOWER_SIZES = [(300, 200), (56, 56), (640, 480)]
+BF16_MAX_RELATIVE_ERROR = 0.05  # ||ours - fp32 reference|| / ||reference|| per image; bf16 keeps 8 bits
+# bf16 greedy decoding parts from transformers' at near ties (even on the first token): each engine token is
+# checked against transformers' logits on the engine's own sequence instead (see `language_gaps`)
+BF16_MAX_LOGIT_GAP = 0.1  # in standard deviations of that position's logits
+KV_BYTES = 64 << 20  # each engine's pool: the default (80% of the free GPU memory) would crowd the next test
+LM_PROMPTS = ["Describe a red sofa near the window.", "What is two plus two?", "Hello", "Name three blue things."]
+
+
+def hf_reference_model(ckpt):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+
+
+def tower_reference(preset: str, hf, ckpt, images) -> list[torch.Tensor]:
+    """transformers' per-image rows in raypipe's layout, from the family's own reference."""
+    from tests import llava_ov_reference, minicpmv_reference, qwen3_vl_reference, step3_reference
+
+    if preset == "tiny":
+        return reference_embeddings(hf, ckpt, images)
+    if preset == "tiny-minicpmv":
+        return minicpmv_reference.image_embeddings(hf, ckpt, images)
+    if preset == "tiny-step3":
+        return step3_reference.image_features(hf, ckpt, images)
+    if preset == "tiny-llava-ov":
+        return llava_ov_reference.image_features(hf, ckpt, images, tile_every_image=True)  # each image alone
+    processor = qwen3_vl_reference.hf_processor(ckpt)
+    return qwen3_vl_reference.features(hf, dict(processor.image_processor(images=images, return_tensors="pt")))
+
+
+def tower_errors(preset: str, device: str) -> list[float]:
+    """Relative error of each image's bf16 rows on `device` against the fp32 reference."""
+    from raypipe.inputs.images import load_images
+    from raypipe.models.registry import preset_checkpoint, vision_adapter
+
+    ckpt = preset_checkpoint(preset)
+    adapter = vision_adapter(ckpt)
+    tower = adapter.load_tower(torch.device(device), torch.bfloat16)
+    images = random_images(TOWER_SIZES, seed=3)
+    want = tower_reference(preset, hf_reference_model(ckpt), ckpt, images)
+    errors = []
+    for visual, reference in zip(load_images(images), want, strict=True):
+        item = adapter.make_item(visual)
+        ours = adapter.join_units(item, tower.encode(adapter.units(item))).float().cpu()
+        assert ours.shape == reference.shape
+        errors.append(float((ours - reference).norm() / reference.norm()))
+    return errors
+
+
+def language_gaps(preset: str, device: str, max_tokens: int = 8) -> tuple[list[float], str]:
+    """For the engine's greedy tokens (bf16 on `device`) from text prompts, how far below transformers' best
+    logit each one is, teacher-forced on the engine's own tokens (bf16, same device), in units of that
+    position's logit standard deviation: 0 where both pick the same token. Also the engine's decode step."""
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from raypipe.models.registry import preset_checkpoint
+
+    ckpt = preset_checkpoint(preset)
+    engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, dtype="bfloat16",
+                                          kv_cache_memory=KV_BYTES, decode_batch_buckets=(4,),
+                                          decode_kv_buckets=(256,)))
+    prompts = [list(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                         add_generation_prompt=True, return_dict=False))
+               for text in LM_PROMPTS]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def all_requests():
+        return await asyncio.gather(*(engine.generate_output(f"lm-{i}", p, [], params) for i, p in enumerate(prompts)))
+
+    try:
+        ours = [out.token_ids for out in asyncio.run(all_requests())]
+        mode = engine.stats()["decode_step"]["mode"]
+    finally:
+        engine.shutdown()
+    hf = hf_reference_model(ckpt).to(device=device, dtype=torch.bfloat16)
+    gaps = []
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        assert len(tokens) == max_tokens
+        ids = torch.tensor([prompt + tokens], device=device)
+        with torch.no_grad():
+            logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(tokens, device=device)[:, None])[:, 0]
+        gaps.extend(((logits.max(-1).values - chosen) / logits.std(-1)).tolist())
+    return gaps, mode
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_every_family_tower_in_bf16_matches_transformers(preset):
+    errors = tower_errors(preset, "cuda")
+    assert max(errors) < BF16_MAX_RELATIVE_ERROR, errors
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_every_family_language_model_in_bf16_matches_transformers(preset):
+    gaps, mode = language_gaps(preset, "cuda")
+    assert max(gaps) < BF16_MAX_LOGIT_GAP, (mode, gaps)  # every token transformers' best or a near tie
+    assert sum(gap == 0 for gap in gaps) >= len(gaps) * 3 // 4, (mode, gaps)  # and most of them exactly its pick
+
+
+def test_cuda_graph_decode_in_bf16_equals_eager():
+    """The static-shape step (CUDA graphs) against the eager step, same engine code, bf16: padding rows and KV
+    columns change GEMM shapes only, so the greedy tokens agree."""
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from raypipe.models.registry import preset_checkpoint
+
+    ckpt = preset_checkpoint("tiny")
+    outputs, modes = [], []
+    for compiled in (True, False):
+        engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, dtype="bfloat16",
+                                              kv_cache_memory=KV_BYTES, compiled_decode=compiled,
+                                              decode_batch_buckets=(1, 4), decode_kv_buckets=(256,)))
+        prompts = [engine.tokenizer.encode(text) for text in LM_PROMPTS]
+
+        async def all_requests():
+            params = SamplingParams(max_tokens=16, ignore_eos=True)
+            return await asyncio.gather(*(engine.generate_output(f"g-{i}", p, [], params)
+                                          for i, p in enumerate(prompts)))
+
+        try:
+            outputs.append([out.token_ids for out in asyncio.run(all_requests())])
+            modes.append(engine.stats()["decode_step"]["mode"])
+        finally:
+            engine.shutdown()
+    assert modes == ["cuda_graphs", "eager"]
+    agreeing = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), len(g)) for g, e in zip(*outputs)]
+    assert sum(agreeing) >= 0.75 * sum(len(g) for g in outputs[0]), (agreeing, outputs)  # bf16 near ties aside

@@ -41,13 +41,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 
-import ray
 import torch
 
 from raypipe.decode.block_pool import BlockPool
@@ -488,9 +488,13 @@ class LLMEngine:
 
 
 async def _resolve(embeds: Seq) -> list:
-    """Ray ObjectRefs fetched without blocking the event loop; anything else as it is."""
+    """Ray ObjectRefs fetched without blocking the event loop; anything else as it is.
+
+    Ray is looked up, not imported: a process that never imported it holds no ObjectRef, and the engine
+    must run where Ray is not installed (the GPU check, `raypipe.gpucheck`)."""
     embeds = list(embeds)
-    refs = [i for i, e in enumerate(embeds) if isinstance(e, ray.ObjectRef)]
+    ray = sys.modules.get("ray")
+    refs = [] if ray is None else [i for i, e in enumerate(embeds) if isinstance(e, ray.ObjectRef)]
     if refs:
         values = await asyncio.gather(*(embeds[i] for i in refs))
         for i, value in zip(refs, values):

@@ -54,6 +54,11 @@ SHAPES = {
 
 
 def write(folder: pathlib.Path, name: str) -> None:
+    write_shape(folder, SHAPES[name])
+
+
+def write_shape(folder: pathlib.Path, shape: dict) -> None:
+    """A checkpoint of `shape` (an entry like `SHAPES`'): the GPU check writes a larger one on its machine."""
     import json
 
     import torch
@@ -62,7 +67,6 @@ def write(folder: pathlib.Path, name: str) -> None:
         Qwen2VLImageProcessorPil,
     )
 
-    shape = SHAPES[name]
     tokenizer = build_byte_tokenizer(QWEN_SPECIAL_TOKENS, QWEN_CHAT_TEMPLATE, eos="<|im_end|>", pad="<|endoftext|>")
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
     text = dict(shape["text"])
