@@ -162,7 +162,9 @@ class RaypipeSide:
             return request["prompt_token_ids"], []
         from raypipe.models.prompt import build_prompt
 
-        prompt = build_prompt(request["messages"], self.engine.tokenizer, self.vision)
+        # Thinking off where the template has the switch, as the text sent to vLLM was rendered.
+        switch = {"enable_thinking": False} if "enable_thinking" in (self.engine.tokenizer.chat_template or "") else None
+        prompt = build_prompt(request["messages"], self.engine.tokenizer, self.vision, chat_template_kwargs=switch)
         with self._tower_lock:  # one tower, encoded one request at a time as they arrive
             if self._tower is None:
                 self._tower = self.vision.load_tower(self.engine.device, self.dtype)
