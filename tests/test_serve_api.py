@@ -450,7 +450,7 @@ def test_killed_encoder_worker_fails_no_request(server, http):
 # --- issue 9: what real clients send, and hostile ones ---------------------------------------------
 
 def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
-    image_part = {"type": "image_url", "image_url": {"url": image_url(28, 28), "detail": "high"}}
+    audio_part = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
     cases = {  # body -> the param the 400 must name
         "max_token": (_chat(max_token=5), "max_token"),  # misspelled
         "temprature": (_chat(temprature=0.5), "temprature"),
@@ -459,8 +459,7 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
         "json_schema": (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
                         "response_format.json_schema"),
         "tool_choice": (_chat(tool_choice="required"), "tool_choice"),  # no tools to call
-        "detail-high": (_chat(messages=[{"role": "user", "content": [image_part]}]),
-                        "messages[0].content[0].image_url.detail"),
+        "input_audio": (_chat(messages=[{"role": "user", "content": [audio_part]}]), "messages[0].content[0]"),
     }
     failures = []
     for name, (body, param) in cases.items():

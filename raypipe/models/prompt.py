@@ -255,9 +255,9 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     tokenized with control-token parsing off. Without look-alikes the ids equal
     `apply_chat_template(..., tokenize=True)`.
 
-    Tools and assistant tool calls are supplied text too, which templates write as JSON
-    (`| tojson`): every string in a function's name, description, parameters and call arguments
-    (keys included) is marked as its JSON-escaped text; the structure the template reads is kept.
+    An assistant turn's past `reasoning_content` is supplied text too. So are tools and assistant tool
+    calls, which templates write as JSON (`| tojson`): every string in a function's name, description,
+    parameters and call arguments (keys included) is marked as its JSON-escaped text; the structure the template reads is kept.
     `template_kwargs`: the template's switches (`check_template_kwargs`), e.g. Qwen3.5's `enable_thinking`.
     """
     switches = check_template_kwargs(tokenizer, template_kwargs)
@@ -283,6 +283,7 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
 
     marked = [{**m, "content": mark(m["content"]) if isinstance(m["content"], str) else
                [{**p, "text": mark(p["text"])} if p.get("type") == "text" else p for p in m["content"]],
+               **({"reasoning_content": mark(m["reasoning_content"])} if m.get("reasoning_content") else {}),
                **({"tool_calls": [{**call, "function": mark_function(call["function"])} for call in m["tool_calls"]]}
                   if m.get("tool_calls") else {})}
               for m in messages]
@@ -336,9 +337,10 @@ def _split_visuals(messages: list) -> tuple[list[dict], list]:
             raise InvalidInput("each message must be an object with a string 'role'", item=f"messages[{m}]",
                                code="invalid_request")
         content = message.get("content")
-        calls = {key: message[key] for key in ("tool_calls", "tool_call_id") if message.get(key) is not None}
+        carried = {key: message[key] for key in ("tool_calls", "tool_call_id", "reasoning_content")
+                   if message.get(key) is not None}
         if isinstance(content, str):
-            rendered.append({"role": message["role"], "content": content, **calls})
+            rendered.append({"role": message["role"], "content": content, **carried})
             continue
         if not isinstance(content, list):
             raise InvalidInput("content must be a string or a list of parts", item=f"messages[{m}].content",
@@ -357,7 +359,7 @@ def _split_visuals(messages: list) -> tuple[list[dict], list]:
             else:
                 raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url', "
                                    "'image', 'video_url' or 'video'", item=where, code="invalid_request")
-        rendered.append({"role": message["role"], "content": parts, **calls})
+        rendered.append({"role": message["role"], "content": parts, **carried})
     return rendered, visuals
 
 

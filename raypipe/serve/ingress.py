@@ -88,8 +88,9 @@ class Ingress:
             self._authorize(request)
             chat = parse_request(await self._read_body(request), ChatCompletionRequest)
             self._check_model(chat.model)
-            thinking = self.family.thinks(chat.chat_template_kwargs)
-            prompt, params = await self._prepare(chat)
+            template_kwargs = chat.template_kwargs(bool(self.family.reasoning))
+            thinking = self.family.thinks(template_kwargs)
+            prompt, params = await self._prepare(chat, template_kwargs)
             params = dataclasses.replace(params, structured=reasoning.constrain_answer(params.structured, thinking))
             visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
             request_id = completion_id()
@@ -98,7 +99,7 @@ class Ingress:
                                     self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts))
             stream = CompletionStream("chat", request_id, self.served_model_name, self.fingerprint, deltas,
                                       prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text,
-                                      chat.tool_names(), thinking)
+                                      chat.tool_names(), thinking, chat.legacy_functions)
             await stream.start()
             stream.record_routes(self.metrics)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
@@ -229,7 +230,7 @@ class Ingress:
             raise InvalidInput(f"model {model!r} does not exist; this server serves {self.served_model_name!r}",
                                item="model", code="model_not_found")
 
-    async def _prepare(self, chat: ChatCompletionRequest):
+    async def _prepare(self, chat: ChatCompletionRequest, template_kwargs: dict | None):
         self.limits.check_visual_count("image", len(chat.image_urls()))
         self.limits.check_visual_count("video", len(chat.video_urls()))
         model_len = await self._model_len()
@@ -239,7 +240,7 @@ class Ingress:
                                          max_text_chars=model_len * self.chars_per_token,
                                          max_video_tokens=model_len, resize_images=self.resize_images,
                                          tools=chat.template_tools(), tile_every_image=chat.tile_every_image(),
-                                         chat_template_kwargs=chat.chat_template_kwargs)
+                                         chat_template_kwargs=template_kwargs)
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
         return prompt, sampling_params(chat, max_tokens)
 
