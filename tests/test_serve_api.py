@@ -1010,3 +1010,34 @@ def test_decoder_crash_mid_request_is_a_retryable_503(server):
     assert plain.status_code == 503, plain.text
     assert plain.json()["error"]["code"] == "replica_unavailable" and plain.json()["error"]["type"]
     _wait_until_healthy(server, "the decoder")
+
+
+def test_openapi_document_publishes_the_request_schemas(server):
+    """`/openapi.json` had empty request schemas and `/docs` was a 404: the document now names the request models,
+    holds every field of the openai package's chat request, and every reference in it resolves."""
+    from openai.types.chat.completion_create_params import CompletionCreateParamsBase
+
+    document = httpx.get(f"{server}/openapi.json", timeout=30).json()
+    schemas = document["components"]["schemas"]
+
+    def resolve(ref: str) -> dict:
+        assert ref.startswith("#/components/schemas/"), ref
+        return schemas[ref.rsplit("/", 1)[1]]
+
+    def refs(value):
+        if isinstance(value, dict):
+            yield from ([value["$ref"]] if isinstance(value.get("$ref"), str) else [])
+            for item in value.values():
+                yield from refs(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from refs(item)
+
+    bodies = {path: resolve(document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+                            ["$ref"]) for path in ("/v1/chat/completions", "/v1/completions")}
+    openai_fields = {key for cls in CompletionCreateParamsBase.__mro__ for key in getattr(cls, "__annotations__", {})}
+    assert openai_fields <= set(bodies["/v1/chat/completions"]["properties"])
+    assert {"prompt", "echo", "suffix"} <= set(bodies["/v1/completions"]["properties"])
+    assert all(resolve(ref) for ref in refs(document))
+    docs = httpx.get(f"{server}/docs", timeout=30)
+    assert docs.status_code == 200 and "openapi.json" in docs.text

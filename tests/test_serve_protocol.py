@@ -255,3 +255,38 @@ def test_allowed_tools_narrow_the_tools():
     choice["allowed_tools"]["mode"] = "auto"
     request = parse_request(body(tools=tools, tool_choice=choice))
     assert request.tool_names() == {"sub"} and request.forced_tools() is None
+
+
+def test_low_detail_images_are_read_at_the_low_detail_size(tiny_ckpt):
+    """`detail: "low"` shrinks the image (aspect kept) to `ImageLimits.low_detail_pixels` before the model's own
+    processor: the same tokens as the image shrunk by PIL beforehand and sent at "auto"; other details unchanged."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from raypipe.inputs.images import ImageLimits
+    from raypipe.models.prompt import build_prompt
+    from raypipe.models.registry import vision_adapter
+
+    def url(image: Image.Image) -> str:
+        out = io.BytesIO()
+        image.save(out, "PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 448, 3), dtype=np.uint8))
+    limits = ImageLimits(low_detail_pixels=112 * 56)  # below the tiny preset's own pixel budget, so it shows
+    tokenizer, vision = AutoTokenizer.from_pretrained(tiny_ckpt), vision_adapter(tiny_ckpt)
+
+    def prompt(source: Image.Image, detail: str):
+        request = parse_request(body(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url(source), "detail": detail}}]}]))
+        return build_prompt(request.messages_for_template(), tokenizer, vision, limits)
+
+    low, auto, high = (prompt(image, detail) for detail in ("low", "auto", "high"))
+    shrunk = prompt(image.resize((112, 56), Image.Resampling.BICUBIC), "auto")
+    assert low.prompt_token_ids == shrunk.prompt_token_ids and low.visual_grids == shrunk.visual_grids
+    assert len(low.prompt_token_ids) < len(auto.prompt_token_ids) == len(high.prompt_token_ids)
+    assert low.visuals[0].content_hash == shrunk.visuals[0].content_hash != auto.visuals[0].content_hash

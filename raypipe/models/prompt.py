@@ -31,7 +31,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from raypipe.errors import InvalidInput
-from raypipe.inputs.images import ImageLimits, load_image
+from raypipe.inputs.images import ImageLimits, load_image, shrink_to
 from raypipe.inputs.media import DecodedVisual, VisualKind
 from raypipe.inputs.video import PlanFrames, VideoLimits, VideoSampling, load_video
 from raypipe.models import evs
@@ -52,6 +52,13 @@ class VideoOptions:
 
     def __post_init__(self):
         evs.check_rate(self.pruning_rate)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LowDetail:
+    """An image part sent with OpenAI's `detail: "low"`: read at `ImageLimits.low_detail_pixels` at most."""
+
+    source: object
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,7 +149,10 @@ def _loaders(vision_adapter: VisionAdapter, image_limits: ImageLimits, video: Vi
     """kind -> `(raw, item) -> DecodedVisual`, each decoded at the size the tower consumes, where it is
     decoded: only those pixels travel to the encoders (a video's frames are resized as they are decoded)."""
     def image(raw, item):
-        decoded = load_image(raw, image_limits, item=item)
+        if isinstance(raw, LowDetail):
+            decoded = shrink_to(load_image(raw.source, image_limits, item=item), image_limits.low_detail_pixels)
+        else:
+            decoded = load_image(raw, image_limits, item=item)
         return vision_adapter.resize_for_tower(decoded) if resize_images else decoded
 
     def video_(raw, item):
@@ -354,7 +364,9 @@ def _split_visuals(messages: list) -> tuple[list[dict], list]:
                     raise InvalidInput("text part needs a string 'text'", item=where, code="invalid_request")
                 parts.append({"type": "text", "text": part["text"]})
             elif kind in VISUAL_PART_KINDS:
-                visuals.append((VISUAL_PART_KINDS[kind], _visual_of(part, where)))
+                raw = _visual_of(part, where)
+                low = kind == "image_url" and isinstance(part[kind], dict) and part[kind].get("detail") == "low"
+                visuals.append((VISUAL_PART_KINDS[kind], LowDetail(raw) if low else raw))
                 parts.append({"type": VISUAL_PART_KINDS[kind]})
             else:
                 raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url', "

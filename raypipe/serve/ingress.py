@@ -36,13 +36,15 @@ from raypipe.serve.metrics import ServeMetrics
 from raypipe.serve.openai.bodies import completion_id, model_card, models_body
 from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai import reasoning
+from raypipe.serve.openai.openapi import install_schemas, request_body
 from raypipe.serve.openai.parsing import parse_request
 from raypipe.serve.openai.schemas import ChatCompletionRequest, CompletionRequest
 from raypipe.serve.prefix_router import HASHES_KWARG
 from raypipe.serve.streaming import CompletionStream
 
-app = FastAPI(title="raypipe", docs_url=None, redoc_url=None)
+app = FastAPI(title="raypipe", redoc_url=None)
 install_handlers(app)
+install_schemas(app, [ChatCompletionRequest, CompletionRequest])
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -81,7 +83,7 @@ class Ingress:
 
     # --- routes -------------------------------------------------------------------------------
 
-    @app.post(CHAT)
+    @app.post(CHAT, openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         try:
@@ -106,7 +108,7 @@ class Ingress:
             return self._error(CHAT, exc)
         return await self._respond(CHAT, stream, bool(chat.stream))
 
-    @app.post(COMPLETIONS)
+    @app.post(COMPLETIONS, openapi_extra=request_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         try:

@@ -461,7 +461,9 @@ class ChatCompletionRequest(Common):
             elif isinstance(content, list):
                 content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
                            else {"type": "text", "text": part.refusal} if isinstance(part, RefusalPart)
-                           else {"type": part.type, part.type: {"url": part.url}} for part in content]
+                           else {"type": part.type, part.type: {"url": part.url, **(
+                               {"detail": "low"} if isinstance(part, ImageURLPart) and part.low_detail else {})}}
+                           for part in content]
             out.append({"role": _TEMPLATE_ROLES.get(message.role, message.role), "content": content, **extra})
         return out
 
