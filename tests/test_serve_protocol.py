@@ -290,3 +290,54 @@ def test_low_detail_images_are_read_at_the_low_detail_size(tiny_ckpt):
     assert low.prompt_token_ids == shrunk.prompt_token_ids and low.visual_grids == shrunk.visual_grids
     assert len(low.prompt_token_ids) < len(auto.prompt_token_ids) == len(high.prompt_token_ids)
     assert low.visuals[0].content_hash == shrunk.visuals[0].content_hash != auto.visuals[0].content_hash
+
+
+class _Deltas:
+    """A decoder stream stand-in: the given texts, one token each, the last cut by `max_tokens`."""
+
+    def __init__(self, texts: list[str], finish: str):
+        from raypipe.decode.sequence import RequestDelta
+
+        self.items = [RequestDelta("r", [k], text, finish if k == len(texts) - 1 else None)
+                      for k, text in enumerate(texts)]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self):
+        self.items = []
+
+
+def test_calls_cut_by_max_tokens_keep_the_finished_ones_only():
+    """tool_choice "required" with parallel calls, cut inside the last call: the finished calls come back as calls,
+    whole and streamed; the unfinished one is not returned as `<tool_call>` text in content."""
+    import asyncio
+
+    from raypipe.serve.metrics import ServeMetrics
+    from raypipe.serve.streaming import CompletionStream
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": %d}}\n</tool_call>'
+    texts = [call % 1, "\n", call % 2, "\n", '<tool_call>\n{"name": "add", "argu']
+
+    async def run(streaming: bool):
+        stream = CompletionStream("chat", "id", "m", "fp", [_Deltas(texts, "length")], 3, 0.0, False,
+                                  tool_names={"add"})
+        await stream.start()
+        if not streaming:
+            return (await stream.collect())["choices"][0]
+        return [json.loads(line[6:]) for line in [chunk async for chunk in stream.sse(ServeMetrics(), "chat")]
+                if line.startswith("data: {")]
+
+    whole = asyncio.run(run(False))
+    assert whole["message"]["content"] is None and whole["finish_reason"] == "length"
+    assert [json.loads(c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == [{"a": 1}, {"a": 2}]
+    chunks = [chunk["choices"][0] for chunk in asyncio.run(run(True))]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
+    arguments = ["".join(d["function"]["arguments"] for c in chunks for d in c["delta"].get("tool_calls", [])
+                         if d["index"] == k) for k in range(2)]
+    assert [json.loads(a) for a in arguments] == [{"a": 1}, {"a": 2}] and chunks[-1]["finish_reason"] == "length"

@@ -40,7 +40,8 @@ def choice_body(kind: str, index: int, text: str | None, finish_reason: str, log
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         if tool_calls and legacy:
-            message["function_call"], finish_reason = tool_calls[0]["function"], "function_call"
+            message["function_call"] = tool_calls[0]["function"]
+            finish_reason = "length" if finish_reason == "length" else "function_call"
         elif tool_calls:
             message["tool_calls"] = tool_calls
         choice = {"index": index, "message": message}
