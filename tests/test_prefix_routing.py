@@ -186,3 +186,17 @@ def test_routing_is_on_by_default_where_the_decoder_may_scale_out():
     assert routed({"num_replicas": 1}, {"enabled": True, "max_key_blocks": 7}) == (True, 7)
     with pytest.raises(ValueError, match="routing.enabled"):
         routed({"num_replicas": 2, "request_router_config": {"request_router_class": "my.Router"}})
+
+
+def test_a_prompt_that_branches_off_another_has_no_affinity():
+    """First turns that share only the head every prompt has (3 of 5 blocks in tests/test_serve_routing.py) do not
+    follow the first conversation's replica; each conversation's next turn, which continues its own prompt, does."""
+    rule = PrefixAffinity(min_match_ratio=0.5, overload_threshold=8, max_tracked_blocks=100)
+    head = chain("system", 3)
+    first, second = (head + chain(tag, 2) for tag in ("c0", "c1"))
+    rule.record("A", first)
+    assert rule.matched("A", second) == 0 and rule.choose(second, {"A": 0, "B": 0}) is None
+    assert rule.choose(first + chain("c0-turn2", 3), {"A": 0, "B": 0}) == "A"  # continues where c0 stopped
+    assert rule.choose(head, {"A": 0, "B": 0}) == "A"  # the whole key held: an identical prefix
+    rule.record("A", head)  # a prompt that ends inside another keeps what followed there
+    assert rule.matched("A", second) == 0

@@ -129,3 +129,118 @@ def test_max_tokens_inside_the_thinking_block_leaves_no_content(server, expected
                                            response_format=FORM).choices[0]
     assert reply.finish_reason == "length" and reply.message.content is None
     assert reply.message.model_extra.get("reasoning_content")
+
+
+# --- issue 43: what the SDK sends back, OpenAI's other fields -------------------------------------------
+
+def _chat_loop(server, stream: bool) -> list[tuple]:
+    """The SDK's multi-turn loop: each reply's message appended as it came (streamed: the deltas gathered into
+    one, as clients do), then the next question. (reasoning, content, prompt tokens) per turn."""
+    messages, turns = [{"role": "user", "content": "Describe a cat."}], []
+    for turn in range(3):
+        kwargs = dict(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        if stream:
+            chunks = list(server.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+            deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+            reasoning = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+            message = {"role": "assistant", "content": "".join(d.content or "" for d in deltas) or None,
+                       "reasoning_content": reasoning or None}
+            usage = chunks[-1].usage
+        else:
+            reply = server.chat.completions.create(**kwargs)
+            message, usage = reply.choices[0].message, reply.usage
+        turns.append((_field(message, "reasoning_content"), _field(message, "content"), usage.prompt_tokens))
+        messages = [*messages, message, {"role": "user", "content": f"Turn {turn + 2}: and then?"}]
+    return turns
+
+
+def _field(message, name):
+    return message.get(name) if isinstance(message, dict) else getattr(message, name, None) or (
+        message.model_extra or {}).get(name)
+
+
+def test_the_sdk_loop_appends_replies_with_their_reasoning(server):
+    """Appending `resp.choices[0].message` (it carries `reasoning_content`) was a 400 naming it; the loop now runs,
+    whole and streamed alike, and each turn's prompt holds the previous one."""
+    whole, streamed = _chat_loop(server, False), _chat_loop(server, True)
+    assert whole == streamed
+    assert all(reasoning for reasoning, _, _ in whole)  # the turns sent back carried reasoning
+    assert whole[0][2] < whole[1][2] < whole[2][2]
+
+
+def test_past_reasoning_renders_where_the_template_renders_it(server):
+    """After the last user turn (a tool-call loop) the template writes the assistant's reasoning as a thinking block:
+    the prompt is the one transformers renders from the same messages, and differs from the one without it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(preset_checkpoint(MODEL))
+    call = {"id": "call_1", "type": "function", "function": {"name": "paint", "arguments": '{"n": 3}'}}
+    tool = {"type": "function", "function": {"name": "paint", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}}}}}
+    counts = {}
+    for reasoning in ("I should paint three.", None):
+        messages = [{"role": "user", "content": "Paint."},
+                    {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": reasoning},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+        reply = server.chat.completions.create(model=MODEL, messages=messages, tools=[tool], max_tokens=1,
+                                               temperature=0)
+        theirs = [{**m, "content": m["content"] or "", "tool_calls": [{"type": "function", "function": {
+            "name": "paint", "arguments": {"n": 3}}}]} if m["role"] == "assistant" else m for m in messages]
+        text = tokenizer.apply_chat_template(theirs, tools=[tool], add_generation_prompt=True, tokenize=False)
+        assert (reasoning is not None) == ("I should paint three." in text)
+        assert reply.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+        counts[reasoning] = reply.usage.prompt_tokens
+    assert counts["I should paint three."] > counts[None]
+
+
+NO_EFFECT = dict(metadata={"team": "a"}, store=True, service_tier="flex", user="u1", safety_identifier="s",
+                 prompt_cache_key="k", prompt_cache_retention="24h", modalities=["text"], verbosity="low",
+                 prediction={"type": "content", "content": "hi"}, web_search_options={"search_context_size": "low"},
+                 reasoning_effort="high")
+
+
+def test_openai_fields_with_no_effect_are_accepted_and_change_nothing(server, expected):
+    messages, texts = expected
+    message = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                             extra_body={"prompt_cache_options": {"mode": "implicit"}},
+                                             **NO_EFFECT).choices[0].message
+    assert (message.model_extra.get("reasoning_content"), message.content) == vllm_qwen3(texts[True], True)
+
+
+def test_reasoning_effort_none_switches_thinking_off(server, expected):
+    messages, texts = expected
+    for effort in ("none", "minimal"):
+        message = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                                 reasoning_effort=effort).choices[0].message
+        assert message.content == texts[False] and message.model_extra.get("reasoning_content") is None
+
+
+def test_misspelt_field_and_audio_are_refused_by_name(server):
+    cases = [({"extra_body": {"temprature": 0.5}}, "temprature"),
+             ({"messages": [{"role": "user", "content": [
+                 {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]},
+              "messages[0].content[0]"),
+             ({"modalities": ["text", "audio"], "audio": {"format": "wav", "voice": "alloy"}}, "audio")]
+    for fields, param in cases:
+        with pytest.raises(openai.BadRequestError) as refused:
+            server.chat.completions.create(**{"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 2, **fields})
+        assert refused.value.body["param"] == param, refused.value.body
+
+
+def test_legacy_functions_call_a_function(server, expected):
+    """`functions` + `function_call` are tools + tool_choice, answered in the legacy shape (`function_call`)."""
+    messages, texts = expected
+    function = {"name": "paint", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}
+    reply = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=96, temperature=0,
+                                           functions=[function], function_call={"name": "paint"}).choices[0]
+    assert reply.finish_reason == "function_call" and reply.message.function_call.name == "paint"
+    assert set(json.loads(reply.message.function_call.arguments)) == {"n"} and not reply.message.tool_calls
+    stream = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=96, temperature=0,
+                                            functions=[function], function_call={"name": "paint"}, stream=True)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    calls = [c.delta.function_call for c in chunks if c.delta.function_call]
+    assert calls[0].name == "paint"
+    assert "".join(c.arguments or "" for c in calls) == reply.message.function_call.arguments
+    assert chunks[-1].finish_reason == "function_call"

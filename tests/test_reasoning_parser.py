@@ -1,5 +1,6 @@
 """The reasoning split (`serve/openai/reasoning.py`) against vLLM's `qwen3` reasoning parser rule written out
-plainly, whole and streamed in pieces of every size; constraints applied after the thinking block; the thinking switch
+plainly (as its stream applies it: a model-written `<think>` drops alone), whole and streamed in pieces of every size
+and token by token; constraints applied after the thinking block; the thinking switch
 refused by a template without one."""
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ from raypipe.models.registry import FAMILIES
 from raypipe.serve.openai.reasoning import PARSERS, ReasoningStream, constrain_answer, split_reasoning
 
 ANSWERS = ["plan</think>\n\nanswer", "</think>\n\nanswer", "plan</think>", "plan only, cut short", "",
-           "<think>\nplan</think>answer", "a</think>b</think>c", "thinking about </thin and <think", "x</think>"]
+           "<think>\nplan</think>answer", "a</think>b</think>c", "thinking about </thin and <think",
+           "plan <think>more</think>answer", "a</think>b<think>c", "p<think>q<think>r</think>s", "x</think>"]
 
 
 def vllm_qwen3(text: str, thinking_on: bool) -> tuple[str | None, str | None]:
-    """vLLM's rule: with thinking off the prompt ended the reasoning, so all is content; else a generated
-    `<think>` is dropped with what precedes it, text before `</think>` is reasoning and after it content,
-    and without `</think>` everything is reasoning (cut short); empty parts are None."""
+    """vLLM's rule as its stream applies it: with thinking off the prompt ended the reasoning, so all is
+    content; else the first generated `<think>` before any `</think>` is dropped (the tag only: a stream cannot
+    take back the text before it), text before `</think>` is reasoning and after it content, and without
+    `</think>` everything is reasoning (cut short); empty parts are None."""
     if not thinking_on:
         return None, text or None
-    if "<think>" in text:
-        text = text.split("<think>", 1)[1]
+    head = text.split("<think>", 1)[0]
+    if "<think>" in text and "</think>" not in head:
+        text = head + text.split("<think>", 1)[1]
     if "</think>" not in text:
         return text or None, None
     reasoning, content = text.split("</think>", 1)
@@ -43,6 +47,25 @@ def test_split_follows_the_qwen3_parser_rule_whole_and_streamed(thinking_on):
         assert split_reasoning(text, thinking_on) == want, text
         for size in range(1, max(len(text), 1) + 1):
             assert streamed(text, size, thinking_on) == want, (text, size)
+
+
+def test_a_think_token_inside_the_reasoning_splits_whole_and_streamed_alike():
+    """Token by token on the Qwen3.5 preset's vocabulary (`<think>` is one token): the model writes reasoning, a
+    `<think>` token, more reasoning, `</think>`, the answer. The whole reply used to drop the reasoning before that
+    token, which the stream had sent already; now only the tag goes, in both."""
+    from transformers import AutoTokenizer
+
+    from raypipe.models.registry import preset_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(preset_checkpoint("tiny-qwen3.5"))
+    think, close = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
+    ids = tokenizer.encode("first plan, ") + [think] + tokenizer.encode("second plan") + [close] + tokenizer.encode(
+        "the answer")
+    whole = split_reasoning(tokenizer.decode(ids), True)
+    stream = ReasoningStream(True)
+    parts = [stream.feed(tokenizer.decode([token])) for token in ids] + [stream.finish()]
+    assert whole == ("first plan, second plan", "the answer")
+    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == whole
 
 
 def test_thinking_is_on_unless_switched_off():

@@ -450,7 +450,7 @@ def test_killed_encoder_worker_fails_no_request(server, http):
 # --- issue 9: what real clients send, and hostile ones ---------------------------------------------
 
 def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
-    image_part = {"type": "image_url", "image_url": {"url": image_url(28, 28), "detail": "high"}}
+    audio_part = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
     cases = {  # body -> the param the 400 must name
         "max_token": (_chat(max_token=5), "max_token"),  # misspelled
         "temprature": (_chat(temprature=0.5), "temprature"),
@@ -459,8 +459,7 @@ def test_unknown_and_unimplemented_fields_are_refused_by_name(http):
         "json_schema": (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
                         "response_format.json_schema"),
         "tool_choice": (_chat(tool_choice="required"), "tool_choice"),  # no tools to call
-        "detail-high": (_chat(messages=[{"role": "user", "content": [image_part]}]),
-                        "messages[0].content[0].image_url.detail"),
+        "input_audio": (_chat(messages=[{"role": "user", "content": [audio_part]}]), "messages[0].content[0]"),
     }
     failures = []
     for name, (body, param) in cases.items():
@@ -1011,3 +1010,34 @@ def test_decoder_crash_mid_request_is_a_retryable_503(server):
     assert plain.status_code == 503, plain.text
     assert plain.json()["error"]["code"] == "replica_unavailable" and plain.json()["error"]["type"]
     _wait_until_healthy(server, "the decoder")
+
+
+def test_openapi_document_publishes_the_request_schemas(server):
+    """`/openapi.json` had empty request schemas and `/docs` was a 404: the document now names the request models,
+    holds every field of the openai package's chat request, and every reference in it resolves."""
+    from openai.types.chat.completion_create_params import CompletionCreateParamsBase
+
+    document = httpx.get(f"{server}/openapi.json", timeout=30).json()
+    schemas = document["components"]["schemas"]
+
+    def resolve(ref: str) -> dict:
+        assert ref.startswith("#/components/schemas/"), ref
+        return schemas[ref.rsplit("/", 1)[1]]
+
+    def refs(value):
+        if isinstance(value, dict):
+            yield from ([value["$ref"]] if isinstance(value.get("$ref"), str) else [])
+            for item in value.values():
+                yield from refs(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from refs(item)
+
+    bodies = {path: resolve(document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+                            ["$ref"]) for path in ("/v1/chat/completions", "/v1/completions")}
+    openai_fields = {key for cls in CompletionCreateParamsBase.__mro__ for key in getattr(cls, "__annotations__", {})}
+    assert openai_fields <= set(bodies["/v1/chat/completions"]["properties"])
+    assert {"prompt", "echo", "suffix"} <= set(bodies["/v1/completions"]["properties"])
+    assert all(resolve(ref) for ref in refs(document))
+    docs = httpx.get(f"{server}/docs", timeout=30)
+    assert docs.status_code == 200 and "openapi.json" in docs.text

@@ -51,7 +51,7 @@ BAD_TOOLS = [  # (tools, other fields, the param the 400 names)
 @pytest.mark.parametrize("raw, code, param", [
     (b"{not json", "invalid_json", None),
     (body(max_tokens="5"), "invalid_type", "max_tokens"),  # strict: no silent coercion
-    (body(messages=[{"role": "user", "content": [{"type": "audio"}]}]), "invalid_type", "messages[0].content[0]"),
+    (body(messages=[{"role": "user", "content": [{"type": "audio"}]}]), "invalid_value", "messages[0].content[0].type"),
     (body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "missing_field",
      "messages[0].content[0].image_url.url"),
     (json.dumps({"messages": []}).encode(), "missing_field", "model"),
@@ -141,3 +141,203 @@ def test_dead_replica_is_a_retryable_503():
 
     error = ApiError.from_exception(ActorDiedError())
     assert error.status == 503 and error.body()["error"]["code"] == "replica_unavailable"
+
+
+# --- issue 43: every field OpenAI's chat API defines -------------------------------------------------
+
+def _openai_fields(typed_dict) -> set[str]:
+    """The keys of one of the openai package's request TypedDicts (and its bases)."""
+    return {key for cls in typed_dict.__mro__ for key in getattr(cls, "__annotations__", {})}
+
+
+def test_every_field_of_the_openai_clients_chat_request_is_known():
+    """The installed `openai` package's own request types: every parameter, every message and content-part field."""
+    from openai.types.chat import completion_create_params as params
+    from openai.types.chat import (chat_completion_assistant_message_param as assistant,
+                                   chat_completion_content_part_image_param as image,
+                                   chat_completion_content_part_text_param as text)
+
+    from raypipe.serve.openai.schemas import ChatCompletionRequest, ImageURL, ImageURLPart, Message, TextPart
+
+    for typed_dict, model in ((params.CompletionCreateParamsBase, ChatCompletionRequest),
+                              (assistant.ChatCompletionAssistantMessageParam, Message),
+                              (image.ChatCompletionContentPartImageParam, ImageURLPart),
+                              (image.ImageURL, ImageURL), (text.ChatCompletionContentPartTextParam, TextPart)):
+        assert _openai_fields(typed_dict) <= set(model.model_fields), (model, _openai_fields(typed_dict) - set(
+            model.model_fields))
+
+
+NO_EFFECT = {"metadata": {"team": "a"}, "store": True, "service_tier": "flex", "user": "u1", "safety_identifier": "s",
+             "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "implicit"},
+             "modalities": ["text"], "verbosity": "low", "prediction": {"type": "content", "content": "hi"},
+             "web_search_options": {"search_context_size": "low"}, "parallel_tool_calls": True,
+             "stream_options": {"include_obfuscation": False}}
+
+
+def test_fields_with_no_effect_change_nothing():
+    plain, loaded = parse_request(body()), parse_request(body(**NO_EFFECT))
+    assert sampling_params(loaded, 9) == sampling_params(plain, 9)
+    assert loaded.messages_for_template() == plain.messages_for_template()
+    assert loaded.template_kwargs(True) == plain.template_kwargs(True) is None
+    assert (loaded.tool_names(), loaded.forced_tools()) == (plain.tool_names(), plain.forced_tools()) == (None, None)
+
+
+def test_reasoning_effort_switches_thinking_where_the_model_has_a_switch():
+    for effort, off in (("none", True), ("minimal", True), ("low", False), ("high", False), ("max", False)):
+        request = parse_request(body(reasoning_effort=effort))
+        assert request.template_kwargs(True) == ({"enable_thinking": False} if off else None), effort
+        assert request.template_kwargs(False) is None  # no switch: no effect
+    explicit = parse_request(body(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}))
+    assert explicit.template_kwargs(True) == {"enable_thinking": True}  # the explicit switch wins
+
+
+def test_legacy_functions_are_tools():
+    function = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    modern = parse_request(body(tools=[{"type": "function", "function": function}],
+                                tool_choice={"type": "function", "function": {"name": "add"}}))
+    legacy = parse_request(body(functions=[function], function_call={"name": "add"}))
+    assert legacy.legacy_functions and not modern.legacy_functions
+    assert legacy.template_tools() == modern.template_tools()
+    assert legacy.forced_tools() == modern.forced_tools() and legacy.tool_names() == {"add"}
+    assert parse_request(body(functions=[function], function_call="none")).tool_names() is None
+    # A legacy call in history (and a `function` turn answering it) renders as a tool call and a tool turn.
+    history = parse_request(body(messages=[
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": '{"a": 1}'}},
+        {"role": "function", "name": "add", "content": "3"}]))
+    turns = history.messages_for_template()
+    assert turns[1]["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+    assert turns[2]["role"] == "tool"
+
+
+def test_an_assistant_turn_the_sdk_sends_back_is_accepted():
+    """`resp.choices[0].message` appended as is: `reasoning_content` (this server's and vLLM's name) or `reasoning`
+    (vLLM >= 0.10), `refusal`, `annotations`; the reasoning reaches the template as `reasoning_content`."""
+    for name in ("reasoning_content", "reasoning"):
+        request = parse_request(body(messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", name: "greet back", "refusal": None, "annotations": []},
+            {"role": "user", "content": "again"}]))
+        assert request.messages_for_template()[1] == {"role": "assistant", "content": "hello",
+                                                      "reasoning_content": "greet back"}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temprature": 0.5}, "temprature"),  # in neither API
+    ({"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}]},
+     "messages[0].content[0]"),
+    ({"audio": {"format": "wav", "voice": "alloy"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": [{"role": "assistant", "content": None, "audio": {"id": "a1"}}]}, "messages[0].audio"),
+    ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ({"tools": [{"type": "custom", "custom": {"name": "sql"}}]}, "tools[0]"),
+    ({"tools": [_tool()], "functions": [{"name": "sub"}]}, "functions"),
+    ({"tools": [_tool()], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "sub"}}]}}},
+     "tool_choice.allowed_tools.tools[0].function.name"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(fields, param):
+    with pytest.raises(InvalidInput) as info:
+        parse_request(body(**fields))
+    assert info.value.item == param and info.value.code in ("unsupported_parameter", "unrecognized_argument",
+                                                            "invalid_value")
+    assert param.split(".")[-1].split("[")[0] in str(info.value) or info.value.code == "unsupported_parameter"
+
+
+def test_allowed_tools_narrow_the_tools():
+    tools = [_tool("add"), _tool("sub")]
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "sub"}}]}}
+    request = parse_request(body(tools=tools, tool_choice=choice))
+    assert request.tool_names() == {"sub"} and set(request.forced_tools()) == {"sub"}
+    choice["allowed_tools"]["mode"] = "auto"
+    request = parse_request(body(tools=tools, tool_choice=choice))
+    assert request.tool_names() == {"sub"} and request.forced_tools() is None
+
+
+def test_low_detail_images_are_read_at_the_low_detail_size(tiny_ckpt):
+    """`detail: "low"` shrinks the image (aspect kept) to `ImageLimits.low_detail_pixels` before the model's own
+    processor: the same tokens as the image shrunk by PIL beforehand and sent at "auto"; other details unchanged."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from raypipe.inputs.images import ImageLimits
+    from raypipe.models.prompt import build_prompt
+    from raypipe.models.registry import vision_adapter
+
+    def url(image: Image.Image) -> str:
+        out = io.BytesIO()
+        image.save(out, "PNG")
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 448, 3), dtype=np.uint8))
+    limits = ImageLimits(low_detail_pixels=112 * 56)  # below the tiny preset's own pixel budget, so it shows
+    tokenizer, vision = AutoTokenizer.from_pretrained(tiny_ckpt), vision_adapter(tiny_ckpt)
+
+    def prompt(source: Image.Image, detail: str):
+        request = parse_request(body(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url(source), "detail": detail}}]}]))
+        return build_prompt(request.messages_for_template(), tokenizer, vision, limits)
+
+    low, auto, high = (prompt(image, detail) for detail in ("low", "auto", "high"))
+    shrunk = prompt(image.resize((112, 56), Image.Resampling.BICUBIC), "auto")
+    assert low.prompt_token_ids == shrunk.prompt_token_ids and low.visual_grids == shrunk.visual_grids
+    assert len(low.prompt_token_ids) < len(auto.prompt_token_ids) == len(high.prompt_token_ids)
+    assert low.visuals[0].content_hash == shrunk.visuals[0].content_hash != auto.visuals[0].content_hash
+
+
+class _Deltas:
+    """A decoder stream stand-in: the given texts, one token each, the last cut by `max_tokens`."""
+
+    def __init__(self, texts: list[str], finish: str):
+        from raypipe.decode.sequence import RequestDelta
+
+        self.items = [RequestDelta("r", [k], text, finish if k == len(texts) - 1 else None)
+                      for k, text in enumerate(texts)]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+    def cancel(self):
+        self.items = []
+
+
+def test_calls_cut_by_max_tokens_keep_the_finished_ones_only():
+    """tool_choice "required" with parallel calls, cut inside the last call: the finished calls come back as calls,
+    whole and streamed; the unfinished one is not returned as `<tool_call>` text in content."""
+    import asyncio
+
+    from raypipe.serve.metrics import ServeMetrics
+    from raypipe.serve.streaming import CompletionStream
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": %d}}\n</tool_call>'
+    texts = [call % 1, "\n", call % 2, "\n", '<tool_call>\n{"name": "add", "argu']
+
+    async def run(streaming: bool):
+        stream = CompletionStream("chat", "id", "m", "fp", [_Deltas(texts, "length")], 3, 0.0, False,
+                                  tool_names={"add"})
+        await stream.start()
+        if not streaming:
+            return (await stream.collect())["choices"][0]
+        return [json.loads(line[6:]) for line in [chunk async for chunk in stream.sse(ServeMetrics(), "chat")]
+                if line.startswith("data: {")]
+
+    whole = asyncio.run(run(False))
+    assert whole["message"]["content"] is None and whole["finish_reason"] == "length"
+    assert [json.loads(c["function"]["arguments"]) for c in whole["message"]["tool_calls"]] == [{"a": 1}, {"a": 2}]
+    chunks = [chunk["choices"][0] for chunk in asyncio.run(run(True))]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
+    arguments = ["".join(d["function"]["arguments"] for c in chunks for d in c["delta"].get("tool_calls", [])
+                         if d["index"] == k) for k in range(2)]
+    assert [json.loads(a) for a in arguments] == [{"a": 1}, {"a": 2}] and chunks[-1]["finish_reason"] == "length"

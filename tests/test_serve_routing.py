@@ -8,10 +8,17 @@ prefix it computed is in its cache).
 8 conversations x 5 turns, interleaved: every round sends the 8 conversations' next turns at once.
 Each turn's prompt extends the previous turn's prompt, so a turn that lands where the previous one
 ran takes at least every full block of that prompt from the cache; on the other replica it would
-only find the chat template's head. A first turn shares only that head (under half its blocks), so
-new conversations are spread by queue length; a later turn's previous prompt is over half of it. With 8 requests in flight over 2 replicas no queue can exceed
-another by more than 7, below the threshold, so the overload fallback cannot apply here: every turn
->= 2 must land on its conversation's replica.
+only find the chat template's head. A first turn shares only that head with the others (3 of its 5 keyed
+blocks: over the match ratio, but it branches off another prompt there, which is no affinity), so new
+conversations are spread by queue length; a later turn continues its previous prompt, over half of it.
+With 8 requests in flight over 2 replicas no queue can exceed another by more than 7, below the
+threshold, so the overload fallback cannot apply here: every turn >= 2 must land on its conversation's
+replica.
+
+The spread of first turns: the 8 arrive together and Serve counts each request it sends in its queue
+lengths, so the shorter queue alternates; each replica takes between 2 and 6 of the 8 conversations
+(`MIN_CONVERSATIONS`), whole (the bound leaves room for requests that finish during the burst). Before
+the branch rule, every first turn could follow the first one's replica: 40 of 40 requests on one.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ CONVERSATIONS, TURNS, MAX_TOKENS = 8, 5, 4
 ENGINE = {"max_model_len": 1024, "max_num_seqs": 8}
 BLOCK = EngineConfig().block_size
 ROUTING = {"min_match_ratio": 0.5, "overload_threshold": 8}  # explicit: the test's reasoning rests on them
+MIN_CONVERSATIONS = 2  # per replica, of CONVERSATIONS (see the module's docstring)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +125,8 @@ def test_turns_stay_on_their_replica_with_one_replicas_outputs_and_hit_rate(serv
     requests = per_replica(text, "raypipe_decoder_requests_total")
     hits = per_replica(text, "raypipe_decoder_prefix_cache_hits_total")
     queries = per_replica(text, "raypipe_decoder_prefix_cache_queries_total")
-    assert len(requests) == 2 and sum(requests.values()) == CONVERSATIONS * TURNS
-    assert all(count % TURNS == 0 for count in requests.values())  # whole conversations per replica
+    assert sum(requests.values()) == CONVERSATIONS * TURNS
+    assert all(count % TURNS == 0 for count in requests.values()), requests  # whole conversations per replica
+    assert len(requests) == 2 and min(requests.values()) >= MIN_CONVERSATIONS * TURNS, requests
     assert sum(hits.values()) == sum(r[2] for row in served for r in row)
     assert sum(queries.values()) == sum(r[1] for row in served for r in row)

@@ -43,6 +43,7 @@ class ImageLimits:
     max_bytes: int = 50 * 1024 * 1024  # encoded size
     allowed_url_prefixes: tuple[str, ...] = ()  # e.g. ("https://images.example.com/", "file:///data/")
     fetch_timeout_s: float = 10.0
+    low_detail_pixels: int = 512 * 512  # an image sent with detail "low": OpenAI's low-resolution view, 512 x 512
 
     def __post_init__(self):
         if self.min_side < 1 or self.max_pixels < self.min_side**2:
@@ -71,6 +72,18 @@ def load_image(image, limits: ImageLimits = ImageLimits(), *, item: str = "image
     else:
         raise InvalidInput(f"unsupported image type {type(image).__name__}; expected PIL image, numpy array, "
                            "bytes or a data: URL", item=item, code="unsupported_image_type")
+    return DecodedVisual(pixels, pixel_hash(pixels), "image")
+
+
+def shrink_to(image: DecodedVisual, max_pixels: int) -> DecodedVisual:
+    """`image` scaled down (aspect ratio kept, bicubic) to at most `max_pixels` pixels; unchanged if it holds fewer.
+    The hash is of the new pixels, so caches tell the two apart."""
+    height, width = image.pixels.shape[:2]
+    if height * width <= max_pixels:
+        return image
+    scale = (max_pixels / (height * width)) ** 0.5
+    size = (max(1, int(width * scale)), max(1, int(height * scale)))
+    pixels = np.ascontiguousarray(Image.fromarray(image.pixels).resize(size, Image.Resampling.BICUBIC))
     return DecodedVisual(pixels, pixel_hash(pixels), "image")
 
 

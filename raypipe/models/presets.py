@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
-PRESET_VERSION = "v6"  # part of the cache folder name: bump when any family's preset changes
+PRESET_VERSION = "v7"  # part of the cache folder name: bump when any family's preset changes
 
 
 def cache_root() -> pathlib.Path:
@@ -81,8 +81,16 @@ _TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist with the 
           "<args-json-object>}\n</tool_call>")
 
 
+# Qwen3 / Qwen3.5's rule for past reasoning: an assistant turn after the last user turn (a tool-call loop
+# within one query) writes its `reasoning_content` as a thinking block; earlier turns drop it.
+PAST_REASONING = ("{% if loop.index0 > ns.last_query and message['reasoning_content'] %}"
+                  "<think>\n{{ message['reasoning_content'] }}\n</think>\n\n{% endif %}")
+_LAST_QUERY = ("{% set ns = namespace(last_query=-1) %}{% for message in messages %}"
+               "{% if message['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}")
+
+
 def chat_template(image_part: str, default_system: str | None = None, video_part: str | None = None,
-                  generation_tail: str = "") -> str:
+                  generation_tail: str = "", past_reasoning: str = "") -> str:
     """A Qwen2.5-style chat template that renders text parts, `image_part` for each image part and
     `video_part` for each video part (families that take videos), and tools as Qwen2.5's does: the
     tools listed in the system turn, an assistant's calls as `<tool_call>` blocks, tool results as
@@ -90,7 +98,8 @@ def chat_template(image_part: str, default_system: str | None = None, video_part
 
     `default_system`: a system turn put first when the conversation has none (Qwen2.5-VL's); with
     tools and no system turn, one holding the tools is put first either way. `generation_tail`:
-    what the generation prompt writes after `<|im_start|>assistant\n` (Qwen3.5's thinking switch)."""
+    what the generation prompt writes after `<|im_start|>assistant\n` (Qwen3.5's thinking switch);
+    `past_reasoning`: what an assistant turn writes before its content (`PAST_REASONING` for Qwen3.5)."""
     video = ("{% elif part['type'] in ('video', 'video_url') %}" + video_part) if video_part else ""
     content = ("{% if message['content'] is string %}{{ message['content'] }}"
                "{% else %}{% for part in message['content'] %}"
@@ -108,14 +117,17 @@ def chat_template(image_part: str, default_system: str | None = None, video_part
              "<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
              "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}")
     template = (
-        "{% for message in messages %}"
+        (_LAST_QUERY if past_reasoning else "")
+        + "{% for message in messages %}"
         + system
         + "{% if message['role'] == 'tool' %}"
         "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
         "\n<tool_response>\n" + content + "\n</tool_response>"
         "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
         "{% else %}"
-        "<|im_start|>{{ message['role'] }}\n" + content
+        "<|im_start|>{{ message['role'] }}\n"
+        + ("{% if message['role'] == 'assistant' %}" + past_reasoning + "{% endif %}" if past_reasoning else "")
+        + content
         + "{% if loop.first and message['role'] == 'system' and tools %}" + _TOOLS + "{% endif %}"
         + calls
         + "<|im_end|>\n"

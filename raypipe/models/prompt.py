@@ -31,7 +31,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from raypipe.errors import InvalidInput
-from raypipe.inputs.images import ImageLimits, load_image
+from raypipe.inputs.images import ImageLimits, load_image, shrink_to
 from raypipe.inputs.media import DecodedVisual, VisualKind
 from raypipe.inputs.video import PlanFrames, VideoLimits, VideoSampling, load_video
 from raypipe.models import evs
@@ -52,6 +52,13 @@ class VideoOptions:
 
     def __post_init__(self):
         evs.check_rate(self.pruning_rate)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LowDetail:
+    """An image part sent with OpenAI's `detail: "low"`: read at `ImageLimits.low_detail_pixels` at most."""
+
+    source: object
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,7 +149,10 @@ def _loaders(vision_adapter: VisionAdapter, image_limits: ImageLimits, video: Vi
     """kind -> `(raw, item) -> DecodedVisual`, each decoded at the size the tower consumes, where it is
     decoded: only those pixels travel to the encoders (a video's frames are resized as they are decoded)."""
     def image(raw, item):
-        decoded = load_image(raw, image_limits, item=item)
+        if isinstance(raw, LowDetail):
+            decoded = shrink_to(load_image(raw.source, image_limits, item=item), image_limits.low_detail_pixels)
+        else:
+            decoded = load_image(raw, image_limits, item=item)
         return vision_adapter.resize_for_tower(decoded) if resize_images else decoded
 
     def video_(raw, item):
@@ -255,9 +265,9 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     tokenized with control-token parsing off. Without look-alikes the ids equal
     `apply_chat_template(..., tokenize=True)`.
 
-    Tools and assistant tool calls are supplied text too, which templates write as JSON
-    (`| tojson`): every string in a function's name, description, parameters and call arguments
-    (keys included) is marked as its JSON-escaped text; the structure the template reads is kept.
+    An assistant turn's past `reasoning_content` is supplied text too. So are tools and assistant tool
+    calls, which templates write as JSON (`| tojson`): every string in a function's name, description,
+    parameters and call arguments (keys included) is marked as its JSON-escaped text; the structure the template reads is kept.
     `template_kwargs`: the template's switches (`check_template_kwargs`), e.g. Qwen3.5's `enable_thinking`.
     """
     switches = check_template_kwargs(tokenizer, template_kwargs)
@@ -283,6 +293,7 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
 
     marked = [{**m, "content": mark(m["content"]) if isinstance(m["content"], str) else
                [{**p, "text": mark(p["text"])} if p.get("type") == "text" else p for p in m["content"]],
+               **({"reasoning_content": mark(m["reasoning_content"])} if m.get("reasoning_content") else {}),
                **({"tool_calls": [{**call, "function": mark_function(call["function"])} for call in m["tool_calls"]]}
                   if m.get("tool_calls") else {})}
               for m in messages]
@@ -336,9 +347,10 @@ def _split_visuals(messages: list) -> tuple[list[dict], list]:
             raise InvalidInput("each message must be an object with a string 'role'", item=f"messages[{m}]",
                                code="invalid_request")
         content = message.get("content")
-        calls = {key: message[key] for key in ("tool_calls", "tool_call_id") if message.get(key) is not None}
+        carried = {key: message[key] for key in ("tool_calls", "tool_call_id", "reasoning_content")
+                   if message.get(key) is not None}
         if isinstance(content, str):
-            rendered.append({"role": message["role"], "content": content, **calls})
+            rendered.append({"role": message["role"], "content": content, **carried})
             continue
         if not isinstance(content, list):
             raise InvalidInput("content must be a string or a list of parts", item=f"messages[{m}].content",
@@ -352,12 +364,14 @@ def _split_visuals(messages: list) -> tuple[list[dict], list]:
                     raise InvalidInput("text part needs a string 'text'", item=where, code="invalid_request")
                 parts.append({"type": "text", "text": part["text"]})
             elif kind in VISUAL_PART_KINDS:
-                visuals.append((VISUAL_PART_KINDS[kind], _visual_of(part, where)))
+                raw = _visual_of(part, where)
+                low = kind == "image_url" and isinstance(part[kind], dict) and part[kind].get("detail") == "low"
+                visuals.append((VISUAL_PART_KINDS[kind], LowDetail(raw) if low else raw))
                 parts.append({"type": VISUAL_PART_KINDS[kind]})
             else:
                 raise InvalidInput(f"unsupported content part type {kind!r}; expected 'text', 'image_url', "
                                    "'image', 'video_url' or 'video'", item=where, code="invalid_request")
-        rendered.append({"role": message["role"], "content": parts, **calls})
+        rendered.append({"role": message["role"], "content": parts, **carried})
     return rendered, visuals
 
 

@@ -36,13 +36,15 @@ from raypipe.serve.metrics import ServeMetrics
 from raypipe.serve.openai.bodies import completion_id, model_card, models_body
 from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai import reasoning
+from raypipe.serve.openai.openapi import install_schemas, request_body
 from raypipe.serve.openai.parsing import parse_request
 from raypipe.serve.openai.schemas import ChatCompletionRequest, CompletionRequest
 from raypipe.serve.prefix_router import HASHES_KWARG
 from raypipe.serve.streaming import CompletionStream
 
-app = FastAPI(title="raypipe", docs_url=None, redoc_url=None)
+app = FastAPI(title="raypipe", redoc_url=None)
 install_handlers(app)
+install_schemas(app, [ChatCompletionRequest, CompletionRequest])
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -81,15 +83,16 @@ class Ingress:
 
     # --- routes -------------------------------------------------------------------------------
 
-    @app.post(CHAT)
+    @app.post(CHAT, openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         try:
             self._authorize(request)
             chat = parse_request(await self._read_body(request), ChatCompletionRequest)
             self._check_model(chat.model)
-            thinking = self.family.thinks(chat.chat_template_kwargs)
-            prompt, params = await self._prepare(chat)
+            template_kwargs = chat.template_kwargs(bool(self.family.reasoning))
+            thinking = self.family.thinks(template_kwargs)
+            prompt, params = await self._prepare(chat, template_kwargs)
             params = dataclasses.replace(params, structured=reasoning.constrain_answer(params.structured, thinking))
             visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
             request_id = completion_id()
@@ -98,14 +101,14 @@ class Ingress:
                                     self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts))
             stream = CompletionStream("chat", request_id, self.served_model_name, self.fingerprint, deltas,
                                       prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text,
-                                      chat.tool_names(), thinking)
+                                      chat.tool_names(), thinking, chat.legacy_functions)
             await stream.start()
             stream.record_routes(self.metrics)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return self._error(CHAT, exc)
         return await self._respond(CHAT, stream, bool(chat.stream))
 
-    @app.post(COMPLETIONS)
+    @app.post(COMPLETIONS, openapi_extra=request_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         try:
@@ -229,7 +232,7 @@ class Ingress:
             raise InvalidInput(f"model {model!r} does not exist; this server serves {self.served_model_name!r}",
                                item="model", code="model_not_found")
 
-    async def _prepare(self, chat: ChatCompletionRequest):
+    async def _prepare(self, chat: ChatCompletionRequest, template_kwargs: dict | None):
         self.limits.check_visual_count("image", len(chat.image_urls()))
         self.limits.check_visual_count("video", len(chat.video_urls()))
         model_len = await self._model_len()
@@ -239,7 +242,7 @@ class Ingress:
                                          max_text_chars=model_len * self.chars_per_token,
                                          max_video_tokens=model_len, resize_images=self.resize_images,
                                          tools=chat.template_tools(), tile_every_image=chat.tile_every_image(),
-                                         chat_template_kwargs=chat.chat_template_kwargs)
+                                         chat_template_kwargs=template_kwargs)
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
         return prompt, sampling_params(chat, max_tokens)
 

@@ -3,13 +3,19 @@
 Each Decoder replica has its own engine and KV pool, so a prompt is only cheap where its prefix
 was computed before. A request is keyed by the hashes the engine keys its cached blocks by
 (`decode/prefix_hash.py`: token ids chained with the visual items' identities), and the router
-remembers, per replica, the hashes of the requests it sent there: a bounded LRU, so memory stays
-fixed whatever the traffic (tail blocks are forgotten before head blocks, as the engine's pool
-evicts them). It is a guess, never a promise: the engine may have evicted the blocks, and a wrong
+remembers, per replica, the hashes of the requests it sent there, each with the hash that followed
+it: a bounded LRU, so memory stays fixed whatever the traffic (tail blocks are forgotten before head
+blocks, as the engine's pool evicts them). It is a guess, never a promise: the engine may have evicted the blocks, and a wrong
 guess costs one prefill, never a wrong answer.
 
 The rule, for a request with block hashes h_0..h_n over the replicas that can take it:
-  1. match(r) = how many leading hashes replica r holds (the chain makes h_j imply h_0..h_j-1);
+  1. match(r) = how many leading hashes replica r holds (the chain makes h_j imply h_0..h_j-1), and
+     0 where the match stops at a block after which r was sent something else: the request then
+     branches off another prompt (the head every conversation shares: chat template, system prompt,
+     a common document) rather than continuing one of its own (a conversation's next turn goes on
+     where its previous prompt stopped). Without this, with short prompts the shared head alone was
+     over `min_match_ratio` of a first turn, and every new conversation followed the first one to its
+     replica (tests/test_serve_routing.py saw 40 of 40 requests on one of two replicas);
   2. the replica with the longest match wins (ties: the shorter queue),
   3. if the match covers at least `min_match_ratio` of the n + 1 hashes: a shorter one is mostly a
      head every prompt shares (chat template, system prompt), cheap to compute once per replica,
@@ -53,16 +59,19 @@ class PrefixAffinity:
         self.min_match_ratio = min_match_ratio
         self.overload_threshold = overload_threshold
         self.max_tracked_blocks = max_tracked_blocks
-        self.blocks: dict[Hashable, OrderedDict[bytes, None]] = {}
+        # replica -> block hash sent there -> the hash that followed it (None: the end of a prompt)
+        self.blocks: dict[Hashable, OrderedDict[bytes, bytes | None]] = {}
 
     def matched(self, replica: Hashable, hashes: Sequence[bytes]) -> int:
-        """How many of `hashes`, from the first, `replica` was sent."""
+        """How many of `hashes`, from the first, `replica` was sent; 0 where they branch off what it was sent."""
         held = self.blocks.get(replica, {})
         count = 0
         for h in hashes:
             if h not in held:
                 break
             count += 1
+        if 0 < count < len(hashes) and held[hashes[count - 1]] not in (None, hashes[count]):
+            return 0  # (the same successor, evicted since: the same chain, its tail forgotten)
         return count
 
     def choose(self, hashes: Sequence[bytes], queue_lens: Mapping[Hashable, int]) -> Hashable | None:
@@ -81,8 +90,9 @@ class PrefixAffinity:
     def record(self, replica: Hashable, hashes: Sequence[bytes]) -> None:
         """`hashes` were sent to `replica`. Touched last-to-first, so a prompt's head stays longest."""
         held = self.blocks.setdefault(replica, OrderedDict())
-        for h in reversed(hashes):
-            held[h] = None
+        for j in reversed(range(len(hashes))):
+            h = hashes[j]
+            held[h] = hashes[j + 1] if j + 1 < len(hashes) else held.get(h)  # a prompt's end keeps what followed
             held.move_to_end(h)
         while len(held) > self.max_tracked_blocks:
             held.popitem(last=False)

@@ -51,14 +51,16 @@ class _Choice:
 class CompletionStream:
     """`kind` is "chat" or "text" (see `openai.bodies`); `deltas` one decoder stream per choice;
     `token_text(id)` renders logprob tokens; `tool_names` (chat) the functions whose calls are parsed;
-    `thinking` (chat) whether answers start inside a thinking block (`openai.reasoning`)."""
+    `thinking` (chat) whether answers start inside a thinking block (`openai.reasoning`); `legacy_functions`
+    (chat) whether the tools came as `functions`, so a call is answered as a `function_call`."""
 
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas: list, prompt_tokens: int,
                  arrival: float, include_usage: bool, token_text=None, tool_names: set[str] | None = None,
-                 thinking: bool = False):
+                 thinking: bool = False, legacy_functions: bool = False):
         self.kind, self.request_id, self.model, self.fingerprint = kind, request_id, model, fingerprint
         self.choices = [_Choice(index, stream) for index, stream in enumerate(deltas)]
         self.token_text, self.tool_names, self.thinking = token_text, tool_names, thinking and kind == "chat"
+        self.legacy_functions = legacy_functions
         self.prompt_tokens, self.arrival, self.include_usage = prompt_tokens, arrival, include_usage
         self.created = int(time.time())
         self.first_token_at: float | None = None
@@ -138,9 +140,11 @@ class CompletionStream:
         reasoning = None
         if self.thinking:
             reasoning, text = split_reasoning(text, True)
-        parsed = parse_tool_calls(text, self.tool_names) if self._parses_tools and text else None
+        cut = choice.finish_reason == "length"
+        parsed = parse_tool_calls(text, self.tool_names, cut) if self._parses_tools and text else None
         if parsed is not None:
-            return choice_body(self.kind, choice.index, parsed[0], "tool_calls", logprobs, parsed[1], reasoning)
+            return choice_body(self.kind, choice.index, parsed[0], "length" if cut else "tool_calls", logprobs,
+                               parsed[1], reasoning, self.legacy_functions)
         return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs, reasoning=reasoning)
 
     def record_routes(self, metrics: ServeMetrics) -> None:
@@ -177,9 +181,14 @@ class CompletionStream:
                 yield choice.index, {key: text}, None, None
         finish = choice.finish_reason
         if calls is not None:
-            rest, found = calls.finish()
+            rest, found = calls.finish(finish == "length")
             if rest:
                 yield choice.index, {key: rest}, None, None
+            if found and self.legacy_functions:  # OpenAI's delta shape for a legacy function call
+                function = found[0]["function"]
+                yield choice.index, {"function_call": {"name": function["name"], "arguments": ""}}, None, None
+                yield choice.index, {"function_call": {"arguments": function["arguments"]}}, None, None
+                found, finish = [], "length" if finish == "length" else "function_call"
             for k, call in enumerate(found):
                 function = call["function"]
                 yield choice.index, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
@@ -187,7 +196,7 @@ class CompletionStream:
                     None, None
                 yield choice.index, {"tool_calls": [{"index": k, "function": {"arguments": function["arguments"]}}]}, \
                     None, None
-            finish = "tool_calls" if found else finish
+            finish = "tool_calls" if found and finish != "length" else finish
         yield choice.index, {} if self.kind == "chat" else {"text": ""}, finish, None
 
     async def sse(self, metrics: ServeMetrics, endpoint: str) -> AsyncIterator[str]:

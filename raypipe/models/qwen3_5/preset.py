@@ -5,7 +5,8 @@ The chat template is Qwen3.5's as raypipe serves it: Qwen3-VL's turns and vision
 system turn, and the thinking switch of Qwen3.5's template: the generation prompt opens the thinking
 block (`<|im_start|>assistant\\n<think>\\n`, so the model writes its reasoning, `</think>`, then the
 answer) unless `enable_thinking` is false, when it writes an empty block (`<think>\\n\\n</think>\\n\\n`)
-and the model answers at once. `<think>` and `</think>` are single tokens that are not special (as in
+and the model answers at once. An assistant turn after the last user turn writes its past reasoning
+(`reasoning_content`) as a thinking block before its content, earlier ones drop it (Qwen3.5's rule). `<think>` and `</think>` are single tokens that are not special (as in
 Qwen's vocabulary), so the decoded text keeps them for the reasoning parser.
 
 The tiny presets' text model has layers linear, linear, full attention (the hybrid in miniature), 32-wide
@@ -20,6 +21,7 @@ from __future__ import annotations
 import pathlib
 
 from raypipe.models.presets import (
+    PAST_REASONING,
     build_byte_tokenizer,
     chat_template,
     save_preset,
@@ -34,7 +36,7 @@ THINKING_SWITCH = ("{% if enable_thinking is defined and enable_thinking is fals
                    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}")
 QWEN3_5_CHAT_TEMPLATE = chat_template("<|vision_start|><|image_pad|><|vision_end|>",
                                       video_part="<|vision_start|><|video_pad|><|vision_end|>",
-                                      generation_tail=THINKING_SWITCH)
+                                      generation_tail=THINKING_SWITCH, past_reasoning=PAST_REASONING)
 
 _TINY_VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, num_position_embeddings=64)
 _TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

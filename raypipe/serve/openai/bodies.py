@@ -31,14 +31,18 @@ def model_card(model: str, max_model_len: int, created: int) -> dict:
 
 
 def choice_body(kind: str, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None, reasoning: str | None = None) -> dict:
+                tool_calls: list[dict] | None = None, reasoning: str | None = None, legacy: bool = False) -> dict:
     """One choice of a completion; with `tool_calls` (chat), `text` is the content before them, None if none;
-    `reasoning` (chat, a model that thinks): its thinking, as vLLM's `reasoning_content`."""
+    `reasoning` (chat, a model that thinks): its thinking, as vLLM's `reasoning_content`; `legacy`: the request
+    named `functions`, so the first call is answered as OpenAI answers those, a `function_call`."""
     if kind == "chat":
         message = {"role": "assistant", "content": text}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
-        if tool_calls:
+        if tool_calls and legacy:
+            message["function_call"] = tool_calls[0]["function"]
+            finish_reason = "length" if finish_reason == "length" else "function_call"
+        elif tool_calls:
             message["tool_calls"] = tool_calls
         choice = {"index": index, "message": message}
     else:

@@ -48,7 +48,8 @@ def structured_output(request: Common) -> StructuredOutput | None:
         parts = tuple(StructuredOutput(json=schema, source=f"tools[{index[name]}].function.parameters")
                       for name, schema in forced.items())
         schemas = {name: json.loads(part.json) for name, part in zip(forced, parts)}
-        return StructuredOutput(grammar=tool_call_grammar(schemas, parallel=request.parallel_tool_calls is not False),
+        return StructuredOutput(grammar=tool_call_grammar(schemas, parallel=request.parallel_tool_calls is not False
+                                                                 and not request.legacy_functions),
                                 source="tools", parts=parts)
     if isinstance(request, ChatCompletionRequest) and request.response_format is not None:
         form = request.response_format

@@ -16,7 +16,7 @@ from raypipe.serve.openai.refusals import check_supported
 from raypipe.serve.openai.schemas import ChatCompletionRequest, Common
 
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
-                 "literal_error", "finite_number", "string_pattern_mismatch"}
+                 "literal_error", "finite_number", "string_pattern_mismatch", "union_tag_invalid"}
 
 
 def parse_request(body: bytes, model: type[Common] = ChatCompletionRequest) -> Common:
@@ -59,23 +59,28 @@ def _invalid_input(errors: list[dict]) -> InvalidInput:
         message = f"must be a finite number, got {first.get('input')!r} (NaN and Infinity are not numbers here)"
     code = ("missing_field" if first["type"] == "missing" else
             "invalid_value" if first["type"] in _RANGE_ERRORS else "invalid_type")
+    where = _field_path(first["loc"]) + (".type" if first["type"] == "union_tag_invalid" else "")  # the tag's field
     return InvalidInput(message + (f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""),
-                        item=_field_path(first["loc"]) or "body", code=code)
+                        item=where or "body", code=code)
 
 
 def _field_path(loc: tuple) -> str:
     """`('messages', 0, 'content', 'list[...]', 1, 'image_url', 'url')` -> `messages[0].content[1].image_url.url`.
 
-    Pydantic puts union branches in locations: type names (`str`, `list[...]`, `ImageURL`) and,
-    right after a list index, the content-part tag (`text`, `image_url`). Those are not fields, so
-    they are dropped.
+    Pydantic puts union branches in locations: type names (`str`, `list[...]`, `ImageURL`,
+    `tagged-union[...]`) and, right after a list index or a tagged union, the branch's tag (`text`,
+    `image_url`, `function`). Those are not fields, so they are dropped.
     """
     path, previous = "", None
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
         elif part.isidentifier() and part not in ("str", "int", "float", "bool", "ImageURL", "VideoURL") and not (
-                isinstance(previous, int) and part in ("text", "image_url", "video_url")):
+                (isinstance(previous, int) or str(previous).startswith("tagged-union")) and part in _TAGS):
             path += f".{part}" if path else part
         previous = part
     return path
+
+
+# The `type` values of the schemas' tagged unions (content parts, tools, tool calls, tool choices).
+_TAGS = {"text", "image_url", "video_url", "refusal", "input_audio", "file", "function", "custom", "allowed_tools"}

@@ -3,11 +3,14 @@ reasoning parser does for Qwen3 / Qwen3.5.
 
 Whether an answer starts thinking is the family's to say (`ModelFamily.thinks`). Qwen3.5's chat template opens the block in the prompt (`<think>\\n`), so the model writes its reasoning,
 `</think>`, then the answer; with `enable_thinking` false the prompt holds an empty, closed block and
-everything generated is the answer. The rule (vLLM's `Qwen3ReasoningParser.extract_reasoning`, and its
-serving layer's check that the prompt already ended the reasoning):
+everything generated is the answer. The rule (vLLM's `Qwen3ReasoningParser`, and its serving layer's
+check that the prompt already ended the reasoning), whole and streamed alike:
 
 - thinking off: all content;
-- a `<think>` the model writes itself is dropped with whatever came before it (older templates);
+- the first `<think>` the model writes before `</think>` is dropped, the tag alone (older templates
+  have the model open the block itself). vLLM's whole-reply parser also drops what came before the
+  tag, while its stream has sent that text already; here both keep it, so a whole reply and the
+  same reply streamed say the same;
 - text before the first `</think>` is reasoning, after it content, each None when empty;
 - no `</think>` at all: the answer was cut short while thinking, so all of it is reasoning.
 
@@ -46,7 +49,8 @@ def split_reasoning(text: str, is_thinking: bool) -> tuple[str | None, str | Non
     if not is_thinking:
         return None, text or None
     before, opened, after = text.partition(OPEN)
-    text = after if opened else before
+    if opened and CLOSE not in before:
+        text = before + after
     reasoning, closed, content = text.partition(CLOSE)
     if not closed:
         return text or None, None
@@ -70,7 +74,7 @@ class ReasoningStream:
         if not self.dropped_open:
             opened, closed = text.find(OPEN), text.find(CLOSE)
             if opened >= 0 and not 0 <= closed < opened:
-                text, self.dropped_open = text[opened + len(OPEN):], True
+                text, self.dropped_open = text[:opened] + text[opened + len(OPEN):], True
         reasoning, closed, content = text.partition(CLOSE)
         if closed:
             self.in_reasoning, self.held = False, ""

@@ -1,10 +1,11 @@
 """What a well-formed request may still not ask: OpenAI's limits the schema cannot express, and
 fields whose behaviour this server lacks.
 
-What a client sends is either honoured or refused, never silently ignored (OpenAI's API and
-vLLM's server ignore some): a known OpenAI field the engine cannot honour (image `detail` low/high,
-completions' `logprobs`/`echo`/`best_of`/`suffix`) is a 400 naming it
-(`unsupported_parameter`), unless it carries the value that means "not used". A request may carry
+Every field OpenAI's API defines is accepted (the schema), and refused here with a 400 naming it
+(`unsupported_parameter`) only where this server cannot honour it: audio in or out, file parts,
+moderation, custom tools, completions' `logprobs`/`echo`/`best_of`/`suffix`, unless it carries the
+value that means "not used". Fields with no effect here are accepted (docs/serving-fields.md lists
+them with the reason); a name in neither OpenAI's nor vLLM's API is a 400 in `parsing`. A request may carry
 one output constraint (`response_format` json modes, `structured_outputs`, one `guided_*` field, or
 a `tool_choice` that forces calls). Tools are checked here as far as the request alone tells: a
 parameters schema that is no JSON schema, a duplicate or unknown function name, call arguments that
@@ -23,13 +24,26 @@ import json
 import jsonschema
 
 from raypipe.errors import InvalidInput
-from raypipe.serve.openai.schemas import ChatCompletionRequest, Common, CompletionRequest, ImageURL, ImageURLPart
+from raypipe.serve.openai.schemas import (
+    UNREADABLE_PARTS,
+    AllowedToolsChoice,
+    ChatCompletionRequest,
+    Common,
+    CompletionRequest,
+    CustomTool,
+    CustomToolCall,
+    NamedCustomChoice,
+    NamedToolChoice,
+)
 
 MAX_STOP = 4  # OpenAI's limit, tighter than the engine's
+_CUSTOM_TOOLS = "custom tools are not supported by this server (function tools are)"
 
 
 def check_supported(request: Common) -> None:
     """Raise `InvalidInput` naming the first field of `request` that this server refuses."""
+    if isinstance(request, ChatCompletionRequest):
+        _check_cannot_honour(request)
     _check_common(request)
     if isinstance(request, ChatCompletionRequest):
         _check_chat(request)
@@ -70,21 +84,53 @@ def _check_chat(request: ChatCompletionRequest) -> None:
         if message.role == "tool" and not message.tool_call_id:
             raise InvalidInput("a tool message needs the tool_call_id it answers", item=f"messages[{m}].tool_call_id",
                                code="missing_field")
-        for c, call in enumerate(message.tool_calls or ()):
-            if not isinstance(_json_or_none(call.function.arguments), dict):
-                raise InvalidInput("tool call arguments must be a JSON object",
-                                   item=f"messages[{m}].tool_calls[{c}].function.arguments", code="invalid_value")
+        calls = [(f"messages[{m}].tool_calls[{c}].function", call.function)
+                 for c, call in enumerate(message.tool_calls or ())]
+        for where, function in calls + ([(f"messages[{m}].function_call", message.function_call)]
+                                        if message.function_call else []):
+            if not isinstance(_json_or_none(function.arguments), dict):
+                raise InvalidInput("tool call arguments must be a JSON object", item=f"{where}.arguments",
+                                   code="invalid_value")
         for p, part in enumerate(message.content if isinstance(message.content, list) else []):
-            if isinstance(part, ImageURLPart) and isinstance(part.image_url, ImageURL) \
-                    and part.image_url.detail not in (None, "auto"):
-                raise InvalidInput("image detail 'low'/'high' is not supported by this server (use 'auto')",
-                                   item=f"messages[{m}].content[{p}].image_url.detail", code="unsupported_parameter")
+            if isinstance(part, UNREADABLE_PARTS):
+                raise InvalidInput(f"content[{p}] is an '{part.type}' part, which this server cannot read (it reads "
+                                   "text, images and videos)", item=f"messages[{m}].content[{p}]",
+                                   code="unsupported_parameter")
     if request.top_logprobs and not request.logprobs:
         raise InvalidInput("top_logprobs needs logprobs=true", item="top_logprobs", code="invalid_value")
     _check_tools(request)
 
 
+def _check_cannot_honour(request: ChatCompletionRequest) -> None:
+    """OpenAI's fields this server has no means for: audio out (and an earlier audio answer to continue),
+    moderation, custom (free-text) tools."""
+    if request.moderation is not None:
+        _unsupported("moderation", "moderation is not supported by this server (it runs no moderation model)")
+    for t, tool in enumerate(request.tools or ()):
+        if isinstance(tool, CustomTool):
+            _unsupported(f"tools[{t}]", _CUSTOM_TOOLS)
+    choice = request.tool_choice
+    if isinstance(choice, NamedCustomChoice):
+        _unsupported("tool_choice", _CUSTOM_TOOLS)
+    for t, allowed in enumerate(choice.allowed_tools.tools if isinstance(choice, AllowedToolsChoice) else ()):
+        if isinstance(allowed, NamedCustomChoice):
+            _unsupported(f"tool_choice.allowed_tools.tools[{t}]", _CUSTOM_TOOLS)
+    for m, message in enumerate(request.messages):
+        for c, call in enumerate(message.tool_calls or ()):
+            if isinstance(call, CustomToolCall):
+                _unsupported(f"messages[{m}].tool_calls[{c}]", _CUSTOM_TOOLS)
+    if request.audio is not None:
+        _unsupported("audio", "audio output is not supported by this server")
+    if request.modalities and "audio" in request.modalities:
+        _unsupported("modalities", "audio output is not supported by this server (modalities: ['text'])")
+    for m, message in enumerate(request.messages):
+        if message.audio is not None:
+            _unsupported(f"messages[{m}].audio", "audio answers are not supported by this server")
+
+
 def _check_tools(request: ChatCompletionRequest) -> None:
+    if request.functions is not None and not request.legacy_functions:
+        raise InvalidInput("give tools or the legacy functions, not both", item="functions", code="invalid_value")
     names = set()
     for t, tool in enumerate(request.tools or ()):
         function = tool.function
@@ -104,9 +150,13 @@ def _check_tools(request: ChatCompletionRequest) -> None:
     choice = request.tool_choice
     if choice not in (None, "none", "auto") and not request.tools:
         raise InvalidInput("tool_choice needs tools", item="tool_choice", code="invalid_value")
-    if choice is not None and not isinstance(choice, str) and choice.function.name not in names:
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise InvalidInput(f"tool_choice names {choice.function.name!r}, which is not among the tools",
                            item="tool_choice.function.name", code="invalid_value")
+    for t, allowed in enumerate(choice.allowed_tools.tools if isinstance(choice, AllowedToolsChoice) else ()):
+        if allowed.function.name not in names:
+            raise InvalidInput(f"allowed_tools names {allowed.function.name!r}, which is not among the tools",
+                               item=f"tool_choice.allowed_tools.tools[{t}].function.name", code="invalid_value")
 
 
 def _json_or_none(text: str):
@@ -132,5 +182,6 @@ def _refuse_used(used: dict[str, bool]) -> None:
             _unsupported(field)
 
 
-def _unsupported(field: str) -> None:
-    raise InvalidInput(f"'{field}' is not supported by this server", item=field, code="unsupported_parameter")
+def _unsupported(field: str, message: str | None = None) -> None:
+    raise InvalidInput(message or f"'{field}' is not supported by this server", item=field,
+                       code="unsupported_parameter")

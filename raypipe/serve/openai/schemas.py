@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from raypipe.errors import InvalidInput
 
@@ -28,14 +28,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
+class CacheBreakpoint(_Strict):
+    """OpenAI's explicit prompt-cache breakpoint on a part: no effect (this server caches every full block)."""
+
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
+
+
 class ImageURL(_Strict):
     url: str
-    detail: Literal["auto", "low", "high"] | None = None
+    # "low": OpenAI's low-resolution view (`LOW_DETAIL_PIXELS`); the others: the model's own resolution
+    detail: Literal["auto", "low", "high", "original"] | None = None
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
 
 
 class _URLPart(_Strict):
@@ -50,6 +59,11 @@ class _URLPart(_Strict):
 class ImageURLPart(_URLPart):
     type: Literal["image_url"]
     image_url: ImageURL | str
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
+
+    @property
+    def low_detail(self) -> bool:
+        return isinstance(self.image_url, ImageURL) and self.image_url.detail == "low"
 
 
 class VideoURL(_Strict):
@@ -61,7 +75,40 @@ class VideoURLPart(_URLPart):
     video_url: VideoURL | str
 
 
-ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
+class RefusalPart(_Strict):
+    """An assistant turn's refusal, as OpenAI's client sends it back: rendered as the turn's text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+class InputAudio(_Strict):
+    data: str
+    format: str
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
+
+
+class FileData(_Strict):
+    file_data: str | None = None
+    file_id: str | None = None
+    filename: str | None = None
+
+
+class FilePart(_Strict):
+    type: Literal["file"]
+    file: FileData
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart | RefusalPart | InputAudioPart | FilePart,
+                        Field(discriminator="type")]
+# Parts this server cannot read (`refusals` turns them away by name).
+UNREADABLE_PARTS = (InputAudioPart, FilePart)
 
 
 class MMProcessorKwargs(_Strict):
@@ -91,14 +138,41 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+class CustomCall(_Strict):
+    name: str
+    input: str
+
+
+class CustomToolCall(_Strict):
+    """A call of a custom (free-text) tool, which this server has none of (`refusals`)."""
+
+    id: str
+    type: Literal["custom"]
+    custom: CustomCall
+
+
+class AudioReference(_Strict):
+    id: str
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: legacy tool turn
     content: str | list[ContentPart] | None = None  # null only for assistant turns
     name: str | None = None
     # What OpenAI's own client echoes back in an assistant turn.
     refusal: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[Annotated[ToolCall | CustomToolCall, Field(discriminator="type")]] | None = None
     tool_call_id: str | None = None  # in a tool turn: the call it answers
+    function_call: FunctionCall | None = None  # legacy form of one tool call
+    audio: AudioReference | None = None  # a previous audio answer (`refusals` turns it away)
+    annotations: list[dict] | None = None  # url citations of web search answers: nothing to render
+    # A thinking model's reasoning, as this server (and vLLM) sent it: SDK loops append the message back.
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM >= 0.10's name for it
+
+    @property
+    def past_reasoning(self) -> str | None:
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
 
 class FunctionDefinition(_Strict):
@@ -117,6 +191,19 @@ class Tool(_Strict):
     function: FunctionDefinition
 
 
+class CustomDefinition(_Strict):
+    name: str
+    description: str | None = None
+    format: dict | None = None
+
+
+class CustomTool(_Strict):
+    """OpenAI's custom tool (free text or a grammar as its input): refused by `refusals`."""
+
+    type: Literal["custom"]
+    custom: CustomDefinition
+
+
 class NamedFunction(_Strict):
     name: str
 
@@ -126,8 +213,53 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class NamedCustomChoice(_Strict):
+    type: Literal["custom"]
+    custom: NamedFunction
+
+
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # no effect: OpenAI's padding against length side channels
+
+
+class AllowedTools(_Strict):
+    mode: Literal["auto", "required"]
+    tools: list[Annotated[NamedToolChoice | NamedCustomChoice, Field(discriminator="type")]] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Strict):
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+class LegacyFunctionChoice(_Strict):
+    name: str
+
+
+class Prediction(_Strict):
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
+class Moderation(_Strict):
+    model: str
+    policy: dict | None = None
+
+
+class PromptCacheOptions(_Strict):
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
+class AudioOutput(_Strict):
+    format: str
+    voice: str | dict
+
+
+class WebSearchOptions(_Strict):
+    search_context_size: Literal["low", "medium", "high"] | None = None
+    user_location: dict | None = None
 
 
 class JSONSchemaFormat(_Strict):
@@ -202,12 +334,62 @@ class ChatCompletionRequest(Common):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # tools given: "auto"
+    tools: list[Annotated[Tool | CustomTool, Field(discriminator="type")]] | None = None
+    # tools given: "auto"
+    tool_choice: Literal["none", "auto", "required"] | Annotated[
+        NamedToolChoice | NamedCustomChoice | AllowedToolsChoice, Field(discriminator="type")] | None = None
     parallel_tool_calls: bool | None = None
+    # The legacy names of tools and tool_choice, read as them (`_legacy_functions_as_tools`).
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | LegacyFunctionChoice | None = None
+    # "none"/"minimal" switch a model's thinking off (`template_kwargs`); other values leave it on.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # Output audio, which this server cannot make (`refusals`): modalities ["text"] is what it does anyway.
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioOutput | None = None
+    moderation: Moderation | None = None  # no moderation model here (`refusals`)
+    # OpenAI's fields with no effect here (docs/serving-fields.md says why each).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: Prediction | None = None
+    web_search_options: WebSearchOptions | None = None
     mm_processor_kwargs: MMProcessorKwargs | None = None
     # vLLM's switches for the chat template (`enable_thinking`); `models.prompt.check_template_kwargs` says which
     chat_template_kwargs: dict | None = None
+
+    _legacy_functions: bool = PrivateAttr(default=False)  # tools came as `functions`
+
+    @model_validator(mode="after")
+    def _legacy_functions_as_tools(self):
+        """`functions` are tools and `function_call` a tool_choice (OpenAI's own mapping); with `tools` set as
+        well nothing is mapped, and `refusals` names the conflict."""
+        if self.functions is not None and self.tools is None:
+            self._legacy_functions = True
+            self.tools = [Tool(type="function", function=function) for function in self.functions]
+            if self.function_call is not None and self.tool_choice is None:
+                call = self.function_call
+                self.tool_choice = call if isinstance(call, str) else NamedToolChoice(
+                    type="function", function=NamedFunction(name=call.name))
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        return self._legacy_functions
+
+    def template_kwargs(self, has_thinking_switch: bool) -> dict | None:
+        """`chat_template_kwargs`, plus `enable_thinking: false` when `reasoning_effort` is "none" or "minimal" and
+        the model has a thinking switch (an explicit `enable_thinking` wins; elsewhere the effort has no effect)."""
+        kwargs = self.chat_template_kwargs
+        if has_thinking_switch and self.reasoning_effort in ("none", "minimal") \
+                and "enable_thinking" not in (kwargs or {}):
+            return {**(kwargs or {}), "enable_thinking": False}
+        return kwargs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -220,15 +402,24 @@ class ChatCompletionRequest(Common):
         """The functions whose calls the output is parsed for; None: the output is all content."""
         if not self.tools or self.tool_choice == "none":
             return None
-        return {tool.function.name for tool in self.tools}
+        return {tool.function.name for tool in self.tools if self._allowed(tool.function.name)}
+
+    def _allowed(self, name: str) -> bool:
+        """Whether `tool_choice` (`allowed_tools`) leaves the function `name` to call."""
+        choice = self.tool_choice
+        return not isinstance(choice, AllowedToolsChoice) or name in {
+            allowed.function.name for allowed in choice.allowed_tools.tools}
 
     def forced_tools(self) -> dict[str, dict] | None:
-        """Name -> arguments schema of the functions generation is constrained to call (`required` or named)."""
-        if not self.tools or self.tool_choice in (None, "none", "auto"):
+        """Name -> arguments schema of the functions generation is constrained to call (`required`, named, or
+        `allowed_tools` in mode required)."""
+        choice = self.tool_choice
+        if not self.tools or choice in (None, "none", "auto") or (
+                isinstance(choice, AllowedToolsChoice) and choice.allowed_tools.mode == "auto"):
             return None
-        named = None if self.tool_choice == "required" else self.tool_choice.function.name
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         return {tool.function.name: tool.function.arguments_schema for tool in self.tools
-                if named in (None, tool.function.name)}
+                if named in (None, tool.function.name) and self._allowed(tool.function.name)}
 
     def template_tools(self) -> list[dict] | None:
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
@@ -246,28 +437,38 @@ class ChatCompletionRequest(Common):
     def messages_for_template(self) -> list[dict]:
         """Plain dicts in the shape `raypipe.models.prompt.build_prompt` and chat templates expect.
 
-        `developer` is OpenAI's newer name for `system` (chat templates know only `system`); an
-        assistant turn with `content: null` is an empty one. Tool calls carry their arguments as an
-        object, as chat templates expect (`refusals` checked that they parse).
+        `developer` is OpenAI's newer name for `system` and `function` its older name for `tool` (chat
+        templates know only `system` and `tool`), a legacy `function_call` is a tool call, and an
+        assistant turn with `content: null` is an empty one; its past reasoning (`reasoning_content`
+        or `reasoning`) goes to the template as `reasoning_content`, which renders it or not. Tool calls
+        carry their arguments as an object, as chat templates expect (`refusals` checked that they parse).
         """
         out = []
         for message in self.messages:
             extra = {}
-            if message.tool_calls:
+            calls = [call.function for call in message.tool_calls or ()] + (
+                [message.function_call] if message.function_call else [])
+            if calls:
                 extra["tool_calls"] = [{"type": "function", "function": {
-                    "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
-                    for call in message.tool_calls]
+                    "name": call.name, "arguments": json.loads(call.arguments)}} for call in calls]
             if message.tool_call_id is not None:
                 extra["tool_call_id"] = message.tool_call_id
+            if message.role == "assistant" and message.past_reasoning is not None:
+                extra["reasoning_content"] = message.past_reasoning  # the name Qwen3 / Qwen3.5 templates read
             content = message.content
             if content is None:
                 content = ""
             elif isinstance(content, list):
                 content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
-                           else {"type": part.type, part.type: {"url": part.url}} for part in content]
-            out.append({"role": "system" if message.role == "developer" else message.role, "content": content,
-                        **extra})
+                           else {"type": "text", "text": part.refusal} if isinstance(part, RefusalPart)
+                           else {"type": part.type, part.type: {"url": part.url, **(
+                               {"detail": "low"} if isinstance(part, ImageURLPart) and part.low_detail else {})}}
+                           for part in content]
+            out.append({"role": _TEMPLATE_ROLES.get(message.role, message.role), "content": content, **extra})
         return out
+
+
+_TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 
 
 class CompletionRequest(Common):

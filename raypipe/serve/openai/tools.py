@@ -7,6 +7,8 @@ exactly that (a Lark grammar whose call bodies are the tools' JSON schemas, thro
 wrote. The parse is all or nothing, as vLLM's Hermes parser is for a finished text: text before
 the first `<tool_call>` is content, and the rest must be well-formed calls of known functions with
 object arguments, else the whole text stays content (a model that half-wrote a call has not called).
+An answer cut by `max_tokens` inside a call (`cut`) keeps the calls it finished: the unfinished one
+is dropped, not returned as `<tool_call>` text beside them.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def _rebase(schema, base: str):
             for key, value in schema.items()}
 
 
-def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]] | None:
-    """(content or None, OpenAI `tool_calls`) when `text` calls tools well-formed, else None (all content)."""
+def parse_tool_calls(text: str, names: set[str], cut: bool = False) -> tuple[str | None, list[dict]] | None:
+    """(content or None, OpenAI `tool_calls`) when `text` calls tools well-formed, else None (all content);
+    `cut`: the text stopped at `max_tokens`, so an unfinished last call after finished ones is dropped."""
     start = text.find(OPEN)
     if start < 0:
         return None
@@ -70,9 +73,15 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]
             return None
         calls.append(call)
         end = match.end()
-    if not calls or text[end:].strip():
+    rest = text[end:].strip()
+    if not calls or rest and not (cut and _unfinished_call(rest)):
         return None
     return (text[:start] or None), calls
+
+
+def _unfinished_call(rest: str) -> bool:
+    """Whether `rest` is the start of a call that never closed (or of its opening tag)."""
+    return (rest.startswith(OPEN) or OPEN.startswith(rest)) and CLOSE not in rest
 
 
 def _call(body: str, names: set[str]) -> dict | None:
@@ -107,9 +116,9 @@ class ToolCallStream:
         out, self.sent = self.text[self.sent:start], max(self.sent, start)
         return out
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content not sent yet, calls)."""
-        parsed = parse_tool_calls(self.text, self.names)
+    def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
+        """(content not sent yet, calls); `cut` as for `parse_tool_calls`."""
+        parsed = parse_tool_calls(self.text, self.names, cut)
         if parsed is None:
             return self.text[self.sent:], []
         return "", parsed[1]
