@@ -17,7 +17,7 @@ ALLOWED = {
     "cli": {"jobs", "serve", "bench", "batch", "config", "models", "inputs", "errors"},  # bench: importlib by name
     "bench": {"testing", "serve", "batch", "pipeline", "config", "encode", "parallel", "decode", "models", "inputs",
               "runtime", "storage", "errors", "face"},
-    "jobs": {"testing", "batch", "pipeline", "config", "inputs", "runtime", "storage", "errors", "face"},
+    "jobs": {"testing", "batch", "pipeline", "config", "inputs", "models", "runtime", "storage", "errors", "face"},
     "serve": {"pipeline", "config", "parallel", "decode", "models", "inputs", "runtime", "errors"},
     "testing": {"errors"},
     "face": {"pipeline", "inputs", "errors"},  # raypipe/__init__.py

@@ -58,7 +58,7 @@ def test_encode_reports_missing_file(tmp_path, capsys):
     from raypipe.cli import main
 
     code = main(["encode", "--model", "tiny", str(tmp_path / "nope.png"), "--out", str(tmp_path / "x.npz")])
-    assert code == 2 and "no such file" in capsys.readouterr().out
+    assert code == 2 and "no such image file" in capsys.readouterr().err
 
 
 def test_generate_with_a_video_and_a_json_schema(tmp_path, tiny_ckpt, ray_address, capsys):
