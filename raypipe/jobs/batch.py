@@ -25,7 +25,10 @@ def options_from_args(args) -> BatchOptions:
 
 def run_batch_command(args) -> int:
     from raypipe.batch import run_batch
+    from raypipe.jobs.quiet import quiet_ray_data
 
+    if not args.verbose:
+        quiet_ray_data()
     summary = run_batch(options_from_args(args), on_progress=None if args.verbose else _progress_line)
     if not args.verbose and sys.stderr.isatty():
         print(file=sys.stderr)  # end the progress line
