@@ -29,7 +29,7 @@ __all__ = ["EngineConfig", "ImageLimits", "ModelConfig", "TokenBudgets", "defaul
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: str = "tiny"  # preset name (tiny, small), local HF checkpoint folder, or s3://bucket/prefix/
+    model: str = "tiny"  # preset name (tiny, small, ...), local checkpoint folder, s3://bucket/prefix/ or HF id org/name[@rev]
     num_encoders: int = 2  # vision-tower replicas (the minimum when an autoscaling pool allows more)
     max_encoders: int | None = None  # upper bound of an autoscaling encoder pool (batch); None: fixed size
     encoder_gpus: float | None = None  # GPU share per encoder; None: 1 if the cluster has or can start GPUs, else 0

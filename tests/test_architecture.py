@@ -19,7 +19,7 @@ ALLOWED = {
     "gpucheck": {"bench", "testing", "encode", "decode", "models", "inputs", "runtime", "errors"},
     "bench": {"testing", "serve", "batch", "pipeline", "config", "encode", "parallel", "decode", "models", "inputs",
               "runtime", "storage", "errors", "face"},
-    "jobs": {"testing", "batch", "pipeline", "config", "inputs", "runtime", "storage", "errors", "face"},
+    "jobs": {"testing", "batch", "pipeline", "config", "inputs", "models", "runtime", "storage", "errors", "face"},
     "serve": {"pipeline", "config", "parallel", "decode", "models", "inputs", "runtime", "errors"},
     "testing": {"errors"},
     "face": {"pipeline", "inputs", "errors"},  # raypipe/__init__.py

@@ -418,9 +418,14 @@ def test_model_from_s3(photos, s3, env, tiny_ckpt, tmp_path, pipe):
     cache = tmp_path / "cache"
     args = ["--model", "s3://models/checkpoints/tiny/", "--input", "s3://photos/in/sub/", "--output",
             "s3://results/s3model/", "--json"]
+    # Without RAY_AUTH_MODE (which the session's own Ray exported), as a user's shell starts it: a new Ray.
+    fresh = {key: value for key, value in env.items() if key != "RAY_AUTH_MODE"}
     run = subprocess.run([sys.executable, "-m", "raypipe.cli", "batch", *args], capture_output=True, text=True,
-                         env={**env, "RAYPIPE_CACHE": str(cache)}, timeout=300)
+                         env={**fresh, "RAYPIPE_CACHE": str(cache)}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    # Issue 44: no token-authentication notice, no Ray Data progress bars, plans or timings, no deprecation warning.
+    for noise in ("Token authentication", "Progress bars", "Execution plan", "execution finished", "Deprecation"):
+        assert noise not in run.stderr, run.stderr
     copies = [p for p in (cache / "models").iterdir() if p.is_dir()]
     assert len(copies) == 1 and (copies[0] / ".raypipe-remote.json").is_file()  # one copy on this node
     assert (copies[0] / "model.safetensors").read_bytes() == (pathlib.Path(tiny_ckpt) / "model.safetensors").read_bytes()

@@ -58,7 +58,7 @@ def test_encode_reports_missing_file(tmp_path, capsys):
     from raypipe.cli import main
 
     code = main(["encode", "--model", "tiny", str(tmp_path / "nope.png"), "--out", str(tmp_path / "x.npz")])
-    assert code == 2 and "no such file" in capsys.readouterr().out
+    assert code == 2 and "no such image file" in capsys.readouterr().err
 
 
 def test_generate_with_a_video_and_a_json_schema(tmp_path, tiny_ckpt, ray_address, capsys):
@@ -93,3 +93,42 @@ def test_generate_with_a_video_and_a_json_schema(tmp_path, tiny_ckpt, ray_addres
     with pytest.raises(SystemExit) as missing:  # argparse refuses it, before any model or Ray
         main(["generate", "--prompt", "x", "--json-schema", str(tmp_path / "nope.json")])
     assert missing.value.code == 2 and "cannot read" in capsys.readouterr().err
+
+
+def test_generate_splits_reasoning_and_constrains_the_answer(tmp_path, ray_address):
+    """Issue 44: a thinking model's reply as the endpoint splits it: the reasoning (transformers' own greedy text up
+    to its `</think>`, split by vLLM's qwen3 rule) labelled on stderr, the answer alone on stdout, and
+    `--json-schema` applied to the answer after `</think>`, not to the reasoning."""
+    import json
+
+    import jsonschema
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from raypipe.models.registry import preset_checkpoint
+    from tests import qwen3_vl_reference as ref
+    from tests.test_reasoning_parser import vllm_qwen3
+
+    ckpt = preset_checkpoint("tiny-qwen3.5")
+    images = random_images([(100, 60), (40, 170)], seed=1)
+    files = []
+    for i, image in enumerate(images):
+        Image.fromarray(image).save(tmp_path / f"img{i}.png")
+        files += ["--image", str(tmp_path / f"img{i}.png")]
+    schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 8}}, "required": ["color"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    proc = run_cli("generate", "--model", "tiny-qwen3.5", "--num-encoders", "1", *files, "--prompt", "Describe it.",
+                   "--max-tokens", "64", "--temperature", "0", "--json-schema", str(tmp_path / "schema.json"),
+                   ray_address=ray_address)
+    assert proc.returncode == 0 and "finish_reason=stop" in proc.stderr, proc.stdout + proc.stderr
+    jsonschema.validate(json.loads(proc.stdout), schema)  # the answer alone, under the schema
+
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+    processor = ref.hf_processor(ckpt)
+    theirs = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Describe it."}]}]
+    text = processor.apply_chat_template(theirs, add_generation_prompt=True, tokenize=False)
+    inputs = dict(processor(text=[text], images=images, return_tensors="pt"))
+    ids = ref.hf_generate(hf, inputs, 16, hf.generation_config.eos_token_id)
+    reasoning = vllm_qwen3(processor.tokenizer.decode(ids, skip_special_tokens=True), True)[0]
+    assert reasoning is not None and f"reasoning:\n{reasoning.strip()}\nanswer:" in proc.stderr, proc.stderr

@@ -47,7 +47,8 @@ def subparsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def flag_defaults(parser: argparse.ArgumentParser) -> dict:
-    return {a.dest: a.default for a in parser._actions if a.dest != "help"}
+    """Each flag's default, less the switches of the command's own output (--help, --debug, --verbose)."""
+    return {a.dest: a.default for a in parser._actions if a.dest not in ("help", "debug", "verbose")}
 
 
 def model_defaults(config: ModelConfig, *, ranged: bool = False) -> dict:
@@ -74,7 +75,11 @@ def test_cli_flag_defaults_are_the_dataclasses(command):
 
 def test_serve_flags_only_override_the_config_file():
     """`raypipe serve`'s defaults are config.yaml's: a flag left out changes nothing."""
-    assert all(default is None for default in flag_defaults(subparsers()["serve"]).values())
+    serve = flag_defaults(subparsers()["serve"])
+    assert all(default is None for default in serve.values())
+    assert {"max_num_seqs", "max_model_len", "dtype", "enable_prefix_caching", "tensor_parallel_size"} <= serve.keys()
+    help_text = " ".join(subparsers()["serve"].format_help().split())
+    assert f"engine.max_num_seqs (code default: {defaults(EngineConfig)['max_num_seqs']})" in help_text
 
 
 def test_app_args_defaults_are_model_config():

@@ -1,4 +1,4 @@
-"""The reasoning split (`serve/openai/reasoning.py`) against vLLM's `qwen3` reasoning parser rule written out
+"""The reasoning split (`models/reasoning.py`) against vLLM's `qwen3` reasoning parser rule written out
 plainly (as its stream applies it: a model-written `<think>` drops alone), whole and streamed in pieces of every size
 and token by token; constraints applied after the thinking block; the thinking switch
 refused by a template without one."""
@@ -10,7 +10,7 @@ import pytest
 from raypipe.errors import InvalidInput
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import FAMILIES
-from raypipe.serve.openai.reasoning import PARSERS, ReasoningStream, constrain_answer, split_reasoning
+from raypipe.models.reasoning import PARSERS, ReasoningStream, constrain_answer, split_reasoning
 
 ANSWERS = ["plan</think>\n\nanswer", "</think>\n\nanswer", "plan</think>", "plan only, cut short", "",
            "<think>\nplan</think>answer", "a</think>b</think>c", "thinking about </thin and <think",

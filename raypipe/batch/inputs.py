@@ -12,6 +12,7 @@ import os
 import posixpath
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
@@ -46,7 +47,15 @@ def kind_of(uri: str) -> str:
 
 def _list_visuals(uri: str, s3: S3Options | None) -> pa.Table:
     fs, root = open_filesystem(uri, s3)
-    files = [info for info in list_files(fs, root) if info.path.lower().endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)]
+    where = uri_of(fs, root)
+    listed = list_files(fs, root)
+    if not listed and fs.get_file_info(root).type == pafs.FileType.NotFound:
+        raise InvalidInput(f"{where} does not exist" + (" (no such bucket or prefix)" if is_s3(uri) else ""),
+                           item="input", code="input_not_found")
+    files = [info for info in listed if info.path.lower().endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)]
+    if not files:
+        raise InvalidInput(f"no image or video files under {where} (looked for {', '.join(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)})",
+                           item="input", code="input_not_found")
     ids = [info.path[len(root) + 1:] for info in files]
     return pa.table({"id": pa.array(ids, pa.string()), "uri": pa.array([uri_of(fs, i.path) for i in files], pa.string())})
 

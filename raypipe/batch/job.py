@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import pyarrow as pa
@@ -125,7 +126,9 @@ class BatchSummary:
                 f"output {self.output}")
 
 
-def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> BatchSummary:
+def run_batch(options: BatchOptions, *, ray_address: str | None = None,
+              on_progress: Callable[[int, int], None] | None = None) -> BatchSummary:
+    """Run the job; `on_progress(rows written, rows to process)` is called as part files are written."""
     start = time.perf_counter()
     inputs = list_inputs(options.input, options.s3, path_column=options.path_column, id_column=options.id_column,
                          prompt_column=options.prompt_column)
@@ -155,6 +158,8 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None) -> Batch
                 for counts in batch.column("errors").to_pylist():
                     errors.update(json.loads(counts))
                 summary.rows_written += sum(batch.column("rows").to_pylist())
+                if on_progress is not None:
+                    on_progress(summary.rows_written, summary.to_process)
             break
         except RayActorError as exc:
             if attempt == JOB_ATTEMPTS:
@@ -194,15 +199,14 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
         raise ValueError("json_schema would constrain this model's reasoning, which comes first: set "
                          "enable_thinking false (--no-thinking) with it")
     connect_ray(ray_address)
-    ray.data.DataContext.get_current().enable_progress_bars = True
     budget = (options.batch_cost * stages.max_image_cost(model, config.cost_model)
               if options.batching == "cost" else None)
     lo, hi = config.encoder_range
     worker = WorkerOptions.for_cluster(model, hi, gpus=config.encoder_gpus, dtype=config.dtype,
                                        threads=config.encoder_threads, budgets=config.encoder_budgets)
-    # Actors ask for no CPU (an actor holds its CPU slot for life: on 2 cores a third would never start);
-    # Ray restarts a dead actor and re-runs its calls: a row is written only by write_rows.
-    actor_options = dict(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+    # Actors ask for no CPU (an actor holds its CPU slot for life: on 2 cores a third would never start).
+    # Ray Data's own defaults restart a dead actor and re-run its calls, and re-run a task whose worker
+    # died (setting them again is `ray_remote_args`, deprecated in Ray 2.60): a row is written only by write_rows.
 
     blocks = [todo.slice(i, options.read_batch) for i in range(0, todo.num_rows, options.read_batch)]
     ds = ray.data.from_arrow(blocks)
@@ -210,12 +214,12 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                         fn_kwargs=dict(model=model, image_limits=options.image_limits,
                                        video_limits=options.video_limits, s3=options.s3,
                                        cost_model=config.cost_model, budget=budget, per_pack=options.batch_images),
-                        num_cpus=0.5, max_retries=3)  # half a CPU: fits Ray Data's per-stage budget on 2 cores
+                        num_cpus=0.5)  # half a CPU: fits Ray Data's per-stage budget on 2 cores
     ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1,
                         compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
                         fn_constructor_kwargs=dict(model=model, dtype=worker.dtype, num_threads=worker.num_threads,
                                                            budgets=worker.budgets),
-                        num_gpus=worker.num_gpus, **actor_options)
+                        num_gpus=worker.num_gpus, num_cpus=0)
     if options.task == "generate":
         decode_gpus = config.decode_gpus if config.decode_gpus is not None else worker.num_gpus
         ds = ds.map_batches(stages.GenerateStage, batch_format="pyarrow", batch_size=options.engine.max_num_seqs,
@@ -230,8 +234,8 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                                                        json_schema=options.json_schema,
                                                        chat_template_kwargs=template_kwargs,
                                                        default_prompt=options.prompt),
-                            **actor_options)
+                            num_cpus=0)
     return ds.map_batches(stages.write_rows, batch_format="pyarrow", batch_size=options.rows_per_file,
                           fn_kwargs=dict(output=options.output, s3=options.s3, task=options.task,
                                          pooling=options.pooling, model_name=config.model),
-                          num_cpus=0.1, max_retries=3)
+                          num_cpus=0.1)

@@ -29,7 +29,7 @@ class EngineConfig:
     # of the KV budget; one is taken every `snapshot_every_blocks` blocks of a prefill (also at branch points,
     # a prompt's last block boundary and where a sequence's decode stopped). None: as many blocks as one
     # snapshot's bytes would hold K/V, so a long prompt's periodic snapshots at most double its cache
-    # (`raypipe bench kv` section (f) measures the prefill time and memory against N; README "Prefix caching").
+    # (`raypipe bench kv` section (f) measures the prefill time and memory against N; docs/performance.md "Prefix caching").
     enable_prefix_caching: bool = True
     state_snapshot_memory_fraction: float = 0.2
     snapshot_every_blocks: int | None = None
@@ -40,7 +40,7 @@ class EngineConfig:
     # sharded by the checkpoint's tensor-parallel plan; each rank uses num_threads CPU threads.
     tensor_parallel_size: int = 1
     # MoE layers in a group: "experts" (each rank holds E/N whole experts, the router on every rank) or
-    # "tensor" (each rank holds every expert's 1/N of the expert width; Step3 only). README "Tensor parallelism".
+    # "tensor" (each rank holds every expert's 1/N of the expert width; Step3 only). docs/scaling.md, "One model over several devices".
     expert_split: str = "experts"
     # Requests queued beyond the running ones (they hold their prompts and image embeddings); one
     # more is refused with `raypipe.errors.QueueFull`, a retryable `CapacityError`.

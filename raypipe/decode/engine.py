@@ -233,7 +233,7 @@ class LLMEngine:
                 "device": str(self.device), "decode_step": self.decode_step}
 
     def _log_cache(self) -> None:
-        """What is cached for each layer kind, and the budgets (the README's "Prefix caching" section)."""
+        """What is cached for each layer kind, and the budgets (docs/performance.md, "Prefix caching")."""
         cache, size = self.runner.cache, self.config.block_size
         blocks = cache.num_blocks - 1
         kinds = {"full_attention": "K/V in paged blocks (cached by prefix hash)",

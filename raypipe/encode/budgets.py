@@ -20,12 +20,12 @@ import dataclasses
 class TokenBudgets:
     # The one switch. False: each shard runs eagerly, with no packing, compiled forwards or graphs. None: on
     # with CUDA (graphs), off on CPU, where padding to a budget cost more than it saved (`raypipe bench encode
-    # --budgets`, small preset: packed 0.75x eager's speed at 1 image per request, 1.11x at 8; README).
+    # --budgets`, small preset: packed 0.75x eager's speed at 1 image per request, 1.11x at 8; docs/python.md, "Token budgets").
     enabled: bool | None = None
     min_tokens: int = 64  # the smallest budget (tokens through the tower; Qwen2.5-VL: patches)
     max_tokens: int = 8192  # the largest: units above it run eagerly, one forward each
     # torch.compile per budget on CPU. Off: measured on the tiny and small presets, it did not pay
-    # (`raypipe bench encode --budgets`; README). CUDA graphs on GPU need no switch but `enabled`.
+    # (`raypipe bench encode --budgets`; docs/python.md). CUDA graphs on GPU need no switch but `enabled`.
     compile_cpu: bool = False
 
     def __post_init__(self):

@@ -38,7 +38,7 @@ class StructuredOutput:
     # when this one is refused, the first of them refused on its own is named instead.
     parts: tuple["StructuredOutput", ...] = dataclasses.field(default=(), compare=False)
     # The token that closes a free thinking block before the constrained answer (`</think>`, set by the chat
-    # endpoint for a model that thinks, `raypipe.serve.openai.reasoning`); None: constrained from the first token.
+    # endpoint for a model that thinks, `raypipe.models.reasoning`); None: constrained from the first token.
     thinking_end: str | None = None
 
     def __post_init__(self):

@@ -7,7 +7,6 @@ import sys
 
 from raypipe.batch.job import BatchOptions
 from raypipe.config import EngineConfig, model_config_from_args
-from raypipe.errors import InvalidInput
 from raypipe.storage import S3Options
 
 
@@ -26,11 +25,18 @@ def options_from_args(args) -> BatchOptions:
 
 def run_batch_command(args) -> int:
     from raypipe.batch import run_batch
+    from raypipe.jobs.quiet import quiet_ray_data
 
-    try:
-        summary = run_batch(options_from_args(args))
-    except (InvalidInput, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if not args.verbose:
+        quiet_ray_data()
+    summary = run_batch(options_from_args(args), on_progress=None if args.verbose else _progress_line)
+    if not args.verbose and sys.stderr.isatty():
+        print(file=sys.stderr)  # end the progress line
     print(json.dumps(summary.as_dict()) if args.json else summary.describe(), flush=True)
     return 0
+
+
+def _progress_line(written: int, total: int) -> None:
+    """One line, rewritten in place on a terminal (Ray Data's own bars are off unless --verbose)."""
+    if sys.stderr.isatty():
+        print(f"\rraypipe batch: {written}/{total} rows written", end="", file=sys.stderr, flush=True)

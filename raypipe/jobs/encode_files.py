@@ -10,15 +10,8 @@ def run_encode(args) -> int:
     from raypipe import Pipeline
     from raypipe.config import model_config_from_args
 
-    paths = [pathlib.Path(p) for p in args.images]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        print(f"error: no such file: {', '.join(missing)}")
-        return 2
-    out = pathlib.Path(args.out)
-    if out.suffix not in (".safetensors", ".npz"):
-        print("error: --out must end in .safetensors or .npz")
-        return 2
+    paths = [pathlib.Path(p) for p in args.images]  # checked by the CLI: files that exist
+    out = pathlib.Path(args.out)  # checked by the CLI: .safetensors or .npz
     with Pipeline.from_config(model_config_from_args(args)) as pipe:
         embeddings = pipe.encode([p.read_bytes() for p in paths])
     tensors = {f"image_{i}": emb.contiguous() for i, emb in enumerate(embeddings)}

@@ -18,7 +18,7 @@ class ModelFamily:
     language: str  # "module:Class" of the `LanguageAdapter`
     presets: tuple[str, ...] = ()  # preset names this family writes
     write_preset: str = ""  # "module:function(folder, name)" writing one preset's checkpoint
-    # how a chat answer's reasoning is told from its content (`serve/openai/reasoning.py`): "qwen3" (a
+    # how a chat answer's reasoning is told from its content (`models/reasoning.py`): "qwen3" (a
     # `<think>` block the template opens), or "" (no reasoning output)
     reasoning: str = ""
 

@@ -1,12 +1,15 @@
 """Model families by name: each family package declares one `ModelFamily` record, read here.
 
 A checkpoint is a preset name (written on first use), an `s3://` URI (copied to this node's cache
-once, see `raypipe.models.remote`) or a local folder; its `config.json` `model_type` picks the family.
+once, see `raypipe.models.remote`), a local folder, or a Hugging Face id `org/name[@revision]` (the
+hub's cache, else a download: `raypipe.models.hub`); its `config.json` `model_type` picks the family.
+`resolve_model` is the one place a model name becomes a folder.
 Adding a family: its package under `raypipe/models/` and one entry in `FAMILIES`.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import pathlib
 
@@ -15,6 +18,7 @@ from raypipe.models import llava_onevision, minicpmv4_6, qwen2_5_vl, qwen3_5, qw
 from raypipe.models.base import LanguageAdapter, VisionAdapter
 from raypipe.models.checkpoint import read_config
 from raypipe.models.family import ModelFamily
+from raypipe.models.hub import is_hub_id, snapshot_folder
 from raypipe.models.presets import PRESET_VERSION, default_cache_dir, write_once
 
 FAMILIES: tuple[ModelFamily, ...] = (qwen2_5_vl.FAMILY, minicpmv4_6.FAMILY, step3.FAMILY, llava_onevision.FAMILY,
@@ -47,7 +51,8 @@ def family_of(checkpoint: pathlib.Path) -> ModelFamily:
 
 def resolve_model(model: str | os.PathLike) -> pathlib.Path:
     """The local checkpoint folder `model` names: a preset (written on first use), an `s3://...` URI
-    (copied once per node), or a local folder with a `config.json`."""
+    (copied once per node), a local folder with a `config.json`, or a Hugging Face id (`org/name[@rev]`:
+    the hub cache, else downloaded). A folder that exists wins over a hub id of the same spelling."""
     if isinstance(model, str) and model in PRESETS:
         return preset_checkpoint(model)
     if isinstance(model, str) and model.startswith("s3://"):
@@ -55,17 +60,29 @@ def resolve_model(model: str | os.PathLike) -> pathlib.Path:
 
         return fetch_model(model)
     path = pathlib.Path(model)
-    if not (path / "config.json").is_file():
-        raise InvalidInput(f"no config.json in {str(path)!r}: expected a preset name {PRESETS}, a local HF "
-                           "checkpoint folder or an s3:// URI", item="model")
-    return path
+    if (path / "config.json").is_file():
+        return path
+    if isinstance(model, str) and not path.exists() and is_hub_id(model):
+        return snapshot_folder(model)
+    raise InvalidInput(_not_a_model(os.fspath(model)), item="model", code="model_not_found")
+
+
+def _not_a_model(model: str) -> str:
+    if os.path.isdir(model):
+        return f"the folder {model!r} has no config.json: expected a Hugging Face checkpoint folder"
+    close = difflib.get_close_matches(model, PRESETS, n=1)
+    hint = f"did you mean the preset {close[0]!r}? " if close else ""
+    return (f"unknown model {model!r}: {hint}expected a preset ({', '.join(PRESETS)}), a local checkpoint "
+            "folder, s3://bucket/prefix/ or a Hugging Face id org/name[@revision]")
 
 
 def model_for_actors(model: str | os.PathLike, checkpoint: pathlib.Path) -> str:
-    """What to hand actors that may start on other nodes: a preset name or an s3:// URI, which each
-    node resolves to its own local copy, else the local folder's absolute path."""
+    """What to hand actors that may start on other nodes: a preset name, an s3:// URI or a hub id, which
+    each node resolves to its own local copy, else the local folder's absolute path."""
     model = os.fspath(model)
-    return model if model in PRESETS or model.startswith("s3://") else str(checkpoint.resolve())
+    if model in PRESETS or model.startswith("s3://") or (is_hub_id(model) and not os.path.exists(model)):
+        return model
+    return str(checkpoint.resolve())
 
 
 def preset_checkpoint(name: str, path: str | os.PathLike | None = None) -> pathlib.Path:

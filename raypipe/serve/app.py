@@ -34,7 +34,7 @@ MODEL_FIELDS = ("model", "num_encoders", "encoder_gpus", "cost_model", "cache_by
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in config.yaml's args fails the deploy
 
-    model: str = MODEL["model"]  # preset name, local HF checkpoint folder (on every node), or s3:// URI (copied per node)
+    model: str = MODEL["model"]  # preset, local checkpoint folder (on every node), s3:// URI or HF id (copied per node)
     served_model_name: str | None = None  # the `model` clients send; default: the model argument
     api_key: str | None = None  # also read from RAYPIPE_API_KEY in the ingress replicas
     num_encoders: int = MODEL["num_encoders"]  # encoder-worker actors per EncoderGroup replica

@@ -28,6 +28,7 @@ from raypipe.decode.prefix_hash import prompt_block_hashes
 from raypipe.errors import InvalidInput
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.inputs.video import VideoSampling
+from raypipe.models import reasoning
 from raypipe.models.prompt import VideoOptions, build_prompt, check_text_chars, max_chars_per_token, plain_text_ids
 from raypipe.models.registry import family_of, language_adapter, resolve_model, vision_adapter
 from raypipe.serve.errors import ApiError, install_handlers
@@ -35,7 +36,6 @@ from raypipe.serve.limits import ServeLimits
 from raypipe.serve.metrics import ServeMetrics
 from raypipe.serve.openai.bodies import completion_id, model_card, models_body
 from raypipe.serve.openai.conversion import sampling_params
-from raypipe.serve.openai import reasoning
 from raypipe.serve.openai.openapi import install_schemas, request_body
 from raypipe.serve.openai.parsing import parse_request
 from raypipe.serve.openai.schemas import ChatCompletionRequest, CompletionRequest

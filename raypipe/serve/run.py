@@ -26,7 +26,21 @@ from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
 
 FLAG_ARGS = ("model", "num_encoders", "encoder_gpus", "cost_model", "api_key")  # flags that override the app's args
 FLAG_HTTP = ("host", "port")  # flags that override http_options
-FLAG_ENGINE = ("tensor_parallel_size",)  # flags that override the app's engine args
+# Flags that override the app's `engine:` args (EngineConfig fields people set most; the file holds them
+# all): field -> (type, help). The CLI adds one flag each; their defaults are the file's, then EngineConfig's.
+ENGINE_FLAGS = {
+    "max_num_seqs": (int, "sequences decoded together per Decoder replica"),
+    "max_model_len": (int, "prompt + output tokens per request (default: the model's limit, at most 4096)"),
+    "max_num_batched_tokens": (int, "prompt tokens prefilled per scheduling round (longer prompts are chunked)"),
+    "num_scheduler_steps": (int, "decode steps per scheduling round"),
+    "dtype": (str, "language-model dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16"),
+    "kv_cache_memory": (int, "bytes of the paged KV cache (default: max_num_seqs sequences of max_model_len "
+                             "tokens on CPU, a fraction of the free memory on CUDA)"),
+    "enable_prefix_caching": (bool, "reuse the KV cache of prompts' shared prefixes"),
+    "tensor_parallel_size": (int, "devices each Decoder replica's language model spans (one GPU each on GPU "
+                                  "clusters)"),
+}
+FLAG_ENGINE = tuple(ENGINE_FLAGS)
 START_KEYS = ("proxy_location", "http_options", "grpc_options", "controller_options")  # as `serve run` passes them
 APP_KEYS = {"name", "route_prefix", "import_path", "args", "deployments"}
 

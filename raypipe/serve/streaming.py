@@ -14,7 +14,7 @@ that may be a call is held back and the calls go out when the choice ends, each 
 its id and function name, then one with its arguments (OpenAI's delta shape).
 
 For a model that thinks (`thinking`: a reasoning parser and thinking not switched off), each choice's
-text is first split by `openai.reasoning`: the thinking block becomes `reasoning_content` (streamed as
+text is first split by `models.reasoning`: the thinking block becomes `reasoning_content` (streamed as
 `reasoning_content` deltas), and only the content after it is parsed for tool calls.
 """
 
@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from raypipe.serve.errors import ApiError
 from raypipe.serve.metrics import ServeMetrics
 from raypipe.serve.openai.bodies import choice_body, chunk_body, completion_body, usage
-from raypipe.serve.openai.reasoning import ReasoningStream, split_reasoning
+from raypipe.models.reasoning import ReasoningStream, split_reasoning
 from raypipe.serve.openai.tools import ToolCallStream, parse_tool_calls
 
 
@@ -51,7 +51,7 @@ class _Choice:
 class CompletionStream:
     """`kind` is "chat" or "text" (see `openai.bodies`); `deltas` one decoder stream per choice;
     `token_text(id)` renders logprob tokens; `tool_names` (chat) the functions whose calls are parsed;
-    `thinking` (chat) whether answers start inside a thinking block (`openai.reasoning`); `legacy_functions`
+    `thinking` (chat) whether answers start inside a thinking block (`models.reasoning`); `legacy_functions`
     (chat) whether the tools came as `functions`, so a call is answered as a `function_call`."""
 
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas: list, prompt_tokens: int,

@@ -5,7 +5,7 @@ per-layer stacked MoE projections, `vit_large_projector`, ...). transformers con
 loading (`conversion_mapping.py`: renames, chunking, permutes, concatenations). On one device both
 sides load the whole model the supported way and drop what they do not run (`load_step3_model`):
 loading reads every tensor once. For the presets that is nothing; for the released checkpoint an
-encoder worker briefly holds the language model too (see the README's Step3 notes).
+encoder worker briefly holds the language model too (see docs/models.md, Step3).
 
 A rank of a tensor-parallel decode group must not read every tensor (`language_shard_tensors`). Its
 language tensors are named by transformers' own mapping for `step3p7` (`rename_source_key` over the
