@@ -62,7 +62,12 @@ def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
     assert single.runner.num_snapshots == group.runner.num_snapshots > 0
     one, two = on_both(engines, k, cases, [SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)] * len(cases), "mini")
     assert two == one == [w for _, _, w in cases]
-    assert group.stats()["preemptions"] > 0 and group.stats()["failed_rounds"] == 0
+    assert group.stats()["failed_rounds"] == 0
+    # The pool fits about two of the longest requests, so K=8's batch preempts. K=1's staggered batch stopped
+    # preempting with the burst change (a prefill keeps a state where waiting prompts branch off it; requests
+    # of one event-loop turn reach the scheduler together): bisected to that merge, outputs unchanged.
+    if k == 8:
+        assert group.stats()["preemptions"] > 0
 
 
 def test_each_rank_holds_half_of_the_linear_attention_state(engines):
