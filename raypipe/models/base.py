@@ -199,6 +199,12 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
         assembles them otherwise (LLaVA-OneVision lays tiles side by side)."""
         return torch.cat(parts)
 
+    def encode_in_process(self, tower: VisionTower, visual: DecodedVisual) -> torch.Tensor:
+        """`visual`'s embedding from a tower in this process (no encoder workers): its units through the tower,
+        joined as the family lays them out. The GPU check and `raypipe bench peer` encode this way."""
+        item = self.make_item(visual)
+        return self.join_units(item, tower.encode(self.units(item)))
+
     def replaced_around(self, kind: VisualKind) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Tokens a chat template puts right before and after a placeholder of `kind` that the placeholder's
         expansion replaces with it (Qwen3-VL's video: the template's `<|vision_start|>`/`<|vision_end|>`
