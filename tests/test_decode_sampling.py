@@ -268,3 +268,49 @@ def test_seeded_sampling_with_every_control_is_independent_of_k_and_batch(engine
     unseeded = asyncio.run(engines[8].generate_output("unseeded", prompt, embeds,
                                                       dataclasses.replace(params, seed=None)))
     assert unseeded.token_ids != alone[8].token_ids  # it does sample
+
+
+# ---- vLLM's output fields: allowed_token_ids, skip_special_tokens, include_stop_str_in_output ----
+
+def test_allowed_token_ids_equal_generate_with_the_others_suppressed(engines, cases, hf_model):
+    """`allowed_token_ids` against transformers' own processor for it (`suppress_tokens`: every other id);
+    a special token is among the allowed, so `skip_special_tokens` decides whether its text is in the output."""
+    engine = engines[8]
+    prompt, embeds = cases[0]
+    plain = ref.hf_generate(hf_model, prompt, embeds, MAX_NEW, -1)
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    allowed = sorted({plain[1], plain[4], 97, 98, special})
+    vocab = hf_model.config.get_text_config().vocab_size
+    want = ref.hf_generate(hf_model, prompt, embeds, MAX_NEW, -1,
+                           suppress_tokens=[t for t in range(vocab) if t not in allowed])
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, allowed_token_ids=allowed)
+    out = asyncio.run(engine.generate_output("allowed", prompt, embeds, params))
+    assert out.token_ids == want and set(want) <= set(allowed) and want != plain
+    assert special in want, "the test needs the special token in the output"
+    kept = asyncio.run(engine.generate_output("allowed-special", prompt, embeds,
+                                              dataclasses.replace(params, skip_special_tokens=False)))
+    assert kept.token_ids == want
+    assert kept.text == engine.tokenizer.decode(want, skip_special_tokens=False) and "<|im_start|>" in kept.text
+    assert out.text == engine.tokenizer.decode(want, skip_special_tokens=True) and "<|im_start|>" not in out.text
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused(engines, cases):
+    prompt, embeds = cases[0]
+    params = SamplingParams(max_tokens=4, allowed_token_ids=[3, 10**6])
+    with pytest.raises(InvalidInput) as info:
+        asyncio.run(engines[1].generate_output("allowed-oov", prompt, embeds, params))
+    assert info.value.item == "sampling_params.allowed_token_ids"
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_include_stop_str_in_output_ends_the_text_after_the_stop(engines, cases, k):
+    engine = engines[k]
+    prompt, embeds = cases[1]
+    whole = asyncio.run(engine.generate_output(f"whole-{k}", prompt, embeds,
+                                               SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))).text
+    stop = whole[len(whole) // 2: len(whole) // 2 + 3]
+    cut = whole.index(stop)
+    for include, end in ((False, cut), (True, cut + len(stop))):
+        params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+        out = asyncio.run(engine.generate_output(f"stop-{k}-{include}", prompt, embeds, params))
+        assert out.text == whole[:end] and out.finish_reason == "stop", (include, stop, whole)

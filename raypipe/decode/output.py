@@ -71,12 +71,12 @@ class OutputProcessor:
         return RequestDelta(seq.request_id, [], self._emit(seq), reason, [] if seq.params.logprobs is not None else None,
                             seq.num_cached_tokens or 0)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decode(self, seq: Sequence, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def _detokenize(self, seq: Sequence) -> bool:
         """Append the complete characters the new ids add to `seq.text`; True if there were any."""
-        full = self._decode(seq.output_ids[seq.prefix_offset:])
+        full = self._decode(seq, seq.output_ids[seq.prefix_offset:])
         if full.endswith(REPLACEMENT_CHAR):  # an incomplete character so far: wait for its next bytes
             return False
         new = full[seq.prefix_chars:]
@@ -87,21 +87,23 @@ class OutputProcessor:
         return bool(new)
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        """Search the text added since the last check; on a hit, cut the text before the stop string."""
+        """Search the text added since the last check; on a hit, cut the text before the stop string (after it
+        with `include_stop_str_in_output`)."""
         checked, seq.checked_chars = seq.checked_chars, len(seq.text)
         if len(seq.output_ids) < seq.params.min_tokens:
             return False
         # Only occurrences that end in the new text: older ones were checked (or before min_tokens).
-        hits = [i for s in seq.params.stop if (i := seq.text.find(s, max(checked - len(s) + 1, 0))) >= 0]
+        hits = [(i, len(s)) for s in seq.params.stop if (i := seq.text.find(s, max(checked - len(s) + 1, 0))) >= 0]
         if not hits:
             return False
-        seq.text = seq.text[: min(hits)]
+        start, length = min(hits)
+        seq.text = seq.text[: start + length if seq.params.include_stop_str_in_output else start]
         return True
 
     def _emit(self, seq: Sequence) -> str:
         if seq.finished:
             if seq.read_offset < len(seq.output_ids):  # ended inside a character: flush it as decoded
-                seq.text += self._decode(seq.output_ids[seq.prefix_offset:])[seq.prefix_chars:]
+                seq.text += self._decode(seq, seq.output_ids[seq.prefix_offset:])[seq.prefix_chars:]
                 seq.read_offset = len(seq.output_ids)
             end = len(seq.text)
         else:

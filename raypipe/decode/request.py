@@ -40,7 +40,8 @@ def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tu
         raise InvalidInput(f"prompt has {len(ids)} tokens (images included); max_model_len is {max_model_len}, "
                            "which must leave room for at least one generated token", item="prompt",
                            code="prompt_too_long")
-    for field, tokens in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {})):
+    for field, tokens in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
         for t in tokens:
             if t >= vocab:
                 raise InvalidInput(f"token id {t} is outside the vocabulary (size {vocab})",

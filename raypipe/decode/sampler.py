@@ -5,7 +5,7 @@ every step; per-row state that changes per step (output token counts, output len
 device tensors updated in place, so the step loop has no per-row Python. Each step:
 
     raw logits -> log-probabilities (when asked; of the raw logits, vLLM's default)
-    -> logit_bias -> repetition penalty -> presence/frequency penalties
+    -> allowed_token_ids mask -> logit_bias -> repetition penalty -> presence/frequency penalties
     -> grammar mask (constrained rows only, `raypipe.decode.grammar`) -> min_tokens mask
     -> greedy rows: argmax | other rows: temperature -> top-k -> top-p -> min-p -> sample
 
@@ -58,6 +58,7 @@ class SamplingBatch:
     # per step: (sampled logprob (B,), top ids (B, k), top logprobs (B, k), sampled ids (B,)), on the device
     recorded: list[tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=list)
     grammar: GrammarRows | None = None  # rows with a structured-output constraint; None when no row has one
+    allowed: torch.Tensor | None = None  # (B, V) bool, True where a row may sample the id; None when no row limits it
 
     @classmethod
     def build(cls, seqs: list[Sequence], stop_ids: list[frozenset[int]], vocab_size: int,
@@ -77,6 +78,12 @@ class SamplingBatch:
                 batch.min_p = torch.tensor([[p.min_p] for p in params], device=device)
             batch.seeded = [(row, s.generator) for row, s in enumerate(seqs)
                             if s.generator is not None and not s.params.greedy]
+        if any(p.allowed_token_ids for p in params):
+            batch.allowed = torch.ones(len(params), vocab_size, dtype=torch.bool, device=device)
+            for row, p in enumerate(params):
+                if p.allowed_token_ids:
+                    batch.allowed[row] = False
+                    batch.allowed[row, torch.tensor(p.allowed_token_ids, device=device)] = True
         if any(p.logit_bias for p in params):
             entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
             rows, tokens, biases = zip(*entries)
@@ -174,10 +181,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Logit bias, penalties, the min_tokens mask and the grammar mask (what greedy rows take the argmax of)."""
-    if batch.bias is None and batch.counts is None and batch.min_tokens is None and batch.grammar is None:
+    """The allowed-ids mask, logit bias, penalties, the min_tokens mask and the grammar mask (what greedy rows
+    take the argmax of)."""
+    if batch.bias is None and batch.counts is None and batch.min_tokens is None and batch.grammar is None \
+            and batch.allowed is None:
         return logits
     logits = logits.clone()
+    if batch.allowed is not None:
+        logits.masked_fill_(~batch.allowed, float("-inf"))
     if batch.bias is not None:
         rows, tokens, biases = batch.bias
         logits.index_put_((rows, tokens), biases, accumulate=True)

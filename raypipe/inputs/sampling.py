@@ -37,6 +37,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
     logprobs: int | None = None  # None: none; 0: the sampled token's log-probability; k: also the top k
     structured: StructuredOutput | None = None  # JSON schema / regex / choice / grammar the output must follow
+    allowed_token_ids: list[int] | None = None  # sample only among these ids (vLLM's field); None = all
+    skip_special_tokens: bool = True  # False: special tokens' text stays in the output text (vLLM's field)
+    include_stop_str_in_output: bool = False  # True: the text ends after the stop string, not before it
 
     def __post_init__(self):
         self.max_tokens = _int(self.max_tokens, "max_tokens", minimum=1)
@@ -101,6 +104,13 @@ class SamplingParams:
                 _fail("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
         if self.structured is not None:
             self.structured = StructuredOutput.of(self.structured)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                _fail("allowed_token_ids", "must be a non-empty list of token ids")
+            self.allowed_token_ids = sorted({_int(t, "allowed_token_ids", minimum=0) for t in self.allowed_token_ids})
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, f"must be a boolean, got {type(getattr(self, name)).__name__}")
 
     @property
     def greedy(self) -> bool:
