@@ -73,13 +73,18 @@ def test_prompt_ids_and_positions_match_transformers(model):
         assert tokenizer.decode(their_off[-6:]) == "<think>\n\n</think>\n\n"
 
 
-def test_thinking_switch_is_checked(model):
+def test_thinking_switch_is_checked_and_keys_the_template_lacks_are_ignored(model):
+    """A switch of the wrong type is refused; a key the template does not read is ignored, as vLLM ignores it
+    (the prompt is the one without it)."""
     messages = [{"role": "user", "content": "hi"}]
-    for kwargs, field in (({"enable_thinking": "no"}, "chat_template_kwargs.enable_thinking"),
-                          ({"add_vision_id": True}, "chat_template_kwargs.add_vision_id")):
-        with pytest.raises(InvalidInput) as refused:
-            build_prompt(messages, model.processor.tokenizer, model.vision, chat_template_kwargs=kwargs)
-        assert refused.value.code == "invalid_chat_template_kwargs" and refused.value.item == field
+    tokenizer = model.processor.tokenizer
+    with pytest.raises(InvalidInput) as refused:
+        build_prompt(messages, tokenizer, model.vision, chat_template_kwargs={"enable_thinking": "no"})
+    assert refused.value.code == "invalid_chat_template_kwargs"
+    assert refused.value.item == "chat_template_kwargs.enable_thinking"
+    plain = build_prompt(messages, tokenizer, model.vision).prompt_token_ids
+    ignored = build_prompt(messages, tokenizer, model.vision, chat_template_kwargs={"add_vision_id": True, "tokenize": 1})
+    assert ignored.prompt_token_ids == plain
 
 
 @pytest.mark.parametrize("k", [1, 8])

@@ -15,6 +15,7 @@ import sys
 from raypipe import Pipeline, SamplingParams
 from raypipe.config import EngineConfig, model_config_from_args
 from raypipe.inputs.structured import StructuredOutput
+from raypipe.errors import InvalidInput
 from raypipe.models.prompt import check_template_kwargs
 from raypipe.models.reasoning import constrain_answer, split_reasoning
 from raypipe.models.registry import family_of, language_adapter, resolve_model
@@ -23,7 +24,10 @@ from raypipe.models.registry import family_of, language_adapter, resolve_model
 def run_generate(args) -> int:
     checkpoint = resolve_model(args.model)
     template_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
-    template_kwargs = check_template_kwargs(language_adapter(checkpoint).tokenizer, template_kwargs)
+    checked = check_template_kwargs(language_adapter(checkpoint).tokenizer, template_kwargs)
+    if checked != template_kwargs:  # the endpoint ignores a switch the template lacks (vLLM); a CLI flag says so
+        raise InvalidInput("this model's chat template has no 'enable_thinking' switch", item="--thinking")
+    template_kwargs = checked
     thinking = family_of(checkpoint).thinks(template_kwargs)
     structured = StructuredOutput(json=args.json_schema) if args.json_schema else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -55,6 +55,18 @@ class VideoOptions:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class TemplateOptions:
+    """How the chat template renders a conversation (vLLM's request fields of these names): whether it opens
+    the assistant's turn after the messages, or leaves the last (assistant) message open to be continued;
+    `chat_template` replaces the model's own template for one request (rendered by transformers in the same
+    sandboxed jinja environment as the model's)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class LowDetail:
     """An image part sent with OpenAI's `detail: "low"`: read at `ImageLimits.low_detail_pixels` at most."""
 
@@ -85,7 +97,8 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
                  image_limits: ImageLimits = ImageLimits(), *, video: VideoOptions = VideoOptions(),
                  max_text_chars: int | None = None, max_video_tokens: int | None = None,
                  resize_images: bool = True, tools: list[dict] | None = None,
-                 tile_every_image: bool = False, chat_template_kwargs: dict | None = None) -> PreparedPrompt:
+                 tile_every_image: bool = False, chat_template_kwargs: dict | None = None,
+                 template: TemplateOptions = TemplateOptions()) -> PreparedPrompt:
     """`max_text_chars` (see `max_chars_per_token`) refuses hopelessly long text before tokenizing it;
     `max_video_tokens` (the context length) refuses a video whose planned frames need more tokens
     than that from its header, before any frame is decoded.
@@ -95,7 +108,7 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     function tools, which the chat template lists (see `chat_template_ids`). `tile_every_image` (or a request
     dict's `"mm_processor_kwargs": {"tile_every_image": ...}`, which wins): see `VisionAdapter.prompt_visuals`.
     `chat_template_kwargs` (or a request dict's field of that name, which wins): the template's switches
-    (see `check_template_kwargs`).
+    (see `check_template_kwargs`); `template`: how the template renders (see `TemplateOptions`).
     """
     tile_every_image = _tile_every_image(request, tile_every_image)
     loaders = _loaders(vision_adapter, image_limits, video, resize_images, max_video_tokens)
@@ -111,7 +124,7 @@ def build_prompt(request, tokenizer, vision_adapter: VisionAdapter,
     visuals = _load_all(raw_visuals, loaders)
     if isinstance(request, dict) and request.get("chat_template_kwargs") is not None:
         chat_template_kwargs = request["chat_template_kwargs"]
-    ids = chat_template_ids(tokenizer, template_messages, tools, chat_template_kwargs)
+    ids = chat_template_ids(tokenizer, template_messages, tools, chat_template_kwargs, template)
     return _expand(ids, visuals, tokenizer, vision_adapter, video.pruning_rate, tile_every_image,
                    allow_expanded=False)
 
@@ -230,14 +243,14 @@ def plain_text_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
 
-# Chat-template switches a request may set (vLLM's `chat_template_kwargs`), where the template reads them.
+# Chat-template switches whose type is checked (vLLM's `chat_template_kwargs`): a wrong type is a 400.
 TEMPLATE_SWITCHES = {"enable_thinking": bool}
 
 
-def check_template_kwargs(tokenizer, kwargs: dict | None) -> dict:
-    """`kwargs` for the chat template, or `InvalidInput`: only `TEMPLATE_SWITCHES` of the right type, and only
-    switches this checkpoint's template reads (a model without a thinking switch refuses `enable_thinking`
-    rather than ignore it)."""
+def check_template_kwargs(tokenizer, kwargs: dict | None, chat_template: str | None = None) -> dict:
+    """`kwargs` for the chat template, or `InvalidInput` for a `TEMPLATE_SWITCHES` key of the wrong type. As in
+    vLLM, keys the template does not read are dropped (a model without a thinking switch ignores
+    `enable_thinking`), and so are names `apply_chat_template` itself takes (`tokenize`, `tools`, ...)."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):
@@ -245,17 +258,37 @@ def check_template_kwargs(tokenizer, kwargs: dict | None) -> dict:
                            code="invalid_chat_template_kwargs")
     for key, value in kwargs.items():
         kind = TEMPLATE_SWITCHES.get(key)
-        if kind is None or key not in (tokenizer.chat_template or ""):
-            raise InvalidInput(f"this model's chat template has no {key!r} switch", item=f"chat_template_kwargs.{key}",
-                               code="invalid_chat_template_kwargs")
-        if not isinstance(value, kind):
+        if kind is not None and not isinstance(value, kind):
             raise InvalidInput(f"{key} must be a {kind.__name__}, not {value!r}", item=f"chat_template_kwargs.{key}",
                                code="invalid_chat_template_kwargs")
-    return dict(kwargs)
+    read = _template_variables(chat_template or tokenizer.chat_template or "")
+    return {key: value for key, value in kwargs.items() if key in read and key not in _TEMPLATE_CALL_NAMES}
+
+
+# `apply_chat_template`'s own arguments and the variables it sets: a request's kwargs never override them.
+_TEMPLATE_CALL_NAMES = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                  "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                  "truncation", "max_length", "return_tensors", "return_dict",
+                                  "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
+def _template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads from its context, parsed in transformers' own environment (its
+    extensions: loop controls, `generation` blocks); none for a template that does not parse (rendering it
+    reports that)."""
+    import jinja2
+    import jinja2.meta
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        environment = _compile_jinja_template(template).environment
+        return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
+    except jinja2.TemplateError:
+        return frozenset()
 
 
 def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                      template_kwargs: dict | None = None) -> list[int]:
+                      template_kwargs: dict | None = None, template: TemplateOptions = TemplateOptions()) -> list[int]:
     """Render `messages` with the tokenizer's chat template; only the template's own markers are control tokens.
 
     Each supplied text is swapped for a unique marker before rendering, so the template's markers
@@ -268,9 +301,13 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     An assistant turn's past `reasoning_content` is supplied text too. So are tools and assistant tool
     calls, which templates write as JSON (`| tojson`): every string in a function's name, description,
     parameters and call arguments (keys included) is marked as its JSON-escaped text; the structure the template reads is kept.
-    `template_kwargs`: the template's switches (`check_template_kwargs`), e.g. Qwen3.5's `enable_thinking`.
+    `template_kwargs`: the template's switches (`check_template_kwargs`), e.g. Qwen3.5's `enable_thinking`;
+    `template`: how it renders (`TemplateOptions`).
     """
-    switches = check_template_kwargs(tokenizer, template_kwargs)
+    if template.continue_final_message and (template.add_generation_prompt or messages[-1].get("role") != "assistant"):
+        raise InvalidInput("continue_final_message continues a last assistant message, without add_generation_prompt",
+                           item="continue_final_message", code="invalid_value")
+    switches = check_template_kwargs(tokenizer, template_kwargs, template.chat_template)
     nonce = uuid.uuid4().hex
     texts: list[str] = []
 
@@ -299,8 +336,10 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
               for m in messages]
     marked_tools = [{**tool, "function": mark_function(tool["function"])} for tool in tools] if tools else None
     try:
-        rendered = tokenizer.apply_chat_template(marked, tools=marked_tools, add_generation_prompt=True,
-                                                 tokenize=False, **switches)
+        rendered = tokenizer.apply_chat_template(marked, tools=marked_tools, tokenize=False,
+                                                 add_generation_prompt=template.add_generation_prompt,
+                                                 continue_final_message=template.continue_final_message,
+                                                 chat_template=template.chat_template, **switches)
     except Exception as exc:  # jinja errors on shapes the template does not know
         raise InvalidInput(f"chat template failed: {exc}", item="messages", code="invalid_request") from None
     control = _control_token_pattern(tokenizer)
