@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.metadata
 import io
 import json
 import os
@@ -903,6 +904,100 @@ def test_completions_endpoint_and_model_retrieval(client, pipe, tiny_ckpt):
         client.models.retrieve("gpt-17")
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model="tiny", prompt="x", max_tokens=2, echo=True)
+
+
+def test_tokenize_counts_what_a_chat_request_costs_and_detokenize_inverts_it(client, http, server, tiny_ckpt):
+    """vLLM's `/tokenize`: chat messages with an image give the prompt ids a chat request sends (its
+    `usage.prompt_tokens`), the template options are transformers' own, a text prompt gives completions'
+    ids; `/detokenize` turns them back; `/version` answers without the key."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
+    messages = user("Count me.", image_url(56, 84, seed=31))
+    counted = http.post("/tokenize", json={"model": "tiny", "messages": messages, "return_token_strs": True}).json()
+    sent = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert counted["count"] == len(counted["tokens"]) == sent.usage.prompt_tokens
+    assert counted["max_model_len"] == MAX_MODEL_LEN
+    assert counted["token_strs"] == tokenizer.convert_ids_to_tokens(counted["tokens"])
+    image_token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert counted["tokens"].count(image_token) == (56 // 28) * (84 // 28)  # one per merged 28x28 patch
+    # add_generation_prompt / continue_final_message / chat_template: as transformers' apply_chat_template renders
+    turns = [{"role": "user", "content": "Say a word."}, {"role": "assistant", "content": "The word is"}]
+    template = "{% for m in messages %}<|im_start|>{{ m.role }}:{{ m.content }}{% endfor %}{{ extra }}"
+    for options in ({"add_generation_prompt": False}, {"continue_final_message": True},
+                    {"chat_template": template, "chat_template_kwargs": {"extra": "!", "unused": 1}}):
+        ours = http.post("/tokenize", json={"messages": turns, **options}).json()["tokens"]
+        theirs = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False, add_generation_prompt=options.get(
+            "add_generation_prompt", not options.get("continue_final_message", False)),
+            continue_final_message=options.get("continue_final_message", False),
+            chat_template=options.get("chat_template"), **options.get("chat_template_kwargs", {}))
+        assert ours == list(theirs), options
+    continued = client.chat.completions.create(model="tiny", messages=turns, max_tokens=3, temperature=0,
+                                               extra_body={"continue_final_message": True})
+    assert continued.usage.prompt_tokens == len(http.post("/tokenize", json={
+        "messages": turns, "continue_final_message": True}).json()["tokens"])
+    both = http.post("/v1/chat/completions", json=_chat(messages=turns, continue_final_message=True,
+                                                        add_generation_prompt=True))
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    text = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()
+    completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=1)
+    assert text["count"] == completion.usage.prompt_tokens and text["token_strs"] is None
+    assert http.post("/detokenize", json={"tokens": text["tokens"]}).json() == {"prompt": "Once upon a time"}
+    bad = http.post("/detokenize", json={"tokens": [1, 10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    assert http.post("/tokenize", json={"model": "gpt-17", "prompt": "x"}).status_code == 404
+    assert httpx.post(f"{server}/tokenize", json={"prompt": "x"}).status_code == 401  # behind the API key
+    version = httpx.get(f"{server}/version")
+    assert version.status_code == 200 and version.json()["version"] == importlib.metadata.version("raypipe")
+
+
+def test_vllm_output_fields_through_the_openai_client(client, http, tiny_ckpt):
+    """request_id, priority, return_tokens_as_token_ids, continuous_usage_stats, skip_special_tokens and
+    include_stop_str_in_output as vLLM documents them."""
+    from transformers import AutoTokenizer
+
+    messages = user("Pick words.")
+    named = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                           extra_body={"request_id": "abc-1"})
+    assert named.id == "chatcmpl-abc-1"
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                           extra_body={"request_id": "abc-1"})  # the same id twice is fine
+    assert again.id == "chatcmpl-abc-1"
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"request_id": "z"}).id \
+        == "cmpl-z"
+    assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=1,
+                                          extra_body={"priority": 0}).choices
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body={"priority": 1})
+    by_id = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                           logprobs=True, top_logprobs=2,
+                                           extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True,
+                                                       "allowed_token_ids": [97, 98, 99]})
+    entries = by_id.choices[0].logprobs.content
+    assert all(e.token.startswith("token_id:") for e in entries + [t for e in entries for t in e.top_logprobs])
+    ids = [int(e.token.removeprefix("token_id:")) for e in entries]
+    assert len(ids) == 5 and set(ids) <= {97, 98, 99}
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == by_id.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True},
+                                                 stream_options={"include_usage": True,
+                                                                 "continuous_usage_stats": True}))
+    running = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks) and running == sorted(running) and running[-1] == 6
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = whole[4:7]
+    kept = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, stop=[stop],
+                                          extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == whole[: whole.index(stop) + len(stop)]
+    special = AutoTokenizer.from_pretrained(tiny_ckpt).convert_tokens_to_ids("<|im_start|>")
+    forced = {"ignore_eos": True, "logit_bias": {str(special): 100}}
+    shown = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
+                                           extra_body={**forced, "skip_special_tokens": False})
+    hidden = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
+                                            extra_body=forced)
+    assert shown.choices[0].message.content == "<|im_start|>" * 3 and hidden.choices[0].message.content == ""
 
 
 def test_health_recovers_after_every_encoder_worker_dies(server):

@@ -16,7 +16,8 @@ import tokenize
 import typing
 
 MARKER = "<!-- request-fields -->"
-BODIES = {"POST /v1/chat/completions": "ChatCompletionRequest", "POST /v1/completions": "CompletionRequest"}
+BODIES = {"POST /v1/chat/completions": "ChatCompletionRequest", "POST /v1/completions": "CompletionRequest",
+          "POST /tokenize (a text prompt)": "TokenizeCompletionRequest", "POST /detokenize": "DetokenizeRequest"}
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -16,6 +16,8 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
+import importlib.metadata
+import json
 import os
 import time
 
@@ -38,16 +40,44 @@ from raypipe.serve.openai.bodies import completion_id, model_card, models_body
 from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai.openapi import install_schemas, request_body
 from raypipe.serve.openai.parsing import parse_request
-from raypipe.serve.openai.schemas import ChatCompletionRequest, CompletionRequest
+from raypipe.serve.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from raypipe.serve.prefix_router import HASHES_KWARG
 from raypipe.serve.streaming import CompletionStream
 
 app = FastAPI(title="raypipe", redoc_url=None)
 install_handlers(app)
-install_schemas(app, [ChatCompletionRequest, CompletionRequest])
+install_schemas(app, [ChatCompletionRequest, CompletionRequest, TokenizeChatRequest, TokenizeCompletionRequest,
+                      DetokenizeRequest])
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+
+
+def response_id(request, engine_id: str) -> str:
+    """The response's `id`: the client's `request_id` (vLLM's field) after the kind's prefix, else the engine's id
+    (the engine's own ids stay unique whatever clients send)."""
+    if request.request_id is None:
+        return engine_id
+    return f"{engine_id.partition('-')[0]}-{request.request_id}"
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _tokenize_model(body: bytes):
+    """`/tokenize` takes chat messages or a text prompt, told apart as vLLM does: by `messages`."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # `parse_request` reports it
+        return TokenizeCompletionRequest
+    return TokenizeChatRequest if isinstance(data, dict) and "messages" in data else TokenizeCompletionRequest
 
 
 @serve.deployment  # options (replicas, resources, max_ongoing_requests) live in deployments/config.yaml
@@ -99,9 +129,10 @@ class Ingress:
             # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
             deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n,
                                     self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts))
-            stream = CompletionStream("chat", request_id, self.served_model_name, self.fingerprint, deltas,
-                                      prompt.num_prompt_tokens, arrival, chat.include_usage, self._token_text,
-                                      chat.tool_names(), thinking, chat.legacy_functions)
+            stream = CompletionStream("chat", response_id(chat, request_id), self.served_model_name, self.fingerprint,
+                                      deltas, prompt.num_prompt_tokens, arrival, chat.include_usage,
+                                      self._logprob_token_text(chat), chat.tool_names(), thinking,
+                                      chat.legacy_functions, continuous_usage=chat.continuous_usage)
             await stream.start()
             stream.record_routes(self.metrics)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
@@ -118,8 +149,9 @@ class Ingress:
             prompt, params = await self._prepare_completion(completion)
             request_id = completion_id("cmpl")
             deltas = self._generate(request_id, prompt, [], params, completion.n, self._prefix_key(prompt, []))
-            stream = CompletionStream("text", request_id, self.served_model_name, self.fingerprint, deltas,
-                                      len(prompt), arrival, completion.include_usage)
+            stream = CompletionStream("text", response_id(completion, request_id), self.served_model_name,
+                                      self.fingerprint, deltas, len(prompt), arrival, completion.include_usage,
+                                      continuous_usage=completion.continuous_usage)
             await stream.start()
             stream.record_routes(self.metrics)
         except Exception as exc:  # noqa: BLE001
@@ -179,6 +211,54 @@ class Ingress:
         self.metrics.requests.labels("/v1/models/{id}", "200").inc()
         return JSONResponse(body)
 
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeChatRequest))
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's tokenizer endpoint: a text prompt as `/v1/completions` tokenizes it, or chat messages as
+        `/v1/chat/completions` renders them (images and videos decoded, checked and counted as the chat route
+        does): the tokens a request will cost, before it is sent."""
+        try:
+            self._authorize(request)
+            body = await self._read_body(request)
+            asked = parse_request(body, _tokenize_model(body))
+            if asked.model is not None:
+                self._check_model(asked.model)
+            if isinstance(asked, TokenizeChatRequest):
+                ids = (await self._build_prompt(asked, asked.template_kwargs(bool(self.family.reasoning)))
+                       ).prompt_token_ids
+            else:
+                check_text_chars(len(asked.prompt), await self._model_len() * self.chars_per_token)
+                ids = await asyncio.to_thread(plain_text_ids, self.tokenizer, asked.prompt)
+            strs = self.tokenizer.convert_ids_to_tokens(list(ids)) if asked.return_token_strs else None
+            body = {"count": len(ids), "max_model_len": await self._model_len(), "tokens": list(ids),
+                    "token_strs": strs}
+        except Exception as exc:  # noqa: BLE001
+            return self._error("/tokenize", exc)
+        self.metrics.requests.labels("/tokenize", "200").inc()
+        return JSONResponse(body)
+
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            asked = parse_request(await self._read_body(request), DetokenizeRequest)
+            if asked.model is not None:
+                self._check_model(asked.model)
+            vocab = len(self.tokenizer)
+            for i, token in enumerate(asked.tokens):
+                if not 0 <= token < vocab:
+                    raise InvalidInput(f"token id {token} is outside the vocabulary (size {vocab})",
+                                       item=f"tokens[{i}]", code="invalid_value")
+            body = {"prompt": self.tokenizer.decode(asked.tokens)}
+        except Exception as exc:  # noqa: BLE001
+            return self._error("/detokenize", exc)
+        self.metrics.requests.labels("/detokenize", "200").inc()
+        return JSONResponse(body)
+
+    @app.get("/version")
+    async def version(self) -> Response:
+        """raypipe's version (vLLM's route; no auth, like /health)."""
+        return JSONResponse({"version": importlib.metadata.version("raypipe")})
+
     @app.get("/health")
     async def health(self) -> Response:
         """200 while at least one encoder worker and the decoder are alive (busy is alive); no auth (load balancers).
@@ -233,18 +313,22 @@ class Ingress:
                                item="model", code="model_not_found")
 
     async def _prepare(self, chat: ChatCompletionRequest, template_kwargs: dict | None):
+        prompt = await self._build_prompt(chat, template_kwargs)
+        model_len = await self._model_len()
+        max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
+        return prompt, sampling_params(chat, max_tokens)
+
+    async def _build_prompt(self, chat: ChatCompletionRequest, template_kwargs: dict | None):
         self.limits.check_visual_count("image", len(chat.image_urls()))
         self.limits.check_visual_count("video", len(chat.video_urls()))
         model_len = await self._model_len()
         # Image/video decoding and the chat template are CPU work: keep the event loop serving other requests.
-        prompt = await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
+        return await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
                                          self.vision_adapter, self.image_limits, video=self._video_options(chat),
                                          max_text_chars=model_len * self.chars_per_token,
                                          max_video_tokens=model_len, resize_images=self.resize_images,
                                          tools=chat.template_tools(), tile_every_image=chat.tile_every_image(),
-                                         chat_template_kwargs=template_kwargs)
-        max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
-        return prompt, sampling_params(chat, max_tokens)
+                                         chat_template_kwargs=template_kwargs, template=chat.template_options())
 
     async def _prepare_completion(self, completion: CompletionRequest) -> tuple[list[int], SamplingParams]:
         prompt = completion.single_prompt()
@@ -265,6 +349,10 @@ class Ingress:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def _logprob_token_text(self, request):
+        """How logprob entries name their tokens: the token's text, or vLLM's `token_id:<id>` when asked."""
+        return _token_id_text if request.return_tokens_as_token_ids else self._token_text
 
     async def _model_len(self) -> int:
         if self._max_model_len is None:

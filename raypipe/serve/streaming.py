@@ -52,16 +52,18 @@ class CompletionStream:
     """`kind` is "chat" or "text" (see `openai.bodies`); `deltas` one decoder stream per choice;
     `token_text(id)` renders logprob tokens; `tool_names` (chat) the functions whose calls are parsed;
     `thinking` (chat) whether answers start inside a thinking block (`models.reasoning`); `legacy_functions`
-    (chat) whether the tools came as `functions`, so a call is answered as a `function_call`."""
+    (chat) whether the tools came as `functions`, so a call is answered as a `function_call`; `continuous_usage`
+    (with `include_usage`) whether every chunk carries the usage so far rather than null."""
 
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas: list, prompt_tokens: int,
                  arrival: float, include_usage: bool, token_text=None, tool_names: set[str] | None = None,
-                 thinking: bool = False, legacy_functions: bool = False):
+                 thinking: bool = False, legacy_functions: bool = False, continuous_usage: bool = False):
         self.kind, self.request_id, self.model, self.fingerprint = kind, request_id, model, fingerprint
         self.choices = [_Choice(index, stream) for index, stream in enumerate(deltas)]
         self.token_text, self.tool_names, self.thinking = token_text, tool_names, thinking and kind == "chat"
         self.legacy_functions = legacy_functions
         self.prompt_tokens, self.arrival, self.include_usage = prompt_tokens, arrival, include_usage
+        self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: every chunk's usage, so far
         self.created = int(time.time())
         self.first_token_at: float | None = None
 
@@ -214,7 +216,9 @@ class CompletionStream:
                   else _interleave([self._choice_chunks(choice) for choice in self.choices]))
         try:
             async for index, delta, finish, entries in pieces:
-                yield chunk(delta, finish, index, entries=entries)
+                so_far = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens) \
+                    if self.continuous_usage else None
+                yield chunk(delta, finish, index, usage_value=so_far, entries=entries)
             if self.include_usage:
                 yield chunk(None, usage_value=usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens))
             yield "data: [DONE]\n\n"

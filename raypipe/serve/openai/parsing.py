@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from raypipe.errors import InvalidInput
 from raypipe.serve.openai.refusals import check_supported
@@ -19,7 +19,7 @@ _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_e
                  "literal_error", "finite_number", "string_pattern_mismatch", "union_tag_invalid"}
 
 
-def parse_request(body: bytes, model: type[Common] = ChatCompletionRequest) -> Common:
+def parse_request(body: bytes, model: type[BaseModel] = ChatCompletionRequest) -> BaseModel:
     """Parse a request body and apply `refusals`: what comes back is a request this server honours in full."""
     try:
         request = model.model_validate_json(body)
@@ -28,7 +28,8 @@ def parse_request(body: bytes, model: type[Common] = ChatCompletionRequest) -> C
         if errors[0]["type"] != "json_invalid" or "recursion limit" not in errors[0]["msg"]:
             raise _invalid_input(errors) from None
         request = _validate_deep(body, model)
-    check_supported(request)
+    if isinstance(request, Common):  # the tokenizer endpoints' bodies ask for no generation
+        check_supported(request)
     return request
 
 

@@ -52,6 +52,9 @@ def check_supported(request: Common) -> None:
 
 
 def _check_common(request: Common) -> None:
+    if request.priority not in (None, 0):
+        _unsupported("priority", "priority scheduling is not enabled: requests are served first come, first "
+                                 "served, so priority must be 0")
     if isinstance(request.stop, list) and len(request.stop) > MAX_STOP:
         raise InvalidInput(f"at most {MAX_STOP} stop sequences are allowed", item="stop", code="invalid_value")
     for key in request.logit_bias or ():

@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
 from raypipe.errors import InvalidInput
+from raypipe.models.prompt import TemplateOptions
 
 
 class _Strict(BaseModel):
@@ -221,6 +222,7 @@ class NamedCustomChoice(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # no effect: OpenAI's padding against length side channels
+    continuous_usage_stats: bool | None = None  # vLLM: with include_usage, every chunk's usage holds the counts so far
 
 
 class AllowedTools(_Strict):
@@ -312,6 +314,13 @@ class Common(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)  # sample only among these ids
+    skip_special_tokens: bool | None = None  # false: special tokens' text stays in the output
+    spaces_between_special_tokens: bool | None = None  # no effect: fast tokenizers add no spaces there either way
+    include_stop_str_in_output: bool | None = None  # true: the text ends after the stop string that ended it
+    priority: int | None = None  # 0 only: requests are served first come, first served (no priority scheduling)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id, after its prefix
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens written "token_id:<id>"
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -321,6 +330,10 @@ class Common(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:
@@ -362,6 +375,9 @@ class ChatCompletionRequest(Common):
     mm_processor_kwargs: MMProcessorKwargs | None = None
     # vLLM's switches for the chat template (`enable_thinking`); `models.prompt.check_template_kwargs` says which
     chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool | None = None  # true (the default): the template opens the assistant's turn
+    continue_final_message: bool | None = None  # true: the last (assistant) message is left open and continued
+    chat_template: str | None = None  # this request's template instead of the model's (same sandbox)
 
     _legacy_functions: bool = PrivateAttr(default=False)  # tools came as `functions`
 
@@ -381,6 +397,11 @@ class ChatCompletionRequest(Common):
     @property
     def legacy_functions(self) -> bool:
         return self._legacy_functions
+
+    def template_options(self) -> TemplateOptions:
+        continuing = bool(self.continue_final_message)
+        opens_turn = not continuing if self.add_generation_prompt is None else self.add_generation_prompt
+        return TemplateOptions(opens_turn, continuing, self.chat_template)
 
     def template_kwargs(self, has_thinking_switch: bool) -> dict | None:
         """`chat_template_kwargs`, plus `enable_thinking: false` when `reasoning_effort` is "none" or "minimal" and
@@ -492,3 +513,26 @@ class CompletionRequest(Common):
         if len(prompt) == 0:  # [""] or [[]]: `refusals` saw a batch of one
             raise InvalidInput("prompt must not be empty", item="prompt", code="invalid_value")
         return prompt
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """vLLM's `POST /tokenize` with chat messages: the prompt's token ids as a chat request with these messages
+    (images and videos expanded to their placeholder runs) would send them to the model."""
+
+    model: str | None = None  # optional here, as in vLLM
+    return_token_strs: bool | None = None  # also each token's text
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's `POST /tokenize` with a text prompt, tokenized as `/v1/completions` tokenizes it."""
+
+    model: str | None = None
+    prompt: str
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's `POST /detokenize`: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = Field(min_length=1)
