@@ -1000,6 +1000,24 @@ def test_vllm_output_fields_through_the_openai_client(client, http, tiny_ckpt):
     assert shown.choices[0].message.content == "<|im_start|>" * 3 and hidden.choices[0].message.content == ""
 
 
+def test_a_request_the_engine_refuses_is_a_400_and_no_replica_error_in_the_logs(http):
+    """The engine's refusal (an id outside the vocabulary) reaches the client as a 400 naming the field; the
+    Decoder replica hands it over as a value, so Serve writes no ERROR line or traceback for a client's mistake."""
+    import pathlib
+
+    import ray
+
+    token = 10**6 + 4321  # a number no other log line holds
+    response = http.post("/v1/chat/completions", json=_chat(allowed_token_ids=[token]))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "allowed_token_ids"
+    assert str(token) in response.json()["error"]["message"]
+    logs = pathlib.Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    time.sleep(2)  # the replica's log handler writes asynchronously
+    mentions = [line for path in logs.glob("replica_*") for line in path.read_text(errors="replace").splitlines()
+                if str(token) in line or "Traceback" in line and "InvalidInput" in line]
+    assert not mentions, mentions[:5]
+
+
 def test_health_recovers_after_every_encoder_worker_dies(server):
     """Issue 9 item 1: no request is sent; the group replaces its dead workers by itself."""
     victims = _serve_encoder_worker_pids()

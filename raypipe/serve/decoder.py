@@ -4,7 +4,8 @@ All concurrent requests routed to a replica share its engine, which batches them
 decode rounds, so `max_ongoing_requests` should be at least the engine's `max_num_seqs`. Image
 embeddings arrive as `ObjectRef`s straight from the encoder workers and are resolved here.
 A request's first delta names the replica (the ingress counts requests and prefix-cache hits per
-replica from it), and `prefix_hashes` is for the request router (`prefix_router.py`), not used here.
+replica from it); a request the engine refuses ends with the refusal as its last item (not raised:
+Serve would log a client's 400 as a replica error with a traceback), and `prefix_hashes` is for the request router (`prefix_router.py`), not used here.
 
 With `engine.tensor_parallel_size` N > 1 the replica is rank 0 of a decode group (raypipe/parallel/)
 and its placement group holds the other ranks (`compose` sets its bundles). When a rank dies, the
@@ -21,6 +22,7 @@ from ray import serve
 
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
+from raypipe.errors import CapacityError, InvalidInput
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.prompt import PreparedPrompt
 from raypipe.models.registry import resolve_model
@@ -54,9 +56,14 @@ class Decoder:
         # aborts the request, which frees its KV-cache row at the next round boundary.
         replica = self.replica
         engine = await self._live_engine()
-        async for delta in engine.generate(request_id, prompt, visual_embeds, params):
-            delta.replica, replica = replica, None
-            yield delta
+        try:
+            async for delta in engine.generate(request_id, prompt, visual_embeds, params):
+                delta.replica, replica = replica, None
+                yield delta
+        except (InvalidInput, CapacityError) as refused:
+            # The caller's fault or a retryable refusal: handed over as a value (the ingress raises it), because
+            # an exception leaving a replica's method is logged by Serve at ERROR with its traceback.
+            yield refused
 
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len

@@ -80,7 +80,7 @@ class CompletionStream:
     async def start(self) -> None:
         """Wait for every choice's first delta (after prefill): errors before it can still become a 4xx response."""
         try:
-            firsts = await asyncio.gather(*(choice.deltas.__anext__() for choice in self.choices))
+            firsts = await asyncio.gather(*(_next_delta(choice.deltas) for choice in self.choices))
         except BaseException:
             self._cancel_unfinished()
             raise
@@ -106,7 +106,7 @@ class CompletionStream:
                 yield delta.text, entries
             if choice.finish_reason is not None:
                 return
-            delta = await choice.deltas.__anext__()
+            delta = await _next_delta(choice.deltas)
 
     def _logprob_entries(self, logprobs) -> list | None:
         if not logprobs or self.token_text is None:
@@ -234,6 +234,14 @@ class CompletionStream:
         finally:
             await pieces.aclose()
             self._cancel_unfinished()
+
+
+async def _next_delta(deltas):
+    """The decoder stream's next delta; a refusal the Decoder handed over as a value is raised here."""
+    delta = await deltas.__anext__()
+    if isinstance(delta, Exception):
+        raise delta
+    return delta
 
 
 async def _interleave(streams: list[AsyncIterator]) -> AsyncIterator:
