@@ -44,8 +44,6 @@ class LoraWeights:
     `(A (in, r), B scaled (r, out))`, ready to be stacked."""
 
     name: str
-    rank: int
-    scaling: float
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -88,7 +86,7 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
                                f"on a {linear.in_features}->{linear.out_features} linear", item=where,
                                code="invalid_lora_adapter")
         factors[module] = (a.t().float(), (b.t().float() * scaling))
-    return LoraWeights(name, config.r, scaling, factors)
+    return LoraWeights(name, factors)
 
 
 def _check_config(config, where: str, max_lora_rank: int) -> None:

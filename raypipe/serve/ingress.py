@@ -56,7 +56,7 @@ class Ingress:
     # No defaults for what `AppArgs` carries: `raypipe.serve.app.compose` always passes them.
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, *, model: str,
                  served_model_name: str | None, api_key: str | None, limits: dict, resize_images: bool,
-                 video_pruning_rate: float, prefix_key_blocks: int, block_size: int, lora_names: tuple[str, ...] = (),
+                 video_pruning_rate: float, prefix_key_blocks: int, block_size: int, lora_names: tuple[str, ...],
                  health_timeout_s: float = 5.0):
         checkpoint = resolve_model(model)
         self.encoder, self.decoder = encoder, decoder
