@@ -7,7 +7,8 @@ images, at K=1 and K=8; every row's greedy tokens equal `generate()` of `PeftMod
 (unmerged) with that adapter active (or disabled), on a full-attention family (Qwen2.5-VL) and the hybrid
 one (Qwen3.5: gated-delta-net rows and their state snapshots). Every adapter changes the base model's
 tokens, so the equality says something. The prefix cache never hands one adapter's blocks to another or
-to the base model, and PEFT saves raypipe cannot apply exactly are refused naming the field or module.
+to the base model, and PEFT saves raypipe cannot apply exactly are refused naming the field or module
+(reading an adapter, and the engine's start with it); the compiled decode step declines adapters with a reason.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from raypipe import SamplingParams
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
 from raypipe.errors import InvalidInput
 from raypipe.models import lora
 from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
@@ -180,3 +183,24 @@ def test_adapters_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
         with pytest.raises(InvalidInput) as refused:
             lora.read_adapter("bad", folders[name], decoder, max_lora_rank=16)
         assert refused.value.item == "lora_modules.bad" and where in str(refused.value), where
+
+
+def test_engine_start_refuses_what_it_cannot_serve(tmp_path):
+    """At start: more adapters than slots, tensor parallel, and a bad adapter (the engine does not start); the
+    compiled decode step, asked for, is declined with its reason and decode steps run eager."""
+    ckpt = preset_checkpoint("tiny")
+    good = write_adapters(ckpt, tmp_path, {"good": dict(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                        exclude_modules=r".*visual.*")})["good"]
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineConfig(lora_modules={"a": str(good), "b": str(good)}, max_loras=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(lora_modules={"a": str(good)}, tensor_parallel_size=2)
+    with pytest.raises(InvalidInput) as refused:
+        LLMEngine(ckpt, EngineConfig(max_model_len=256, lora_modules={"bad": str(_edited(good, tmp_path / "dora",
+                                                                                          use_dora=True))}))
+    assert refused.value.item == "lora_modules.bad.use_dora"
+    engine = LLMEngine(ckpt, EngineConfig(max_model_len=256, compiled_decode=True, lora_modules={"good": str(good)}))
+    try:
+        assert engine.decode_step["mode"] == "eager" and "LoRA" in engine.decode_step["reason"]
+    finally:
+        engine.shutdown()
