@@ -128,8 +128,8 @@ class Pipeline:
         return self.coordinator.encode(load_visuals(visuals, self.coordinator.adapter, self.image_limits,
                                                     video=self.video))
 
-    def generate(self, requests: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(self, requests: Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Generate for every request (messages list, `{"messages": ...}` or `{"prompt_token_ids", "images", "videos"}`).
 
         Messages may hold image and video parts (`{"type": "video", "video": path / bytes / frames}`);
@@ -138,7 +138,8 @@ class Pipeline:
         `"mm_processor_kwargs": {"tile_every_image": True}` (LLaVA-OneVision: tiles for every image of a
         several-image prompt, not the base view alone).
 
-        `sampling_params` is one for all or one per request. Every request is validated first: a bad
+        `sampling_params` is one for all or one per request, as is `lora`: the name of a LoRA adapter of
+        `EngineConfig.lora_modules` (None: the base model). Every request is validated first: a bad
         one raises `InvalidInput` naming `requests[i]` and nothing runs. Requests go to the engine in
         windows of at most its capacity (`max_num_seqs + max_num_waiting`, so a long list is never
         refused as a full queue); the images and videos of a window are encoded as one balanced batch and the
@@ -147,10 +148,13 @@ class Pipeline:
         if _is_messages(requests):
             requests = [requests]
         params = _params_per_request(sampling_params, len(requests))
+        loras = [lora] * len(requests) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(requests):
+            raise InvalidInput(f"{len(loras)} LoRA adapter names for {len(requests)} requests", item="lora")
         prompts = [self._prepare(request, f"requests[{i}]") for i, request in enumerate(requests)]
         engine = self._engine_actor()
         ray.get(self._engine_ready)
-        checks = [engine.check_request.remote(p.without_pixels(), sp) for p, sp in zip(prompts, params)]
+        checks = [engine.check_request.remote(p.without_pixels(), sp, name) for p, sp, name in zip(prompts, params, loras)]
         for i, check in enumerate(checks):
             try:
                 _unwrap_ray(lambda: ray.get(check))
@@ -159,22 +163,24 @@ class Pipeline:
         window = self.engine_config.max_num_seqs + self.engine_config.max_num_waiting
         outputs = []
         for first in range(0, len(prompts), window):
-            outputs += self._generate_window(engine, prompts[first: first + window], params[first: first + window])
+            part = slice(first, first + window)
+            outputs += self._generate_window(engine, prompts[part], params[part], loras[part])
         return outputs
 
-    def _generate_window(self, engine, prompts: list[PreparedPrompt], params: list[SamplingParams]
-                         ) -> list[RequestOutput]:
+    def _generate_window(self, engine, prompts: list[PreparedPrompt], params: list[SamplingParams],
+                         loras: list[str | None]) -> list[RequestOutput]:
         encoded = self.coordinator.submit([image for p in prompts for image in p.visuals])
         calls, start = [], 0
-        for prompt, sp in zip(prompts, params):
+        for prompt, sp, name in zip(prompts, params, loras):
             refs = [e.ref for e in encoded[start: start + len(prompt.visuals)]]
             start += len(prompt.visuals)
-            calls.append(engine.generate.remote(uuid.uuid4().hex, prompt.without_pixels(), refs, sp))
+            calls.append(engine.generate.remote(uuid.uuid4().hex, prompt.without_pixels(), refs, sp, name))
         return _unwrap_ray(lambda: ray.get(calls))
 
-    async def generate_stream(self, request, sampling_params: SamplingParams | None = None
-                              ) -> AsyncIterator[RequestDelta]:
-        """Deltas of one request as the engine produces them (at least one per round).
+    async def generate_stream(self, request, sampling_params: SamplingParams | None = None,
+                              lora: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Deltas of one request as the engine produces them (at least one per round), with LoRA adapter
+        `lora` (None: the base model).
 
         Nothing here blocks the caller's event loop: prompt building (tokenizer, image decoding) runs
         in a thread and the engine's start-up is awaited. A full engine raises `QueueFull`.
@@ -183,11 +189,11 @@ class Pipeline:
         prompt = await asyncio.to_thread(self._prepare, request, "request")
         engine = self._engine_actor()
         await self._engine_ready
-        await _unwrap_async(engine.check_request.remote(prompt.without_pixels(), params))
+        await _unwrap_async(engine.check_request.remote(prompt.without_pixels(), params, lora))
         encoded = await asyncio.to_thread(self.coordinator.submit, prompt.visuals)
         request_id = uuid.uuid4().hex
         stream = engine.generate_stream.options(num_returns="streaming").remote(
-            request_id, prompt.without_pixels(), [e.ref for e in encoded], params)
+            request_id, prompt.without_pixels(), [e.ref for e in encoded], params, lora)
         finished = False
         try:
             async for ref in stream:

@@ -3,7 +3,9 @@ sent as data: URLs is transformers' own greedy answer, split into `reasoning_con
 vLLM's `qwen3` parser rule splits the same tokens, whole and streamed as deltas; with
 `chat_template_kwargs: {"enable_thinking": false}` the prompt closes the thinking block and the whole
 answer is content; an output constraint (schema, choice, forced tool call) applies to the answer after the
-thinking block, or with thinking off to the whole answer."""
+thinking block, or with thinking off to the whole answer. The `model` field may name a LoRA adapter
+(`engine.lora_modules`): its answer is PEFT's greedy answer, `/v1/models` lists it under its base model, and
+an unknown name is a 404 naming it."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from raypipe.models.registry import preset_checkpoint
 from tests import qwen3_vl_reference as ref
 from tests.conftest import random_images
+from tests.test_lora import ADAPTERS, write_adapters
 from tests.test_reasoning_parser import vllm_qwen3
 from tests.test_serve_api import data_url, png_bytes
 
@@ -23,13 +26,23 @@ MAX_TOKENS = 12
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
+ADAPTER = "blue"  # tests.test_lora's adapter on every linear of the language model
+
+
 @pytest.fixture(scope="module")
-def server(serve_app):
+def adapter(tmp_path_factory):
+    """The adapter's folder, written by PEFT."""
+    return write_adapters(preset_checkpoint(MODEL), tmp_path_factory.mktemp("lora"), {ADAPTER: ADAPTERS[ADAPTER]})[ADAPTER]
+
+
+@pytest.fixture(scope="module")
+def server(serve_app, adapter):
     from raypipe.serve.app import build_app
 
     preset_checkpoint(MODEL)  # written once here, not by each replica
     url = serve_app(build_app({"model": MODEL, "num_encoders": 1, "batch_window_s": 0.02,
-                                "engine": {"max_model_len": 1024, "max_num_seqs": 4}}), "raypipe-qwen3-5-test")
+                                "engine": {"max_model_len": 1024, "max_num_seqs": 4,
+                                           "lora_modules": {ADAPTER: str(adapter)}}}), "raypipe-qwen3-5-test")
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
@@ -244,3 +257,29 @@ def test_legacy_functions_call_a_function(server, expected):
     assert calls[0].name == "paint"
     assert "".join(c.arguments or "" for c in calls) == reply.message.function_call.arguments
     assert chunks[-1].finish_reason == "function_call"
+
+
+def test_model_field_names_a_lora_adapter(server, adapter):
+    """vLLM's convention: `model` names the adapter; the answer is PEFT's greedy one, not the base model's."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    ckpt = preset_checkpoint(MODEL)
+    messages = [{"role": "user", "content": "Describe a dog."}]
+    processor = ref.hf_processor(ckpt)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    inputs = dict(processor(text=[text], return_tensors="pt"))
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+    eos = hf.generation_config.eos_token_id
+    base = processor.tokenizer.decode(ref.hf_generate(hf, inputs, MAX_TOKENS, eos), skip_special_tokens=True)
+    peft = PeftModel.from_pretrained(hf, adapter).eval()
+    theirs = processor.tokenizer.decode(ref.hf_generate(peft, inputs, MAX_TOKENS, eos), skip_special_tokens=True)
+    assert theirs != base
+    for model, want in ((ADAPTER, theirs), (MODEL, base)):
+        reply = server.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body=OFF)
+        assert (reply.model, reply.choices[0].message.content) == (model, want)
+    cards = {m.id: m.model_extra.get("parent") for m in server.models.list().data}
+    assert cards == {MODEL: None, ADAPTER: MODEL} and server.models.retrieve(ADAPTER).model_extra["parent"] == MODEL
+    with pytest.raises(openai.NotFoundError, match="'red'"):
+        server.chat.completions.create(model="red", messages=messages, max_tokens=1)

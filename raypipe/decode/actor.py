@@ -27,16 +27,16 @@ class DecodeEngine:
                 "max_num_seqs": config.max_num_seqs, "max_num_waiting": config.max_num_waiting,
                 "num_scheduler_steps": config.num_scheduler_steps, "threads": torch.get_num_threads()}
 
-    def check_request(self, prompt, params) -> None:
-        self.engine.check_request(prompt, params)
+    def check_request(self, prompt, params, lora: str | None = None) -> None:
+        self.engine.check_request(prompt, params, lora)
 
-    async def generate(self, request_id: str, prompt, visual_refs: list, params):
-        """The whole `RequestOutput` of one request."""
-        return await self.engine.generate_output(request_id, prompt, visual_refs, params)
+    async def generate(self, request_id: str, prompt, visual_refs: list, params, lora: str | None = None):
+        """The whole `RequestOutput` of one request (with LoRA adapter `lora`, None: the base model)."""
+        return await self.engine.generate_output(request_id, prompt, visual_refs, params, lora)
 
-    async def generate_stream(self, request_id: str, prompt, visual_refs: list, params):
+    async def generate_stream(self, request_id: str, prompt, visual_refs: list, params, lora: str | None = None):
         """Yields `RequestDelta`s; call with `.options(num_returns="streaming")`."""
-        async for delta in self.engine.generate(request_id, prompt, visual_refs, params):
+        async for delta in self.engine.generate(request_id, prompt, visual_refs, params, lora):
             yield delta
 
     def abort(self, request_id: str) -> None:

@@ -69,10 +69,17 @@ class EngineConfig:
     grammar_max_depth: int = 100
     grammar_max_ref_depth: int = 100
     grammar_max_rules: int = 1000
+    # LoRA adapters (raypipe/models/lora.py), read when the engine starts: name -> local folder of a PEFT
+    # LoRA save. A request names one (`lora=`, or the OpenAI `model` field); rows of different adapters and
+    # of none share a round. Each targeted linear keeps `max_loras + 1` slots of rank `max_lora_rank`
+    # (an adapter of a lower rank is zero-padded); every configured adapter holds a slot.
+    lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting", "block_size",
-                     "tensor_parallel_size",
+                     "tensor_parallel_size", "max_loras", "max_lora_rank",
                      "grammar_compile_workers", "grammar_compile_memory_bytes", "grammar_compile_stack_bytes",
                      "grammar_max_bytes", "grammar_max_depth", "grammar_max_ref_depth", "grammar_max_rules"):
             value = getattr(self, name)
@@ -99,6 +106,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}")
         if self.expert_split not in EXPERT_SPLITS:
             raise ValueError(f"EngineConfig.expert_split must be one of {EXPERT_SPLITS}, got {self.expert_split!r}")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"EngineConfig.lora_modules names {len(self.lora_modules)} adapters; max_loras is "
+                             f"{self.max_loras}")
+        if self.lora_modules and self.tensor_parallel_size > 1:
+            raise ValueError("EngineConfig.lora_modules is not supported with tensor_parallel_size > 1 yet")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
 

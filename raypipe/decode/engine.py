@@ -56,7 +56,7 @@ from raypipe.decode.grammar import GrammarCompiler, GrammarLimits
 from raypipe.decode.grammar_worker import readable_error
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
-from raypipe.decode.prefix_hash import placeholder_runs
+from raypipe.decode.prefix_hash import lora_root, placeholder_runs
 from raypipe.decode.request import check_request, visual_rows
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
@@ -94,6 +94,9 @@ class LLMEngine:
                                   state_snapshot_fraction=self.config.state_snapshot_memory_fraction
                                   if prefix_caching else 0.0,
                                   max_num_batched_tokens=self.config.max_num_batched_tokens)
+        # LoRA adapters before the decode step is chosen: the compiled step does not take them
+        self.lora_slots = self.runner.use_loras(self.config.lora_modules, self.config.max_loras,
+                                                self.config.max_lora_rank) if self.config.lora_modules else {}
         self.decode_step = self._start_decode_step()
         self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
         self.snapshots, state = None, self.runner.cache.state_bytes_per_row
@@ -139,18 +142,21 @@ class LLMEngine:
 
     # ---- caller side (any thread / event loop) ----
 
-    def check_request(self, prompt: PreparedPrompt | list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt: PreparedPrompt | list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise `InvalidInput` if the engine would refuse this request (no work is started)."""
         check_request(prompt, params, language_adapter=self.adapter, max_model_len=self.config.max_model_len)
+        self._lora_slot(lora)
         if params.structured is not None:
             self.grammars.matcher(params.structured)  # compiles (and caches) it, or names what is wrong
 
     async def generate(self, request_id: str, prompt: PreparedPrompt | list[int], visual_embeds: Seq = (),
-                       params: SamplingParams | None = None) -> AsyncIterator[RequestDelta]:
-        """Deltas for one request; leaving the iteration early (or cancelling) aborts it."""
+                       params: SamplingParams | None = None, lora: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Deltas for one request, served with LoRA adapter `lora` (None: the base model); leaving the
+        iteration early (or cancelling) aborts it."""
         params = params if params is not None else SamplingParams()
         ids, layouts = check_request(prompt, params, language_adapter=self.adapter,
                                      max_model_len=self.config.max_model_len)
+        lora_slot = self._lora_slot(lora)
         embeds, kept = visual_rows(await _resolve(visual_embeds), layouts, self.adapter)
         runs = placeholder_runs(ids, layouts, self.adapter) if self.scheduler.prefix_caching else ()
         positions, rope_delta = self.adapter.positions(ids, layouts, kept)
@@ -169,7 +175,7 @@ class LLMEngine:
         # Compiled here, not on the engine thread (cached: ~1 ms the first time, a copy after).
         matcher = await asyncio.to_thread(self.grammars.matcher, params.structured) if params.structured else None
         seq = Sequence(request_id, ids, positions, rope_delta, embeds, params, deliver, generator, matcher,
-                       placeholder_runs=runs)
+                       placeholder_runs=runs, prefix_root=lora_root(lora), lora_slot=lora_slot)
         self._submit(seq)
         done = False
         try:
@@ -185,14 +191,24 @@ class LLMEngine:
                 self._abort(seq)
 
     async def generate_output(self, request_id: str, prompt: PreparedPrompt | list[int], visual_embeds: Seq = (),
-                              params: SamplingParams | None = None) -> RequestOutput:
+                              params: SamplingParams | None = None, lora: str | None = None) -> RequestOutput:
         """The whole result of one request."""
         ids = prompt.prompt_token_ids if isinstance(prompt, PreparedPrompt) else list(prompt)
         num_image_tokens = prompt.num_image_tokens if isinstance(prompt, PreparedPrompt) else 0
         out = RequestOutput(request_id, list(ids), [], "", None, num_image_tokens)
-        async for delta in self.generate(request_id, prompt, visual_embeds, params):
+        async for delta in self.generate(request_id, prompt, visual_embeds, params, lora):
             out.add(delta)
         return out
+
+    def _lora_slot(self, lora: str | None) -> int:
+        """The model's slot of adapter `lora` (0: the base model); an adapter the engine was not started with
+        is refused."""
+        if lora is None:
+            return 0
+        if lora not in self.lora_slots:
+            raise InvalidInput(f"unknown LoRA adapter {lora!r}; this engine serves {sorted(self.lora_slots)}",
+                               item="lora", code="lora_not_found")
+        return self.lora_slots[lora]
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next round boundary and free its row; unknown ids are ignored."""

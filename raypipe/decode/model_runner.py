@@ -16,10 +16,13 @@ Sampled ids go to the host per step for the stop check: on CUDA through pinned m
 stream, read one step late so the copy overlaps the next step's kernels; on CPU directly.
 With `use_static_step` a decode step's forward and logits run through `compiled_step` (bucketed
 static shapes; torch.compile on CPU, CUDA graphs on GPU) instead of eagerly.
+With LoRA adapters (`use_loras`) every forward, prefill or decode, sets its rows' adapter slots first
+(`models/lora.py`); a batch of base rows only sets none and runs the base layers alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -31,6 +34,7 @@ from raypipe.decode.kv_pool_size import PoolShape, pool_blocks
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence
 from raypipe.decode.sliding_window import window_bytes_per_token, window_pool_shape
+from raypipe.models import lora
 
 # on_step(step, ids) -> True when every row is done and the round may end early.
 StepCallback = Callable[[int, list[int]], bool]
@@ -74,6 +78,7 @@ class ModelRunner:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.host_ids = torch.empty((num_scheduler_steps, max_num_seqs), dtype=torch.long, pin_memory=True)
         self.static_step: compiled_step.StaticDecodeStep | None = None
+        self.lora_rows: lora.LoraRows | None = None
 
     def _size_pool(self, text, *, block_size: int, max_num_seqs: int, max_model_len: int,
                    kv_cache_memory: int | None, kv_cache_free_memory_fraction: float,
@@ -90,9 +95,23 @@ class ModelRunner:
             **window_pool_shape(text, block_size=block_size, max_model_len=max_model_len,
                                 num_scheduler_steps=num_scheduler_steps, max_num_batched_tokens=max_num_batched_tokens))
 
+    def use_loras(self, folders: dict[str, str], max_loras: int, max_lora_rank: int) -> dict[str, int]:
+        """Read the LoRA adapters `folders` (name -> PEFT folder) into the model's slots; name -> slot."""
+        adapters = [lora.read_adapter(name, folder, self.model, max_lora_rank) for name, folder in folders.items()]
+        self.lora_rows = lora.install(self.model, adapters, max_loras, max_lora_rank)
+        return {adapter.name: slot for slot, adapter in enumerate(adapters, start=1)}
+
+    def _lora_rows(self, seqs: list[Sequence]):
+        """The context of a forward over `seqs` (row i = seqs[i]): their adapter slots, if any row has one."""
+        if self.lora_rows is None or not any(s.lora_slot for s in seqs):
+            return contextlib.nullcontext()
+        return self.lora_rows.using(torch.tensor([s.lora_slot for s in seqs], device=self.device))
+
     def use_static_step(self, batch_buckets: tuple[int, ...] | None = None,
                         kv_buckets: tuple[int, ...] | None = None) -> str | None:
         """Run decode steps through static-shape buckets from now on; the reason if it cannot."""
+        if self.lora_rows is not None:
+            return "LoRA adapters run eager decode steps (the compiled step has no slot input yet)"
         reason = compiled_step.supports(self.cache)
         if reason is None:
             self.static_step = compiled_step.StaticDecodeStep(
@@ -154,8 +173,9 @@ class ModelRunner:
                     for point, slot in seq.snapshot_saves if start < point < start + n]
         self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs],
                                            [s.window_table for s in seqs], captures)
-        return self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
-                                  self.prefill_cache)
+        with self._lora_rows(seqs):
+            return self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
+                                      self.prefill_cache)
 
     def _save_states(self, seqs: list[Sequence], consumed: list[int]) -> None:
         """Copy the row state of each sequence that planned a snapshot where its chunk ended (snapshots
@@ -184,7 +204,8 @@ class ModelRunner:
         if eager:
             self.cache.begin_decode_round(tables, window_tables)
         try:
-            return self._decode_steps(seqs, batch, steps, on_step, tables, window_tables)
+            with self._lora_rows(seqs):
+                return self._decode_steps(seqs, batch, steps, on_step, tables, window_tables)
         finally:
             if eager:
                 self.cache.end_decode_round()

@@ -14,6 +14,11 @@ hash. The bits of the same image's embedding follow how it was encoded (which co
 forward, the kernels of the machine, fp32 or bf16): keyed by them, the same image would miss after an
 embedding-cache eviction or when another encoder replica encoded it. An item without a content hash (a layout made
 by hand) gets a digest of its own, so no block from it on is ever shared.
+
+A sequence served with a LoRA adapter computes different K/V (and row state) for the same tokens, so its
+chain starts from the adapter's key (`lora_root`) instead of nothing: a block computed under one adapter
+is never a hit for another adapter or for the base model. The key is the adapter's name, which names the
+same weights for as long as an engine runs (adapters are read when it starts).
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ def item_digest(layout) -> bytes:
     return hashlib.blake2b(repr(identity).encode(), digest_size=DIGEST_BYTES).digest()
 
 
+def lora_root(name: str | None) -> bytes:
+    """The chain's start for a sequence served with adapter `name`; the base model's is empty."""
+    return b"" if name is None else hashlib.blake2b(b"lora\0" + name.encode(), digest_size=DIGEST_BYTES).digest()
+
+
 def placeholder_runs(ids: list[int], layouts, adapter) -> tuple[tuple[int, int, bytes, int], ...]:
     """`(start, end, item digest, row offset of start inside the item)` per run of placeholder tokens;
     each item owns `adapter.prompt_runs(layout)` consecutive runs (checked by `request.check_request`)."""
@@ -49,12 +59,13 @@ def placeholder_runs(ids: list[int], layouts, adapter) -> tuple[tuple[int, int, 
 
 
 def extend_block_hashes(hashes: list[bytes], tokens: list[int], block_size: int, num_blocks: int,
-                        runs: tuple[tuple[int, int, bytes, int], ...]) -> None:
-    """Append to `hashes` (a sequence's chain so far) until it covers `num_blocks` full blocks of `tokens`."""
+                        runs: tuple[tuple[int, int, bytes, int], ...], root: bytes = b"") -> None:
+    """Append to `hashes` (a sequence's chain so far, started from `root`) until it covers `num_blocks`
+    full blocks of `tokens`."""
     while len(hashes) < num_blocks:
         j = len(hashes)
         start, end = j * block_size, (j + 1) * block_size
-        h = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=DIGEST_BYTES)
+        h = hashlib.blake2b(hashes[-1] if hashes else root, digest_size=DIGEST_BYTES)
         h.update(array("q", tokens[start:end]).tobytes())
         for run_start, run_end, digest, offset in runs:
             if run_start < end and run_end > start:
@@ -63,11 +74,12 @@ def extend_block_hashes(hashes: list[bytes], tokens: list[int], block_size: int,
         hashes.append(h.digest())
 
 
-def prompt_block_hashes(ids: list[int], layouts, adapter, block_size: int, max_blocks: int) -> list[bytes]:
+def prompt_block_hashes(ids: list[int], layouts, adapter, block_size: int, max_blocks: int,
+                        lora: str | None = None) -> list[bytes]:
     """The hashes the engine looks a prompt's prefix up by (every full block but the one holding its last
     token, which a prefill always computes), at most the first `max_blocks`: what a request router keys
     replicas by (`serve/prefix_router.py`), computed where the prompt is built."""
     hashes: list[bytes] = []
     extend_block_hashes(hashes, ids, block_size, min((len(ids) - 1) // block_size, max_blocks),
-                        placeholder_runs(ids, layouts, adapter))
+                        placeholder_runs(ids, layouts, adapter), lora_root(lora))
     return hashes

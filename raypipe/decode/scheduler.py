@@ -225,7 +225,7 @@ class Scheduler:
             return
         size = self.pool.block_size
         blocks, states = pending
-        extend_block_hashes(seq.block_hashes, seq.token_ids, size, seq.cache_len // size, seq.placeholder_runs)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, seq.cache_len // size, seq.placeholder_runs, seq.prefix_root)
         blocks.update(dict.fromkeys(seq.block_hashes[seq.num_registered: seq.cache_len // size], seq))
         if self.snapshots is not None:
             states.update(seq.block_hashes[p // size - 1]
@@ -269,7 +269,7 @@ class Scheduler:
         if not self.prefix_caching:
             return [], 0
         full = (target - 1) // self.pool.block_size
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.pool.block_size, full, seq.placeholder_runs)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.pool.block_size, full, seq.placeholder_runs, seq.prefix_root)
         hit = self.pool.take_cached(seq.block_hashes[:full])
         if self.snapshots is None and self.window is None:
             return hit, len(hit)
@@ -306,7 +306,7 @@ class Scheduler:
         `snapshot_every` blocks, its branch point, its prompt's (or a resume's) last block boundary."""
         size = self.pool.block_size
         end = seq.num_computed + seq.chunk_len
-        extend_block_hashes(seq.block_hashes, seq.token_ids, size, end // size, seq.placeholder_runs)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, end // size, seq.placeholder_runs, seq.prefix_root)
         for p in self._snapshot_points(seq, seq.num_computed, end):
             key = seq.block_hashes[p // size - 1]
             if not self.snapshots.has(key) and key not in planned:
@@ -393,7 +393,7 @@ class Scheduler:
             return
         full = min(seq.num_computed // self.pool.block_size, len(seq.block_table))
         if full > seq.num_registered:
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.pool.block_size, full, seq.placeholder_runs)
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.pool.block_size, full, seq.placeholder_runs, seq.prefix_root)
             for j in range(seq.num_registered, full):
                 self.pool.register(seq.block_table[j], seq.block_hashes[j])
                 if self.window is not None:

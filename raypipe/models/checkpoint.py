@@ -45,12 +45,9 @@ def load_tensors(folder: str | pathlib.Path, prefixes: tuple[str, ...], *, dtype
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                if any(key.startswith(p) for p in exclude):
+                name = strip_prefix(key, prefixes, exclude)
+                if name is None:
                     continue
-                prefix = next((p for p in prefixes if key.startswith(p)), None)
-                if prefix is None:
-                    continue
-                name = key[len(prefix):]
                 if shard is not None and not shard.holds(name):  # another rank's expert, stored apart
                     continue
                 if name in out:
@@ -60,6 +57,15 @@ def load_tensors(folder: str | pathlib.Path, prefixes: tuple[str, ...], *, dtype
     if not out:
         raise ValueError(f"{folder}: no tensors under any of {prefixes}")
     return out
+
+
+def strip_prefix(key: str, prefixes: tuple[str, ...], exclude: tuple[str, ...]) -> str | None:
+    """`key` without the first of `prefixes` it starts with; None when it starts with none or with one of
+    `exclude` (a module's name inside a part of the model, from its name in the whole checkpoint)."""
+    if any(key.startswith(p) for p in exclude):
+        return None
+    prefix = next((p for p in prefixes if key.startswith(p)), None)
+    return None if prefix is None else key[len(prefix):]
 
 
 def load_module_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], *, what: str) -> None:

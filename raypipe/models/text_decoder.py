@@ -58,7 +58,10 @@ class TextDecoder(torch.nn.Module):
         else:
             head = load_tensors(adapter.checkpoint, head_prefixes, dtype=dtype)
             load_module_weights(lm_head, head, what=f"{adapter.checkpoint} lm_head")
-        return cls(adapter, model, lm_head, device, dtype)
+        decoder = cls(adapter, model, lm_head, device, dtype)
+        # How the whole checkpoint names this model's modules: a LoRA adapter names them so (`lora.py`).
+        decoder.key_prefixes, decoder.key_excluded = prefixes, exclude + head_prefixes
+        return decoder
 
     def embed(self, input_ids: torch.Tensor, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Text embeddings with visual rows written over the placeholder tokens, row-major over the batch."""

@@ -96,7 +96,7 @@ def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Applicatio
                                     api_key=args.api_key, limits=args.limits, resize_images=args.resize_images,
                                     video_pruning_rate=args.video_pruning_rate,
                                     prefix_key_blocks=routing.max_key_blocks if routed else 0,
-                                    block_size=engine.block_size)
+                                    block_size=engine.block_size, lora_names=tuple(engine.lora_modules))
 
 
 def decoder_options(options: dict, routing: PrefixRouting) -> dict:

@@ -86,11 +86,13 @@ class Ingress:
     # No defaults for what `AppArgs` carries: `raypipe.serve.app.compose` always passes them.
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, *, model: str,
                  served_model_name: str | None, api_key: str | None, limits: dict, resize_images: bool,
-                 video_pruning_rate: float, prefix_key_blocks: int, block_size: int, health_timeout_s: float = 5.0):
+                 video_pruning_rate: float, prefix_key_blocks: int, block_size: int, lora_names: tuple[str, ...],
+                 health_timeout_s: float = 5.0):
         checkpoint = resolve_model(model)
         self.encoder, self.decoder = encoder, decoder
         self.model_names = {served_model_name or str(model), str(model)}
         self.served_model_name = served_model_name or str(model)
+        self.lora_names = lora_names  # the engine's LoRA adapters: a request's `model` may name one
         self.api_key = api_key or os.environ.get("RAYPIPE_API_KEY") or None
         self.limits = ServeLimits(**limits)
         self.image_limits = self.limits.image_limits
@@ -119,7 +121,7 @@ class Ingress:
         try:
             self._authorize(request)
             chat = parse_request(await self._read_body(request), ChatCompletionRequest)
-            self._check_model(chat.model)
+            lora = self._check_model(chat.model)
             template_kwargs = chat.template_kwargs(bool(self.family.reasoning))
             thinking = self.family.thinks(template_kwargs)
             prompt, params = await self._prepare(chat, template_kwargs)
@@ -128,9 +130,9 @@ class Ingress:
             request_id = completion_id()
             # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
             deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n,
-                                    self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts))
-            stream = CompletionStream("chat", response_id(chat, request_id), self.served_model_name, self.fingerprint,
-                                      deltas, prompt.num_prompt_tokens, arrival, chat.include_usage,
+                                    self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts, lora), lora)
+            stream = CompletionStream("chat", response_id(chat, request_id), lora or self.served_model_name,
+                                      self.fingerprint, deltas, prompt.num_prompt_tokens, arrival, chat.include_usage,
                                       self._logprob_token_text(chat), chat.tool_names(), thinking,
                                       chat.legacy_functions, continuous_usage=chat.continuous_usage)
             await stream.start()
@@ -145,11 +147,11 @@ class Ingress:
         try:
             self._authorize(request)
             completion = parse_request(await self._read_body(request), CompletionRequest)
-            self._check_model(completion.model)
+            lora = self._check_model(completion.model)
             prompt, params = await self._prepare_completion(completion)
             request_id = completion_id("cmpl")
-            deltas = self._generate(request_id, prompt, [], params, completion.n, self._prefix_key(prompt, []))
-            stream = CompletionStream("text", response_id(completion, request_id), self.served_model_name,
+            deltas = self._generate(request_id, prompt, [], params, completion.n, self._prefix_key(prompt, [], lora), lora)
+            stream = CompletionStream("text", response_id(completion, request_id), lora or self.served_model_name,
                                       self.fingerprint, deltas, len(prompt), arrival, completion.include_usage,
                                       continuous_usage=completion.continuous_usage)
             await stream.start()
@@ -158,25 +160,25 @@ class Ingress:
             return self._error(COMPLETIONS, exc)
         return await self._respond(COMPLETIONS, stream, bool(completion.stream))
 
-    def _prefix_key(self, ids: list[int], layouts) -> dict:
+    def _prefix_key(self, ids: list[int], layouts, lora: str | None) -> dict:
         """The decoder call's keyword argument the request router reads (none with routing off)."""
         if not self.prefix_key_blocks:
             return {}
         try:
-            hashes = prompt_block_hashes(ids, layouts, self.language, self.block_size, self.prefix_key_blocks)
+            hashes = prompt_block_hashes(ids, layouts, self.language, self.block_size, self.prefix_key_blocks, lora)
         except StopIteration:  # fewer placeholder runs than visual items: the engine refuses it with a 400
             return {}
         return {HASHES_KWARG: tuple(hashes)}
 
     def _generate(self, request_id: str, prompt, visual_refs: list, params: SamplingParams, n: int | None,
-                  key: dict) -> list:
+                  key: dict, lora: str | None) -> list:
         """One decoder stream per choice: n independent sequences (the prefix cache shares the prompt's blocks
         once they are cached; choices admitted in the same round each compute it); choice i of a seeded request samples with seed + i, so it
         equals a request of its own with that seed."""
         n = n or 1
         return [self.decoder.options(stream=True).generate.remote(
             request_id if n == 1 else f"{request_id}-{i}", prompt, visual_refs,
-            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i), **key)
+            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i), lora, **key)
             for i in range(n)]
 
     async def _respond(self, endpoint: str, stream: CompletionStream, streaming: bool) -> Response:
@@ -194,7 +196,10 @@ class Ingress:
     async def models(self, request: Request) -> Response:
         try:
             self._authorize(request)
-            body = models_body([model_card(self.served_model_name, await self._model_len(), self.created)])
+            model_len = await self._model_len()
+            body = models_body([model_card(self.served_model_name, model_len, self.created)]
+                               + [model_card(name, model_len, self.created, self.served_model_name)
+                                  for name in self.lora_names])
         except Exception as exc:  # noqa: BLE001
             return self._error("/v1/models", exc)
         self.metrics.requests.labels("/v1/models", "200").inc()
@@ -204,8 +209,9 @@ class Ingress:
     async def model(self, model_id: str, request: Request) -> Response:
         try:
             self._authorize(request)
-            self._check_model(model_id)
-            body = model_card(self.served_model_name, await self._model_len(), self.created)
+            lora = self._check_model(model_id)
+            body = model_card(lora or self.served_model_name, await self._model_len(), self.created,
+                              self.served_model_name if lora else None)
         except Exception as exc:  # noqa: BLE001
             return self._error("/v1/models/{id}", exc)
         self.metrics.requests.labels("/v1/models/{id}", "200").inc()
@@ -307,10 +313,15 @@ class Ingress:
                 raise InvalidInput(f"request body exceeds the {limit}-byte limit", code="request_too_large")
         return bytes(body)
 
-    def _check_model(self, model: str) -> None:
-        if model not in self.model_names:
-            raise InvalidInput(f"model {model!r} does not exist; this server serves {self.served_model_name!r}",
-                               item="model", code="model_not_found")
+    def _check_model(self, model: str) -> str | None:
+        """The LoRA adapter `model` names, None for the base model; any other name is a 404 naming it."""
+        if model in self.model_names:
+            return None
+        if model in self.lora_names:
+            return model
+        raise InvalidInput(f"model {model!r} does not exist; this server serves {self.served_model_name!r}"
+                           + (f" and the LoRA adapters {list(self.lora_names)}" if self.lora_names else ""),
+                           item="model", code="model_not_found")
 
     async def _prepare(self, chat: ChatCompletionRequest, template_kwargs: dict | None):
         prompt = await self._build_prompt(chat, template_kwargs)

@@ -26,8 +26,10 @@ def models_body(models: list[dict]) -> dict:
     return {"object": "list", "data": models}
 
 
-def model_card(model: str, max_model_len: int, created: int) -> dict:
-    return {"id": model, "object": "model", "created": created, "owned_by": "raypipe", "max_model_len": max_model_len}
+def model_card(model: str, max_model_len: int, created: int, parent: str | None = None) -> dict:
+    """A model's card; a LoRA adapter's names its base model as `parent` (vLLM's convention)."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "raypipe", "max_model_len": max_model_len,
+            "parent": parent}
 
 
 def choice_body(kind: str, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None,

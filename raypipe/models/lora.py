@@ -1,0 +1,198 @@
+"""LoRA adapters (PEFT checkpoints) on the language model, several of them served in one batch.
+
+A PEFT LoRA adapter adds `scaling * B(A(x))` to chosen linear layers (`scaling` is alpha / r, or
+alpha / sqrt(r) with `use_rslora`). To serve rows of different adapters, and rows of none, in one
+forward, every linear that some adapter targets keeps all adapters' factors stacked in fixed-shape slot
+tensors, `A [max_loras + 1, in, max_lora_rank]` and `B [max_loras + 1, max_lora_rank, out]`: slot 0 holds
+zeros (the base model's rows), a rank below `max_lora_rank` is padded with zeros (which add exact
+zeros), the scaling is folded into B. Each row gathers its slot's pair and the delta is two batched
+matmuls (Punica / S-LoRA's batched LoRA), never one forward per adapter.
+
+The row -> slot tensor of a forward is set per thread (`LoraRows.using`): the engine runs a prefill and
+a decode forward on two threads at once. Anything PEFT would apply that this does not is refused at
+load with `InvalidInput` naming the config field or the module: DoRA, `modules_to_save`, biases,
+per-module rank or alpha patterns, embeddings, and modules outside the language model (the vision tower,
+lm_head).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import pathlib
+import threading
+
+import torch
+from safetensors import safe_open
+
+from raypipe.errors import InvalidInput
+from raypipe.models.checkpoint import strip_prefix
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_KEY_PREFIX = "base_model.model."  # every module of a PEFT save sits under the wrapped model
+FACTORS = {"lora_A.weight": 0, "lora_B.weight": 1}
+# LoraConfig fields whose non-default value changes what PEFT computes beyond plain LoRA on linears.
+UNSUPPORTED_FIELDS = ("use_dora", "modules_to_save", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
+                      "layer_replication", "target_parameters", "trainable_token_indices", "alora_invocation_tokens",
+                      "use_qalora", "use_bdlora", "arrow_config")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraWeights:
+    """One adapter read from its folder: per language-model module (its name inside the text model),
+    `(A (in, r), B scaled (r, out))`, ready to be stacked."""
+
+    name: str
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: int) -> LoraWeights:
+    """Adapter `name` from a PEFT folder, checked against `decoder` (a `TextDecoder`): every tensor must
+    belong to one of its linear layers and every listed target must match one."""
+    from peft import PeftConfig
+
+    folder = pathlib.Path(folder)
+    where = f"lora_modules.{name}"
+    if not (folder / "adapter_config.json").is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
+        raise InvalidInput(f"{folder} has no adapter_config.json and {ADAPTER_WEIGHTS} (a PEFT LoRA save)", item=where,
+                           code="invalid_lora_adapter")
+    if not hasattr(decoder, "key_prefixes"):  # loaded by a family's own loader (Step3), not TextDecoder's
+        raise InvalidInput(f"{type(decoder).__name__} does not take LoRA adapters", item=where,
+                           code="invalid_lora_adapter")
+    config = PeftConfig.from_pretrained(str(folder))
+    _check_config(config, where, max_lora_rank)
+    scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
+    modules = dict(decoder.model.named_modules())
+    pairs: dict[str, list] = {}
+    with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
+        for key in f.keys():
+            module, factor = _split_key(key, where)
+            inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
+            if inside is None or inside not in modules:
+                raise InvalidInput(f"module {module!r} is not a layer of the language model (adapters on the vision "
+                                   "tower, lm_head or embeddings are not supported)", item=where, code="invalid_lora_adapter")
+            if not isinstance(modules[inside], torch.nn.Linear):
+                raise InvalidInput(f"module {module!r} is a {type(modules[inside]).__name__}; LoRA is supported on "
+                                   "linear layers only", item=where, code="invalid_lora_adapter")
+            pairs.setdefault(inside, [None, None])[factor] = f.get_tensor(key)
+    _check_targets(config.target_modules, pairs, where)
+    factors = {}
+    for module, (a, b) in pairs.items():
+        linear = modules[module]
+        if a is None or b is None or a.shape != (config.r, linear.in_features) \
+                or b.shape != (linear.out_features, config.r):
+            raise InvalidInput(f"module {module!r}: lora_A/lora_B shapes {_shape(a)}/{_shape(b)} do not fit r={config.r} "
+                               f"on a {linear.in_features}->{linear.out_features} linear", item=where,
+                               code="invalid_lora_adapter")
+        factors[module] = (a.t().float(), (b.t().float() * scaling))
+    return LoraWeights(name, factors)
+
+
+def _check_config(config, where: str, max_lora_rank: int) -> None:
+    if config.peft_type != "LORA":  # PeftType is a str enum
+        raise InvalidInput(f"peft_type is {config.peft_type}; only LORA adapters are served", item=f"{where}.peft_type",
+                           code="invalid_lora_adapter")
+    for field in UNSUPPORTED_FIELDS:
+        if getattr(config, field, None):
+            raise InvalidInput(f"{field}={getattr(config, field)!r} is not supported (plain LoRA on linear layers only)",
+                               item=f"{where}.{field}", code="invalid_lora_adapter")
+    if config.bias != "none":
+        raise InvalidInput(f"bias={config.bias!r} is not supported (only 'none')", item=f"{where}.bias",
+                           code="invalid_lora_adapter")
+    if not 1 <= config.r <= max_lora_rank:
+        raise InvalidInput(f"r={config.r} exceeds EngineConfig.max_lora_rank={max_lora_rank}", item=f"{where}.r",
+                           code="invalid_lora_adapter")
+
+
+def _split_key(key: str, where: str) -> tuple[str, int]:
+    """`(module name in the full model, 0 for A / 1 for B)` of one adapter tensor."""
+    for suffix, factor in FACTORS.items():
+        if key.startswith(PEFT_KEY_PREFIX) and key.endswith("." + suffix):
+            return key[len(PEFT_KEY_PREFIX): -len(suffix) - 1], factor
+    raise InvalidInput(f"tensor {key!r} is not a LoRA factor of a linear layer (DoRA magnitudes, embedding "
+                       "adapters and saved modules are not supported)", item=where, code="invalid_lora_adapter")
+
+
+def _check_targets(targets, modules: dict, where: str) -> None:
+    """Each name of a target list must match a module the adapter holds (PEFT's rule: the name, or its
+    last dotted parts); a regex target must have matched something."""
+    if not modules:
+        raise InvalidInput(f"target_modules {targets!r} matches no layer of the language model",
+                           item=f"{where}.target_modules", code="invalid_lora_adapter")
+    if isinstance(targets, str):
+        return
+    for target in targets or ():
+        if not any(m == target or m.endswith("." + target) for m in modules):
+            raise InvalidInput(f"target {target!r} matches no module the adapter holds",
+                               item=f"{where}.target_modules", code="invalid_lora_adapter")
+
+
+def _shape(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else tuple(t.shape)
+
+
+class LoraRows:
+    """Which slot each row of this thread's current forward uses; None: every row is the base model's."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        return getattr(self._local, "slots", None)
+
+    @contextlib.contextmanager
+    def using(self, slots: torch.Tensor | None):
+        self._local.slots = slots
+        try:
+            yield
+        finally:
+            self._local.slots = None
+
+
+class LoraLinear(torch.nn.Module):
+    """A base linear plus each row's adapter delta, gathered from the stacked slot tensors."""
+
+    def __init__(self, base: torch.nn.Linear, rows: LoraRows, num_slots: int, max_rank: int):
+        super().__init__()
+        self.base = base
+        self.rows = rows
+        w = base.weight
+        self.register_buffer("lora_a", torch.zeros(num_slots, base.in_features, max_rank, dtype=w.dtype, device=w.device))
+        self.register_buffer("lora_b", torch.zeros(num_slots, max_rank, base.out_features, dtype=w.dtype, device=w.device))
+
+    @property
+    def weight(self) -> torch.Tensor:  # transformers' code reads a projection's weight (dtype, device)
+        return self.base.weight
+
+    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        rank = a.shape[1]
+        self.lora_a[slot].zero_()[:, :rank] = a
+        self.lora_b[slot].zero_()[:rank] = b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        slots = self.rows.slots
+        if slots is None:
+            return out
+        rows = x.reshape(slots.shape[0], -1, x.shape[-1])
+        delta = torch.bmm(torch.bmm(rows, self.lora_a[slots]), self.lora_b[slots])
+        return out + delta.view_as(out)
+
+
+def install(decoder, adapters: list[LoraWeights], max_loras: int, max_lora_rank: int) -> LoraRows:
+    """Wrap every linear of `decoder` that an adapter targets in a `LoraLinear`; adapter i takes slot i + 1."""
+    rows = LoraRows()
+    targeted = sorted({module for adapter in adapters for module in adapter.factors})
+    wrapped = {}
+    for name in targeted:
+        parent_name, _, child = name.rpartition(".")
+        parent = decoder.model.get_submodule(parent_name)
+        wrapped[name] = LoraLinear(getattr(parent, child), rows, max_loras + 1, max_lora_rank)
+        setattr(parent, child, wrapped[name])
+    for slot, adapter in enumerate(adapters, start=1):
+        for name, (a, b) in adapter.factors.items():
+            layer = wrapped[name]
+            layer.set_slot(slot, a.to(layer.lora_a), b.to(layer.lora_b))
+    return rows

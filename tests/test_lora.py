@@ -1,0 +1,206 @@
+"""LoRA adapters (`EngineConfig.lora_modules`, `raypipe/models/lora.py`) against PEFT itself.
+
+Adapters are written here by PEFT (`get_peft_model` on the preset's transformers model, random non-zero
+factors, `save_pretrained`): attention only, MLP only with rsLoRA scaling, and every linear of the language
+model, of three ranks. One batch mixes rows of each adapter and rows of none, joining staggered, with
+images, at K=1 and K=8; every row's greedy tokens equal `generate()` of `PeftModel.from_pretrained`
+(unmerged) with that adapter active (or disabled), on a full-attention family (Qwen2.5-VL) and the hybrid
+one (Qwen3.5: gated-delta-net rows and their state snapshots). Every adapter changes the base model's
+tokens, so the equality says something. The prefix cache never hands one adapter's blocks to another or
+to the base model, and PEFT saves raypipe cannot apply exactly are refused naming the field or module
+(reading an adapter, and the engine's start with it); the compiled decode step declines adapters with a reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+from raypipe import SamplingParams
+from raypipe.decode.config import EngineConfig
+from raypipe.decode.engine import LLMEngine
+from raypipe.errors import InvalidInput
+from raypipe.models import lora
+from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
+from tests import decode_reference as ref
+
+MAX_NEW = 12
+LANGUAGE = r".*language_model.*\."
+# Names no module path contains: PEFT picks an adapter's tensors out of several by substring
+ADAPTERS = {  # name -> LoraConfig fields
+    "red": dict(r=4, lora_alpha=8, target_modules=LANGUAGE + r"(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|out_proj)"),
+    "green": dict(r=8, lora_alpha=6, use_rslora=True, target_modules=LANGUAGE + r"(gate_proj|up_proj|down_proj)"),
+    "blue": dict(r=2, lora_alpha=4, target_modules=LANGUAGE + r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|"
+                                                             r"down_proj|in_proj_qkv|in_proj_z|out_proj)"),
+}
+# (prompt of decode_reference.REQUESTS, adapter): text, one image, three images, several adapters per prompt
+ROWS = [(0, "red"), (1, None), (2, "green"), (3, "blue"), (0, None), (1, "red"), (3, "green")]
+
+
+def write_adapters(ckpt, folder, adapters: dict[str, dict]) -> dict:
+    """PEFT saves of `adapters` (name -> LoraConfig fields) under `folder`; name -> its folder."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(ckpt)
+    # init_lora_weights=False: B random too (PEFT's default B = 0 would leave the model unchanged)
+    configs = {name: LoraConfig(init_lora_weights=False, **fields) for name, fields in adapters.items()}
+    first, *rest = configs
+    model = get_peft_model(model, configs[first], adapter_name=first)
+    for name in rest:
+        model.add_adapter(name, configs[name])
+    model.save_pretrained(folder)  # each adapter in a folder of its name
+    return {name: folder / name for name in adapters}
+
+
+class Served:
+    """A preset's adapters, PEFT's greedy tokens for every row and the engines serving them."""
+
+    def __init__(self, preset: str, folder):
+        from peft import PeftModel
+
+        self.ckpt = preset_checkpoint(preset)
+        self.folders = write_adapters(self.ckpt, folder, ADAPTERS)
+        hf = AutoModelForImageTextToText.from_pretrained(self.ckpt).eval()
+        tokenizer, vision = language_adapter(self.ckpt).tokenizer, vision_adapter(self.ckpt)
+        self.prompts = [ref.prepare(i, tokenizer, vision) for i in range(4)]
+        self.embeds = [ref.embeddings(hf, self.ckpt, p) for p in self.prompts]  # the tower takes no adapter
+        eos = hf.generation_config.eos_token_id
+        self.eos = eos[0] if isinstance(eos, list) else eos
+        first, *rest = ADAPTERS
+        peft = PeftModel.from_pretrained(hf, self.folders[first], adapter_name=first).eval()
+        for name in rest:
+            peft.load_adapter(self.folders[name], adapter_name=name)
+        self.expected = {}
+        for i, name in set(ROWS) | {(i, None) for i, _ in ROWS}:
+            if name is None:
+                with peft.disable_adapter():
+                    self.expected[i, name] = self._generate(peft, i)
+            else:
+                peft.set_adapter(name)
+                self.expected[i, name] = self._generate(peft, i)
+        self.engines = ref.engine_pool(self.ckpt, max_num_seqs=4, max_model_len=512, block_size=8,
+                                       lora_modules={n: str(f) for n, f in self.folders.items()})
+
+    def _generate(self, model, i: int) -> list[int]:
+        return ref.hf_generate(model, self.prompts[i], self.embeds[i], MAX_NEW, cut_at=self.eos)
+
+    def case(self, i: int):
+        return self.prompts[i].without_pixels(), self.embeds[i]
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3.5"])
+def served(request, tmp_path_factory):
+    made = Served(request.param, tmp_path_factory.mktemp(f"lora-{request.param}"))
+    with made.engines as engines:
+        made.engine = engines
+        yield made
+
+
+def run(served, k: int, rows, tag: str):
+    """Outputs of `rows` ((prompt index, adapter)) submitted 4 ms apart: later rows join a running batch."""
+    engine = served.engine(k)
+
+    async def one(n, i, name):
+        await asyncio.sleep(0.004 * n)
+        prompt, embeds = served.case(i)
+        return await engine.generate_output(f"{tag}-{n}", prompt, embeds, SamplingParams(max_tokens=MAX_NEW), lora=name)
+
+    async def every():
+        return await asyncio.gather(*(one(n, i, name) for n, (i, name) in enumerate(rows)))
+
+    return asyncio.run(every())
+
+
+def test_every_adapter_changes_the_base_models_tokens(served):
+    assert {name for _, name in ROWS} == {None, *ADAPTERS}
+    for i, name in ROWS:
+        assert name is None or served.expected[i, name] != served.expected[i, None], (i, name)
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_mixed_batch_equals_peft_generate_per_adapter(served, k):
+    outs = run(served, k, ROWS, f"mixed-{k}")
+    assert [o.token_ids for o in outs] == [served.expected[row] for row in ROWS]
+    assert served.engine(k).decode_step["mode"] == "eager"
+
+
+def test_prefix_cache_is_keyed_by_adapter(served):
+    """Cached prompt tokens (`RequestOutput.num_cached_tokens`) of prompts no other test sends: a block
+    computed under one adapter is a hit for that adapter only, never for another or for the base model;
+    a hit's tokens equal those computed without it."""
+    engine = served.engine(8)
+    first, second = (engine.tokenizer.encode(f"{word} prompt of the adapter-keyed prefix cache test, " * 8)[:40]
+                     for word in ("First", "Second"))
+
+    def cached(tag, prompt, name):
+        out = asyncio.run(engine.generate_output(tag, prompt, (), SamplingParams(max_tokens=MAX_NEW), lora=name))
+        return out.num_cached_tokens, out.token_ids
+
+    a = cached("a", first, "red")
+    hit, tokens = cached("a-again", first, "red")
+    assert a[0] == 0 and hit > 0 and tokens == a[1]  # A then A: a hit (Qwen3.5: at a state snapshot), same tokens
+    assert cached("b", first, "green")[0] == 0  # A then B: no hit
+    assert cached("base", second, None)[0] == 0 and cached("a-after-base", second, "red")[0] == 0
+
+
+def test_unknown_adapter_is_refused_naming_it(served):
+    with pytest.raises(InvalidInput) as refused:
+        run(served, 8, [(0, "nope")], "unknown")
+    assert refused.value.item == "lora" and "'nope'" in str(refused.value)
+
+
+def _edited(src, dst, **fields):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**config, **fields}))
+    return dst
+
+
+def test_adapters_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
+    ckpt = preset_checkpoint("tiny")
+    decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
+    folders = write_adapters(ckpt, tmp_path / "saved", {
+        "good": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], exclude_modules=r".*visual.*"),
+        "tower": dict(r=4, lora_alpha=8, target_modules=r".*visual\.blocks\.0\.mlp\.gate_proj"),
+        "table": dict(r=4, lora_alpha=8, target_modules=["embed_tokens"])})
+    good = folders["good"]
+    assert lora.read_adapter("good", good, decoder, max_lora_rank=16).factors
+    for field, value in (("use_dora", True), ("modules_to_save", ["lm_head"]), ("bias", "all"),
+                         ("rank_pattern", {"q_proj": 8}), ("r", 32)):
+        with pytest.raises(InvalidInput) as refused:
+            lora.read_adapter("bad", _edited(good, tmp_path / field, **{field: value}), decoder, max_lora_rank=16)
+        assert refused.value.item == f"lora_modules.bad.{field}", field
+    with pytest.raises(InvalidInput) as refused:  # a listed target that matches nothing
+        lora.read_adapter("bad", _edited(good, tmp_path / "typo", target_modules=["q_proj", "v_projj"]), decoder, 16)
+    assert refused.value.item == "lora_modules.bad.target_modules" and "v_projj" in str(refused.value)
+    for name, where in (("tower", "visual.blocks.0.mlp.gate_proj"), ("table", "embed_tokens")):
+        with pytest.raises(InvalidInput) as refused:
+            lora.read_adapter("bad", folders[name], decoder, max_lora_rank=16)
+        assert refused.value.item == "lora_modules.bad" and where in str(refused.value), where
+
+
+def test_engine_start_refuses_what_it_cannot_serve(tmp_path):
+    """At start: more adapters than slots, tensor parallel, and a bad adapter (the engine does not start); the
+    compiled decode step, asked for, is declined with its reason and decode steps run eager."""
+    ckpt = preset_checkpoint("tiny")
+    good = write_adapters(ckpt, tmp_path, {"good": dict(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                        exclude_modules=r".*visual.*")})["good"]
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineConfig(lora_modules={"a": str(good), "b": str(good)}, max_loras=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(lora_modules={"a": str(good)}, tensor_parallel_size=2)
+    with pytest.raises(InvalidInput) as refused:
+        LLMEngine(ckpt, EngineConfig(max_model_len=256, lora_modules={"bad": str(_edited(good, tmp_path / "dora",
+                                                                                          use_dora=True))}))
+    assert refused.value.item == "lora_modules.bad.use_dora"
+    engine = LLMEngine(ckpt, EngineConfig(max_model_len=256, compiled_decode=True, lora_modules={"good": str(good)}))
+    try:
+        assert engine.decode_step["mode"] == "eager" and "LoRA" in engine.decode_step["reason"]
+    finally:
+        engine.shutdown()
