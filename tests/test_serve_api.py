@@ -1000,6 +1000,25 @@ def test_vllm_output_fields_through_the_openai_client(client, http, tiny_ckpt):
     assert shown.choices[0].message.content == "<|im_start|>" * 3 and hidden.choices[0].message.content == ""
 
 
+def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(client):
+    """vLLM's `cache_salt`: the same prompt hits the prefix cache under the same salt only; unsalted requests
+    share their own blocks."""
+    import uuid
+
+    # the first block holds a fresh id (the template's default system prompt is what every other test sends)
+    messages = [{"role": "system", "content": uuid.uuid4().hex}] + user("long enough for several blocks " * 3)
+
+    def cached(**extra) -> int:
+        response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body=extra)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0
+    assert cached() > 0
+
+
 def test_a_request_the_engine_refuses_is_a_400_and_no_replica_error_in_the_logs(http):
     """The engine's refusal (an id outside the vocabulary) reaches the client as a 400 naming the field; the
     Decoder replica hands it over as a value, so Serve writes no ERROR line or traceback for a client's mistake."""

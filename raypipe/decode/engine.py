@@ -56,7 +56,7 @@ from raypipe.decode.grammar import GrammarCompiler, GrammarLimits
 from raypipe.decode.grammar_worker import readable_error
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
-from raypipe.decode.prefix_hash import lora_root, placeholder_runs
+from raypipe.decode.prefix_hash import chain_root, placeholder_runs
 from raypipe.decode.request import check_request, visual_rows
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
@@ -150,9 +150,11 @@ class LLMEngine:
             self.grammars.matcher(params.structured)  # compiles (and caches) it, or names what is wrong
 
     async def generate(self, request_id: str, prompt: PreparedPrompt | list[int], visual_embeds: Seq = (),
-                       params: SamplingParams | None = None, lora: str | None = None) -> AsyncIterator[RequestDelta]:
-        """Deltas for one request, served with LoRA adapter `lora` (None: the base model); leaving the
-        iteration early (or cancelling) aborts it."""
+                       params: SamplingParams | None = None, lora: str | None = None, *,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Deltas for one request, served with LoRA adapter `lora` (None: the base model); `cache_salt` keeps its
+        prefix-cache blocks apart from those of requests with another salt or none. Leaving the iteration early
+        (or cancelling) aborts it."""
         params = params if params is not None else SamplingParams()
         ids, layouts = check_request(prompt, params, language_adapter=self.adapter,
                                      max_model_len=self.config.max_model_len)
@@ -175,7 +177,7 @@ class LLMEngine:
         # Compiled here, not on the engine thread (cached: ~1 ms the first time, a copy after).
         matcher = await asyncio.to_thread(self.grammars.matcher, params.structured) if params.structured else None
         seq = Sequence(request_id, ids, positions, rope_delta, embeds, params, deliver, generator, matcher,
-                       placeholder_runs=runs, prefix_root=lora_root(lora), lora_slot=lora_slot)
+                       placeholder_runs=runs, prefix_root=chain_root(lora, cache_salt), lora_slot=lora_slot)
         self._submit(seq)
         done = False
         try:

@@ -16,9 +16,11 @@ embedding-cache eviction or when another encoder replica encoded it. An item wit
 by hand) gets a digest of its own, so no block from it on is ever shared.
 
 A sequence served with a LoRA adapter computes different K/V (and row state) for the same tokens, so its
-chain starts from the adapter's key (`lora_root`) instead of nothing: a block computed under one adapter
+chain starts from the adapter's key (`chain_root`) instead of nothing: a block computed under one adapter
 is never a hit for another adapter or for the base model. The key is the adapter's name, which names the
-same weights for as long as an engine runs (adapters are read when it starts).
+same weights for as long as an engine runs (adapters are read when it starts). A request's `cache_salt`
+(vLLM's field) goes into the same key: tenants with different salts never hit each other's blocks, so
+one cannot learn from its latency what another asked.
 """
 
 from __future__ import annotations
@@ -39,9 +41,13 @@ def item_digest(layout) -> bytes:
     return hashlib.blake2b(repr(identity).encode(), digest_size=DIGEST_BYTES).digest()
 
 
-def lora_root(name: str | None) -> bytes:
-    """The chain's start for a sequence served with adapter `name`; the base model's is empty."""
-    return b"" if name is None else hashlib.blake2b(b"lora\0" + name.encode(), digest_size=DIGEST_BYTES).digest()
+def chain_root(lora: str | None, cache_salt: str | None = None) -> bytes:
+    """The chain's start for a sequence served with adapter `lora` and salted with `cache_salt`; empty for the
+    base model without a salt."""
+    if lora is None and cache_salt is None:
+        return b""
+    key = repr(("lora", lora, "salt", cache_salt)).encode()
+    return hashlib.blake2b(key, digest_size=DIGEST_BYTES).digest()
 
 
 def placeholder_runs(ids: list[int], layouts, adapter) -> tuple[tuple[int, int, bytes, int], ...]:
@@ -75,11 +81,11 @@ def extend_block_hashes(hashes: list[bytes], tokens: list[int], block_size: int,
 
 
 def prompt_block_hashes(ids: list[int], layouts, adapter, block_size: int, max_blocks: int,
-                        lora: str | None = None) -> list[bytes]:
+                        lora: str | None = None, cache_salt: str | None = None) -> list[bytes]:
     """The hashes the engine looks a prompt's prefix up by (every full block but the one holding its last
     token, which a prefill always computes), at most the first `max_blocks`: what a request router keys
     replicas by (`serve/prefix_router.py`), computed where the prompt is built."""
     hashes: list[bytes] = []
     extend_block_hashes(hashes, ids, block_size, min((len(ids) - 1) // block_size, max_blocks),
-                        placeholder_runs(ids, layouts, adapter), lora_root(lora))
+                        placeholder_runs(ids, layouts, adapter), chain_root(lora, cache_salt))
     return hashes

@@ -94,7 +94,7 @@ class Sequence:
     # Prefix caching (prefix_hash.py): placeholder runs with their items' digests, the hash of each
     # full block so far, how many of its blocks are registered in the pool's cache
     placeholder_runs: tuple = ()
-    prefix_root: bytes = b""  # what its first block's hash chains from: its LoRA adapter's key (prefix_hash.py)
+    prefix_root: bytes = b""  # what its first block's hash chains from: its LoRA adapter's and cache salt's key (prefix_hash.py)
     lora_slot: int = 0  # its LoRA adapter's slot in the model's stacked factors; 0: the base model
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_registered: int = 0

@@ -51,13 +51,13 @@ class Decoder:
             return self.engine
 
     async def generate(self, request_id: str, prompt: PreparedPrompt, visual_embeds: list, params: SamplingParams,
-                       lora: str | None = None, prefix_hashes: tuple[bytes, ...] = ()):
+                       lora: str | None = None, cache_salt: str | None = None, prefix_hashes: tuple[bytes, ...] = ()):
         # When the caller goes away Serve cancels this generator; the engine's generate() then
         # aborts the request, which frees its KV-cache row at the next round boundary.
         replica = self.replica
         engine = await self._live_engine()
         try:
-            async for delta in engine.generate(request_id, prompt, visual_embeds, params, lora):
+            async for delta in engine.generate(request_id, prompt, visual_embeds, params, lora, cache_salt=cache_salt):
                 delta.replica, replica = replica, None
                 yield delta
         except (InvalidInput, CapacityError) as refused:

@@ -130,7 +130,8 @@ class Ingress:
             request_id = completion_id()
             # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
             deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n,
-                                    self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts, lora), lora)
+                                    self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts, lora,
+                                                     chat.cache_salt), lora, chat.cache_salt)
             stream = CompletionStream("chat", response_id(chat, request_id), lora or self.served_model_name,
                                       self.fingerprint, deltas, prompt.num_prompt_tokens, arrival, chat.include_usage,
                                       self._logprob_token_text(chat), chat.tool_names(), thinking,
@@ -150,7 +151,8 @@ class Ingress:
             lora = self._check_model(completion.model)
             prompt, params = await self._prepare_completion(completion)
             request_id = completion_id("cmpl")
-            deltas = self._generate(request_id, prompt, [], params, completion.n, self._prefix_key(prompt, [], lora), lora)
+            deltas = self._generate(request_id, prompt, [], params, completion.n,
+                                    self._prefix_key(prompt, [], lora, completion.cache_salt), lora, completion.cache_salt)
             stream = CompletionStream("text", response_id(completion, request_id), lora or self.served_model_name,
                                       self.fingerprint, deltas, len(prompt), arrival, completion.include_usage,
                                       continuous_usage=completion.continuous_usage)
@@ -160,25 +162,27 @@ class Ingress:
             return self._error(COMPLETIONS, exc)
         return await self._respond(COMPLETIONS, stream, bool(completion.stream))
 
-    def _prefix_key(self, ids: list[int], layouts, lora: str | None) -> dict:
+    def _prefix_key(self, ids: list[int], layouts, lora: str | None, cache_salt: str | None) -> dict:
         """The decoder call's keyword argument the request router reads (none with routing off)."""
         if not self.prefix_key_blocks:
             return {}
         try:
-            hashes = prompt_block_hashes(ids, layouts, self.language, self.block_size, self.prefix_key_blocks, lora)
+            hashes = prompt_block_hashes(ids, layouts, self.language, self.block_size, self.prefix_key_blocks, lora,
+                                         cache_salt)
         except StopIteration:  # fewer placeholder runs than visual items: the engine refuses it with a 400
             return {}
         return {HASHES_KWARG: tuple(hashes)}
 
     def _generate(self, request_id: str, prompt, visual_refs: list, params: SamplingParams, n: int | None,
-                  key: dict, lora: str | None) -> list:
+                  key: dict, lora: str | None, cache_salt: str | None) -> list:
         """One decoder stream per choice: n independent sequences (the prefix cache shares the prompt's blocks
         once they are cached; choices admitted in the same round each compute it); choice i of a seeded request samples with seed + i, so it
         equals a request of its own with that seed."""
         n = n or 1
         return [self.decoder.options(stream=True).generate.remote(
             request_id if n == 1 else f"{request_id}-{i}", prompt, visual_refs,
-            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i), lora, **key)
+            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i), lora, cache_salt,
+            **key)
             for i in range(n)]
 
     async def _respond(self, endpoint: str, stream: CompletionStream, streaming: bool) -> Response:

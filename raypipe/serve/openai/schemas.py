@@ -321,6 +321,7 @@ class Common(_Strict):
     priority: int | None = None  # 0 only: requests are served first come, first served (no priority scheduling)
     request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id, after its prefix
     return_tokens_as_token_ids: bool | None = None  # logprob tokens written "token_id:<id>"
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # prefix-cache hits only within a salt
 
     @property
     def requested_max_tokens(self) -> int | None:
