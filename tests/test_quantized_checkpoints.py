@@ -4,9 +4,9 @@ compressed-tensors checkpoints with its weights kept quantized.
 Each format's tiny preset is written by the format's own library (`raypipe.models.quantized.presets`).
 The oracle is transformers' `generate()` on the same quantized checkpoint, through transformers' own
 quantizer: for `fp8` the FineGrainedFP8 quantizer, which on a CPU dequantizes the blocks at load (to
-bf16 whatever dtype is asked, hence bf16 here, the dtype such checkpoints run in); for
+bf16 whatever dtype is asked, so both run in bf16, the dtype such checkpoints run in); for
 compressed-tensors' formats `CompressedTensorsConfig(dequantize=True)`, where compressed-tensors'
-compressors decompress every weight at load. The engine instead keeps the stored tensors and
+compressors decompress every weight at load (both in fp32, the CPU default and faster there). The engine instead keeps the stored tensors and
 dequantizes one layer per forward; greedy tokens must be equal, K=1 and K=8, for a request with an
 image (whose embeddings come from transformers' unquantized vision tower).
 """
@@ -27,41 +27,41 @@ from raypipe.models.quantized.stored_linear import StoredWeightLinear
 from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
 from tests import decode_reference as ref
 
-MAX_NEW = 10
+MAX_NEW = 8
 IMAGE_REQUEST = 1  # decode_reference.REQUESTS: one image
-# format -> (ratio range of the quantized layers' stored bytes to the same weights in bf16)
+# format -> range of the quantized layers' stored bytes over the same weights' bytes in bf16
 FORMATS = {"fp8": (0.45, 0.55), "fp8-dynamic": (0.45, 0.55), "w8a8": (0.45, 0.55), "w4a16": (0.25, 0.3)}
+CASES = [(base, fmt) for base in ("tiny", "tiny-qwen3.5") for fmt in FORMATS]
 
 
-@pytest.fixture(scope="module", params=[f"{base}-{fmt}" for base in ("tiny", "tiny-qwen3.5") for fmt in FORMATS])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{base}-{fmt}" for base, fmt in CASES])
 def quantized(request):
-    ckpt = preset_checkpoint(request.param)
-    dequantize = {} if request.param.endswith("-fp8") else {
-        "quantization_config": CompressedTensorsConfig(dequantize=True)}
-    hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.bfloat16, **dequantize).eval()
-    with ref.engine_pool(ckpt, dtype="bfloat16", max_num_seqs=2, max_model_len=512) as engines:
-        yield request.param, ckpt, hf, engines
+    base, fmt = request.param
+    ckpt = preset_checkpoint(f"{base}-{fmt}")
+    dtype = "bfloat16" if fmt == "fp8" else "float32"
+    dequantize = {} if fmt == "fp8" else {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=getattr(torch, dtype), **dequantize).eval()
+    with ref.engine_pool(ckpt, dtype=dtype, max_num_seqs=2, max_model_len=512) as engines:
+        yield fmt, ckpt, hf, engines
 
 
 def test_greedy_tokens_equal_transformers_on_the_quantized_checkpoint(quantized):
-    name, ckpt, hf, engines = quantized
+    fmt, ckpt, hf, engines = quantized
     prompt = ref.prepare(IMAGE_REQUEST, language_adapter(ckpt).tokenizer, vision_adapter(ckpt))
     embeds = ref.embeddings(hf, ckpt, prompt)
     eos = hf.generation_config.eos_token_id
     expected = ref.hf_generate(hf, prompt, embeds, MAX_NEW, cut_at=eos[0] if isinstance(eos, list) else eos)
     for k in (1, 8):
-        out = asyncio.run(engines(k).generate_output(f"{name}-{k}", prompt.without_pixels(), embeds,
+        out = asyncio.run(engines(k).generate_output(f"{fmt}-{k}", prompt.without_pixels(), embeds,
                                                      SamplingParams(max_tokens=MAX_NEW)))
-        assert out.token_ids == expected, f"{name}, K={k}"
+        assert out.token_ids == expected, f"K={k}"
 
 
 def test_quantized_layers_hold_a_fraction_of_their_bf16_bytes(quantized):
-    name, _, _, engines = quantized
-    low, high = FORMATS[name.rsplit("-", 1)[-1] if not name.endswith("fp8-dynamic") else "fp8-dynamic"]
+    fmt, _, _, engines = quantized
+    low, high = FORMATS[fmt]
     layers = [m for m in engines(1).runner.model.modules() if isinstance(m, StoredWeightLinear)]
-    assert layers and all(getattr(m, n).dtype not in (torch.float32, torch.bfloat16)
-                          for m in layers for n in m.stored if n.startswith("weight") and n != "weight_scale"
-                          and n != "weight_scale_inv" and n != "weight_shape")
+    assert layers
     stored = sum(getattr(m, n).nbytes for m in layers for n in m.stored)
     bf16 = sum(m.in_features * m.out_features * 2 for m in layers)
     assert low <= stored / bf16 <= high, stored / bf16
