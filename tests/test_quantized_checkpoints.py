@@ -97,3 +97,20 @@ def test_the_language_model_load_refuses_a_malformed_config(tmp_path):
     with pytest.raises(ValueError, match=r"quantization_config\.weight_block_size"):
         language_adapter(tmp_path).load_model(torch.device("cpu"), torch.float32)
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (4, 64), (256, 384)])
+def test_fp8_partial_blocks_dequantize_as_transformers_does_with_the_block_size(shape):
+    """Sizes that are not a multiple of the 128 block (the presets' never are both): the last blocks are
+    partial, as in transformers' own block dequantization that takes the block size (its FP8 backward's)."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from raypipe.models.quantized.fp8_block import Fp8BlockLinear
+
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(0)
+    layer = Fp8BlockLinear(in_features, out_features, (128, 128), bias=False, dtype=torch.float32)
+    layer.weight = torch.randn(shape, generator=generator).to(torch.float8_e4m3fn)
+    layer.weight_scale_inv = torch.rand(-(-out_features // 128), -(-in_features // 128), generator=generator)
+    expected = _dequantize_fp8_weight(layer.weight, layer.weight_scale_inv, [128, 128], torch.float32)
+    assert torch.equal(layer.dequantize(torch.float32), expected)

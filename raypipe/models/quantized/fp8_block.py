@@ -21,10 +21,14 @@ class Fp8BlockLinear(StoredWeightLinear):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         rows, cols = self.block
-        scale = self.weight_scale_inv.float()
-        scale = scale.repeat_interleave(rows, 0)[: self.out_features].repeat_interleave(cols, 1)[:, : self.in_features]
-        return (self.weight.float() * scale).to(dtype)
-
+        scale = self.weight_scale_inv.float().repeat_interleave(rows, 0)[: self.out_features]  # block scales per row
+        weight = self.weight.float()  # a fresh copy, scaled in place
+        whole = self.in_features // cols
+        if whole:
+            weight[:, : whole * cols].unflatten(-1, (whole, cols)).mul_(scale[:, :whole, None])
+        if self.in_features % cols:  # the partial last block of columns
+            weight[:, whole * cols:].mul_(scale[:, whole:])
+        return weight.to(dtype)
 
 class Fp8BlockPlan:
     """Which linears an `fp8` config quantizes (all but `modules_to_not_convert`, matched by transformers'
