@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--decoders", type=int, default=None,
                        help="serve: this many Decoder replicas, prefix-affinity routing vs Serve's default router "
                             "(multi-turn hit rate and TTFT, request split under uniform load)")
+    bench.add_argument("--quant", action="store_true",
+                       help="decode: --model (a preset, default small) beside its quantized presets: weight bytes, "
+                            "KV tokens, tokens/s (docs/quantization.md)")
     bench.add_argument("--tp", type=int, default=None, metavar="N",
                        help="decode: a tensor-parallel group of N ranks vs one device (step time, collectives, "
                             "per-rank memory)")
@@ -371,6 +374,8 @@ def run_command(args) -> int:
             name = "serve_routing"
         if args.target == "decode" and args.tp is not None:
             name = "decode_tp"
+        if args.target == "decode" and args.quant:
+            name = "decode_quant"
         return importlib.import_module(f"raypipe.bench.{name}").main(args)
     return 2
 

@@ -251,13 +251,18 @@ class LLMEngine:
                 "device": str(self.device), "decode_step": self.decode_step}
 
     def _log_cache(self) -> None:
-        """What is cached for each layer kind, and the budgets (docs/performance.md, "Prefix caching")."""
+        """The weights' bytes, what is cached for each layer kind, and the budgets (docs/performance.md,
+        "Prefix caching"; on CUDA the KV budget is a share of the memory left after the weights, so a
+        quantized checkpoint's smaller weights leave more of it, docs/quantization.md)."""
         cache, size = self.runner.cache, self.config.block_size
         blocks = cache.num_blocks - 1
         kinds = {"full_attention": "K/V in paged blocks (cached by prefix hash)",
                  "sliding_attention": "K/V in blocks of the window pool, freed as they leave the window "
                                       "(cached by prefix hash; a hit needs the window before it)",
                  "linear_attention": "conv + recurrent state per row (snapshotted at block boundaries)"}
+        model = self.runner.model
+        log.info("language model weights: %.1f MiB (%s)", model.weight_bytes() / 2**20,
+                 model.quantization or f"{self.runner.dtype}, not quantized")
         log.info("KV cache: %d blocks x %d tokens = %d tokens of paged K/V (%.1f MiB, %d bytes per token); "
                  "prefix caching %s; chunked prefill on; per layer kind: %s", blocks, size, blocks * size,
                  cache.nbytes / 2**20, self.runner.bytes_per_token, "on" if self.scheduler.prefix_caching else "off",

@@ -20,13 +20,15 @@ from raypipe.models.checkpoint import read_config
 from raypipe.models.family import ModelFamily
 from raypipe.models.hub import is_hub_id, snapshot_folder
 from raypipe.models.presets import PRESET_VERSION, default_cache_dir, write_once
+from raypipe.models.quantized.presets import quantized_presets, write_quantized
 
 FAMILIES: tuple[ModelFamily, ...] = (qwen2_5_vl.FAMILY, minicpmv4_6.FAMILY, step3.FAMILY, llava_onevision.FAMILY,
                                      qwen3_vl.FAMILY, qwen3_vl.MOE_FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY)
 
 _BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 _BY_PRESET = {name: family for family in FAMILIES for name in family.presets}
-PRESETS = tuple(_BY_PRESET)
+_QUANTIZED = quantized_presets()  # name -> (base preset, format)
+PRESETS = tuple(_BY_PRESET) + tuple(_QUANTIZED)
 
 
 def vision_adapter(model: str | os.PathLike) -> VisionAdapter:
@@ -86,7 +88,12 @@ def model_for_actors(model: str | os.PathLike, checkpoint: pathlib.Path) -> str:
 
 
 def preset_checkpoint(name: str, path: str | os.PathLike | None = None) -> pathlib.Path:
-    """The preset's checkpoint folder, written once (deterministically) and reused."""
+    """The preset's checkpoint folder, written once (deterministically) and reused; a quantized preset
+    (`raypipe.models.quantized.presets`) is written from its base preset's checkpoint."""
+    if name in _QUANTIZED:
+        base, fmt = _QUANTIZED[name]
+        target = pathlib.Path(path) if path is not None else default_cache_dir() / f"{name}-{PRESET_VERSION}"
+        return write_once(target, lambda folder: write_quantized(preset_checkpoint(base), folder, fmt))
     family = _BY_PRESET[name]
     target = pathlib.Path(path) if path is not None else \
         default_cache_dir() / f"{name}-{family.model_type}-{PRESET_VERSION}"

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from raypipe.models import delta_net_prefill
-from raypipe.models.checkpoint import load_module_weights, load_tensors
+from raypipe.models.checkpoint import load_module_weights, load_tensors, read_config
+from raypipe.models.quantized.quant_config import quantization_plan, quantize_linears, weight_bytes
 
 LM_HEAD_PREFIXES = ("lm_head.",)
 
@@ -28,6 +29,7 @@ class TextDecoder(torch.nn.Module):
         self.to(device).eval()
         self.device = torch.device(device)
         self.dtype = dtype
+        self.quantization: str | None = None  # what the checkpoint's quantized linears hold, when it has any
         # Placeholder tokens of every kind of visual item: the rows visual embeddings replace.
         self.placeholder_ids = torch.tensor(sorted(set(adapter.placeholder_token_ids.values())), device=self.device)
 
@@ -40,28 +42,48 @@ class TextDecoder(torch.nn.Module):
 
         With `shard` (one rank of a tensor-parallel group, `raypipe.parallel.shards`) the planned
         layers take this rank's shapes first and only their slices are read; the rest (embeddings,
-        norms, lm_head) is loaded whole on every rank."""
+        norms, lm_head) is loaded whole on every rank.
+
+        A quantized checkpoint (`quantization_config`, `raypipe.models.quantized`) gets stored-weight
+        layers in place of the linears it quantizes; their tensors are loaded as stored (the other
+        tensors are cast to `dtype` by the load)."""
         from transformers.initialization import no_init_weights
 
         text_config = adapter.text_config
+        plan = quantization_plan(read_config(adapter.checkpoint))
+        if plan is not None and shard is not None:
+            raise ValueError(f"{adapter.checkpoint}: tensor parallelism over a quantized checkpoint "
+                             f"({plan.description}) is not supported yet")
         with no_init_weights():  # weights come from the checkpoint; skip the random init
             model = text_model_class._from_config(text_config, dtype=dtype)
             lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+        if plan is not None:
+            quantized = quantize_linears(model, plan, prefixes, dtype)
+            quantized_head = plan.layer_for([p.rstrip(".") for p in head_prefixes], lm_head, dtype)
+            if quantized_head is not None and not getattr(adapter.config, "tie_word_embeddings", False):
+                lm_head, quantized = quantized_head, quantized + 1
         if shard is not None:
             shard.prepare(model)
-        state = load_tensors(adapter.checkpoint, prefixes, dtype=dtype, exclude=exclude + head_prefixes, shard=shard)
+        load_dtype = dtype if plan is None else None  # quantized tensors keep their dtype; the load casts the rest
+        state = load_tensors(adapter.checkpoint, prefixes, dtype=load_dtype, exclude=exclude + head_prefixes, shard=shard)
         if convert is not None:  # with `shard`, over this rank's tensors only
             state = convert(state)
         load_module_weights(model, state, what=f"{adapter.checkpoint} language model")
         if getattr(adapter.config, "tie_word_embeddings", False):
             lm_head.weight = model.embed_tokens.weight
         else:
-            head = load_tensors(adapter.checkpoint, head_prefixes, dtype=dtype)
+            head = load_tensors(adapter.checkpoint, head_prefixes, dtype=load_dtype)
             load_module_weights(lm_head, head, what=f"{adapter.checkpoint} lm_head")
         decoder = cls(adapter, model, lm_head, device, dtype)
         # How the whole checkpoint names this model's modules: a LoRA adapter names them so (`lora.py`).
         decoder.key_prefixes, decoder.key_excluded = prefixes, exclude + head_prefixes
+        if plan is not None:
+            decoder.quantization = f"{plan.description}: {quantized} linear layers"
         return decoder
+
+    def weight_bytes(self) -> int:
+        """Bytes the language model's weights hold on its device (quantized layers as stored)."""
+        return weight_bytes(self)
 
     def embed(self, input_ids: torch.Tensor, visual_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Text embeddings with visual rows written over the placeholder tokens, row-major over the batch."""
