@@ -236,8 +236,7 @@ class Ingress:
                 ids = (await self._build_prompt(asked, asked.template_kwargs(bool(self.family.reasoning)))
                        ).prompt_token_ids
             else:
-                check_text_chars(len(asked.prompt), await self._model_len() * self.chars_per_token)
-                ids = await asyncio.to_thread(plain_text_ids, self.tokenizer, asked.prompt)
+                ids = await self._text_ids(asked.prompt)
             strs = self.tokenizer.convert_ids_to_tokens(list(ids)) if asked.return_token_strs else None
             body = {"count": len(ids), "max_model_len": await self._model_len(), "tokens": list(ids),
                     "token_strs": strs}
@@ -349,10 +348,14 @@ class Ingress:
         prompt = completion.single_prompt()
         model_len = await self._model_len()
         if isinstance(prompt, str):
-            check_text_chars(len(prompt), model_len * self.chars_per_token)
-            prompt = await asyncio.to_thread(plain_text_ids, self.tokenizer, prompt)
+            prompt = await self._text_ids(prompt)
         max_tokens = self.limits.max_tokens_for(completion.requested_max_tokens, len(prompt), model_len)
         return list(prompt), sampling_params(completion, max_tokens)
+
+    async def _text_ids(self, text: str) -> list[int]:
+        """A plain-text prompt's ids (text hopelessly long for the context refused before tokenizing it)."""
+        check_text_chars(len(text), await self._model_len() * self.chars_per_token)
+        return await asyncio.to_thread(plain_text_ids, self.tokenizer, text)
 
     def _video_options(self, chat: ChatCompletionRequest) -> VideoOptions:
         """The deployment's video options with the request's `mm_processor_kwargs` over them."""
