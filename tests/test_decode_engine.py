@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -194,3 +195,44 @@ def test_leaving_the_stream_aborts_and_frees_the_row(engines, cases):
     assert engine.stats()["requests_aborted"] == aborted + 1
     out = run(engine.generate_output("after", prompt, embeds, SamplingParams(max_tokens=MAX_NEW)))
     assert out.token_ids == want
+
+
+def test_a_burst_answers_each_prefill_group_as_it_finishes(engines, cases, monkeypatch):
+    """With nothing decoding, a round's prefill groups run one after the other: the first group's requests
+    get their first token before a later group's prefill ends, not all together after the last one."""
+    engine = engines(8)
+    short, long_ = cases[0][0], [int(t) for t in torch.arange(200) % 50 + 30]  # two groups (length ratio)
+    answered, waited = threading.Event(), []
+    prefill = engine.runner.prefill
+
+    def prefill_waiting_on_the_short_answer(seqs, sampled, batch):
+        if any(s.prompt_len == len(long_) for s in seqs):
+            waited.append(answered.wait(timeout=10))
+        return prefill(seqs, sampled, batch)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill_waiting_on_the_short_answer)
+
+    async def first_token(request_id, prompt, embeds):
+        async for delta in engine.generate(request_id, prompt, embeds, SamplingParams(max_tokens=2)):
+            if delta.token_ids:
+                answered.set()
+                return delta.token_ids[0]
+
+    async def both():
+        return await asyncio.gather(first_token("burst-short", short, cases[0][1]),
+                                    first_token("burst-long", long_, []))
+
+    firsts = run(both())
+    assert waited == [True]
+    assert firsts[0] == cases[0][2][0]
+
+
+def test_the_cpu_engine_runs_packed_linears_and_says_so(engines):
+    """Every decode test here compares against `generate()` with these packed linears in place."""
+    from raypipe.models.packed_linear import PackedLinear
+
+    engine = engines(8)
+    packed = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    layers = engine.adapter.text_config.num_hidden_layers
+    assert len(packed) >= 7 * layers  # q, k, v, o, gate, up, down in every layer
+    assert engine.stats()["linear_weights"] == f"{len(packed)} linear layers packed for oneDNN"

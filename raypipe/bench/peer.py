@@ -246,10 +246,15 @@ class VllmSide:
 # ---- measuring ----
 
 def summary(runs: list[dict]) -> dict:
-    """Medians over repeats of a workload's runs: output tok/s, TTFT p50/p99 (ms), cached prompt tokens."""
+    """Medians over repeats of a workload's runs: output tok/s, TTFT p50/p99 (ms), TPOT p50 (ms: a request's
+    time from its first token to its last over the tokens after the first, decode speed without prefill),
+    cached prompt tokens."""
     tok_s = [sum(len(r["token_ids"]) for r in run["results"]) / run["wall_s"] for run in runs]
     ttfts = [[r["ttft_s"] for r in run["results"] if r["ttft_s"] is not None] for run in runs]
+    tpots = [[(r["latency_s"] - r["ttft_s"]) / (len(r["token_ids"]) - 1) for r in run["results"]
+              if r["ttft_s"] is not None and len(r["token_ids"]) > 1] or [float("nan")] for run in runs]
     return {"tok_s": statistics.median(tok_s),
+            "tpot_p50_ms": statistics.median(np.percentile(t, 50) * 1e3 for t in tpots),
             "ttft_p50_ms": statistics.median(np.percentile(t, 50) * 1e3 for t in ttfts),
             "ttft_p99_ms": statistics.median(np.percentile(t, 99) * 1e3 for t in ttfts),
             "cached_tokens": statistics.median(sum(r["cached_tokens"] for r in run["results"]) for run in runs),
@@ -354,19 +359,20 @@ def describe(result: dict, path: pathlib.Path) -> None:
     rows = []
     for name, entry in result["workloads"].items():
         if "error" in entry:
-            rows.append([name, entry["error"][:60]] + [""] * 10)
+            rows.append([name, entry["error"][:60]] + [""] * 13)
             continue
         ours, theirs, agree = entry["raypipe"], entry["vLLM-CPU"], entry["agreement"]
         rows.append([name, theirs["tok_s"], ours["tok_s"], ours["tok_s"] / theirs["tok_s"],
                      theirs["ttft_p50_ms"], ours["ttft_p50_ms"], ours["ttft_p50_ms"] / theirs["ttft_p50_ms"],
                      theirs["ttft_p99_ms"], ours["ttft_p99_ms"],
+                     theirs["tpot_p50_ms"], ours["tpot_p50_ms"], ours["tpot_p50_ms"] / theirs["tpot_p50_ms"],
                      f"{theirs['cached_tokens']:.0f}/{ours['cached_tokens']:.0f}",
                      f"{agree['equal_outputs']}/{agree['requests']}", f"{agree['equal_prompts']}/{agree['requests']}"])
     versions = result["vllm_versions"]
     print_table(f"raypipe vs vLLM-CPU {versions.get('vllm')} on {result['model']} {result['dtype']}, "
                 f"{result['threads']} threads (medians of {result['sizes']['repeats']} repeats; ratio = raypipe / vLLM)",
                 ["workload", "vLLM tok/s", "raypipe tok/s", "ratio", "vLLM TTFT p50 ms", "raypipe p50", "ratio",
-                 "vLLM p99", "raypipe p99", "cached vLLM/raypipe", "same tokens", "same prompts"], rows)
+                 "vLLM p99", "raypipe p99", "vLLM TPOT p50 ms", "raypipe TPOT", "ratio", "cached vLLM/raypipe", "same tokens", "same prompts"], rows)
     chat = result["workloads"].get("chat")
     if chat and "turns" in chat:
         print_table("chat: TTFT per turn (history re-sent)", ["turn", "prompt tokens", "vLLM ms", "raypipe ms",

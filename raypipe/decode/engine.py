@@ -98,6 +98,7 @@ class LLMEngine:
         self.lora_slots = self.runner.use_loras(self.config.lora_modules, self.config.max_loras,
                                                 self.config.max_lora_rank) if self.config.lora_modules else {}
         self.decode_step = self._start_decode_step()
+        self.weights = self._pack_weights()
         self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
         self.snapshots, state = None, self.runner.cache.state_bytes_per_row
         if prefix_caching and self.runner.cache.row_state_kinds:
@@ -248,7 +249,7 @@ class LLMEngine:
                 "preemptions": s["preemptions"], "chunked_prefills": s["chunked_prefills"],
                 "deferred_admissions": s["deferred_admissions"],
                 **({"snapshot_every_blocks": self.snapshot_every} if self.snapshots is not None else {}),
-                "device": str(self.device), "decode_step": self.decode_step}
+                "device": str(self.device), "decode_step": self.decode_step, "linear_weights": self.weights}
 
     def _log_cache(self) -> None:
         """The weights' bytes, what is cached for each layer kind, and the budgets (docs/performance.md,
@@ -293,6 +294,16 @@ class LLMEngine:
                  len(step.kv_buckets), seconds)
         return {"mode": mode, "batch_buckets": list(step.batch_buckets), "kv_buckets": list(step.kv_buckets),
                 "warmup_seconds": seconds}
+
+    def _pack_weights(self) -> str:
+        """oneDNN-packed linears where they apply (CPU, eager decode steps, one device); what was done."""
+        if not self.config.cpu_packed_weights:
+            return "not packed: EngineConfig.cpu_packed_weights is False"
+        if self.runner.static_step is not None or self.config.tensor_parallel_size > 1:
+            return "not packed: a compiled decode step or a tensor-parallel group keeps plain linears"
+        done = self.runner.use_packed_weights()
+        log.info("language model linears: %s", done)
+        return done
 
     def shutdown(self) -> None:
         """Stop after the current round; every request still running or waiting gets `EngineClosed`."""
@@ -365,13 +376,25 @@ class LLMEngine:
             finally:
                 self.scheduler.restored(plan.restores)
         running, groups = plan.decode, plan.prefill  # running: rows 0..n-1
-        with self._cores_split(bool(groups and running)):
+        if not running:
+            # Nothing decodes: prefill here, group by group, each group's first tokens out as soon as it is
+            # done (a burst's first requests answer while later groups still prefill).
+            for group in groups:
+                self._prefilled([group], self._prefill([group]))
+                self._flush(unfinished_only=True)
+            self._release_finished()
+            return
+        with self._cores_split(bool(groups)):
             prefill = self._prefill_thread.submit(self._prefill, groups) if groups else None
             try:
-                if running:
-                    self._decode(running)
+                self._decode(running)
             finally:
                 first = prefill.result() if prefill is not None else []  # never leave a prefill running
+        self._prefilled(groups, first)
+        self._release_finished()
+
+    def _prefilled(self, groups: list[list[Sequence]], first: list[tuple[list[Sequence], list[int], list]]) -> None:
+        """Book prefilled chunks and emit the first tokens `_prefill` sampled for them."""
         for group, (sampled, tokens, logprobs) in zip(groups, first):
             self._counters["prefills"] += 1
             self._counters["prefill_tokens"] += sum(s.chunk_len for s in group)
@@ -381,7 +404,6 @@ class LLMEngine:
                 self.scheduler.chunk_done(seq)
             for seq, token, lp in zip(sampled, tokens, logprobs):
                 self._emit(seq, self.output.append(seq, [token], lp))
-        self._release_finished()
 
     @contextlib.contextmanager
     def _cores_split(self, overlapping: bool):
@@ -465,11 +487,15 @@ class LLMEngine:
             f"the constraint failed after {len(seq.output_ids)} output tokens and cannot finish: {reason}",
             item=seq.params.structured.field, code="grammar_failed")))
 
-    def _flush(self) -> None:
-        # After rows are freed, so a caller that sees a request finish also sees its row free.
+    def _flush(self, unfinished_only: bool = False) -> None:
+        # A finished request's last delta goes after its row is freed (`_release_finished`), so a caller that
+        # sees a request finish also sees its row free: `unfinished_only` holds those back.
         outbox, self._outbox = self._outbox, []
         for seq, delta in outbox:
-            seq.deliver(delta)
+            if unfinished_only and seq.finished:
+                self._outbox.append((seq, delta))
+            else:
+                seq.deliver(delta)
 
     def _release_finished(self) -> None:
         finished = [seq for seq in self.scheduler.running if seq.finished]

@@ -27,14 +27,14 @@ from collections.abc import Callable
 
 import torch
 
-from raypipe.decode import compiled_step
+from raypipe.decode import attention, compiled_step
 from raypipe.decode.cache_kinds import LinearAttentionRows
 from raypipe.decode.kv_cache import KVCache, block_tables, layer_types, paged_bytes_per_token
 from raypipe.decode.kv_pool_size import PoolShape, pool_blocks
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence
 from raypipe.decode.sliding_window import window_bytes_per_token, window_pool_shape
-from raypipe.models import lora
+from raypipe.models import lora, packed_linear
 
 # on_step(step, ids) -> True when every row is done and the round may end early.
 StepCallback = Callable[[int, list[int]], bool]
@@ -51,6 +51,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = language_adapter.load_model(self.device, dtype)
+        attention.use_engine_attention(self.model.model)
         text = language_adapter.text_config
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len
@@ -106,6 +107,13 @@ class ModelRunner:
         if self.lora_rows is None or not any(s.lora_slot for s in seqs):
             return contextlib.nullcontext()
         return self.lora_rows.using(torch.tensor([s.lora_slot for s in seqs], device=self.device))
+
+    def use_packed_weights(self) -> str:
+        """Pack the language model's linears for oneDNN's CPU kernels (`models/packed_linear.py`); what was done."""
+        reason = packed_linear.unsupported(self.device, self.dtype)
+        if reason is not None:
+            return f"not packed: {reason}"
+        return f"{packed_linear.pack_linears(self.model)} linear layers packed for oneDNN"
 
     def use_static_step(self, batch_buckets: tuple[int, ...] | None = None,
                         kv_buckets: tuple[int, ...] | None = None) -> str | None:

@@ -287,10 +287,14 @@ class DeltaNetHeads:
 
 def sharded_parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of parameter storage this process holds in the decoder layers (what the plan shards) and in the
-    rest (embeddings, final norm, lm_head; tied ones counted once)."""
+    rest (embeddings, final norm, lm_head; tied ones counted once). Weights packed for oneDNN
+    (`models/packed_linear.py`, buffers without a storage of their own) count as parameters."""
     storages = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         storage = param.untyped_storage()
         storages[storage.data_ptr()] = (storage.nbytes(), ".layers." in f".{name}")
+    for name, buffer in model.named_buffers():
+        if buffer.is_mkldnn:
+            storages[id(buffer)] = (buffer.nbytes, ".layers." in f".{name}")
     layers = sum(size for size, in_layers in storages.values() if in_layers)
     return {"decoder_layers": layers, "other": sum(size for size, _ in storages.values()) - layers}

@@ -48,5 +48,5 @@ def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of `module`'s parameters and buffers, each tensor once (tied weights share one)."""
     seen = {}
     for tensor in [*module.parameters(), *module.buffers()]:
-        seen[tensor.data_ptr()] = tensor.nbytes
+        seen[id(tensor) if tensor.is_mkldnn else tensor.data_ptr()] = tensor.nbytes  # oneDNN's have no data_ptr
     return sum(seen.values())

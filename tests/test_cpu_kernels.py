@@ -1,0 +1,87 @@
+"""The engine's CPU kernel choices against what they replace: oneDNN-packed linears against `nn.Linear`,
+the decode attention function against transformers' SDPA function (greedy tokens against `generate()`
+are checked by every decode test, which run with both)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from raypipe.decode import attention
+from raypipe.models import packed_linear
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 16)
+        self.up = torch.nn.Linear(16, 48)
+        self.down = torch.nn.Linear(48, 16, bias=False)
+        self.head = torch.nn.Linear(16, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied, as an lm_head may be
+
+
+class _Subclassed(torch.nn.Linear):
+    pass
+
+
+@pytest.mark.skipif(packed_linear.unsupported(torch.device("cpu"), torch.float32) is not None,
+                    reason="oneDNN cannot pack fp32 weights here")
+def test_packed_linears_compute_what_the_plain_ones_did_and_skip_tied_and_other_layers():
+    torch.manual_seed(0)
+    model = _Layer()
+    model.other = _Subclassed(16, 16)
+    x = torch.randn(3, 5, 16)
+    with torch.inference_mode():
+        want = model.down(torch.relu(model.up(x)))
+        assert packed_linear.pack_linears(model) == 2  # up, down: not the tied head, not the subclass
+        assert isinstance(model.up, packed_linear.PackedLinear) and isinstance(model.down, packed_linear.PackedLinear)
+        assert type(model.head) is torch.nn.Linear and type(model.other) is _Subclassed
+        got = model.down(torch.relu(model.up(x)))
+        rows = model.up(x[:, 1:3])  # a strided input
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows, torch.nn.functional.linear(x[:, 1:3], model.up.packed_weight.to_dense(),
+                                                                model.up.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_says_why_not_where_it_cannot():
+    assert "CPU path" in packed_linear.unsupported(torch.device("meta"), torch.float32)
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 4
+    is_causal = True
+    training = False
+
+
+@pytest.mark.parametrize("length", [16, 300])
+def test_decode_attention_equals_sdpa_with_masked_keys_weighted_zero(length):
+    """One query per row, 8 query heads over 2 KV heads, keys laid out as a decode round keeps them
+    (rows, length, kv heads, head dim) and handed over transposed, a padded mask per row."""
+    torch.manual_seed(1)
+    rows, heads, kv_heads, dim = 5, 8, 2, 32
+    query = torch.randn(rows, heads, 1, dim)
+    keys = torch.randn(rows, length + 7, kv_heads, dim)[:, :length].transpose(1, 2)
+    values = torch.randn(rows, length + 7, kv_heads, dim)[:, :length].transpose(1, 2)
+    lengths = torch.tensor([1, length // 3, length, 2, length - 1])
+    allowed = torch.arange(length)[None, :] < lengths[:, None]
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+    want, _ = sdpa_attention_forward(_Attention(), query, keys, values, mask, scaling=dim ** -0.5)
+    got, _ = attention.attention_forward(_Attention(), query, keys, values, mask, scaling=dim ** -0.5)
+    assert got.shape == want.shape == (rows, 1, heads, dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Values behind the mask change nothing: their weight is exactly 0.
+    noisy = values.clone()
+    noisy[1, :, length // 3:] = 1e6
+    again, _ = attention.attention_forward(_Attention(), query, keys, noisy, mask, scaling=dim ** -0.5)
+    assert torch.equal(again, got)
+
+
+def test_attention_with_several_queries_is_sdpa_itself():
+    torch.manual_seed(2)
+    query, keys, values = torch.randn(2, 8, 6, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16)
+    mask = torch.zeros(2, 1, 6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    want, _ = sdpa_attention_forward(_Attention(), query, keys, values, mask, scaling=0.25)
+    got, _ = attention.attention_forward(_Attention(), query, keys, values, mask, scaling=0.25)
+    assert torch.equal(got, want)
