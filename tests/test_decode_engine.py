@@ -236,3 +236,48 @@ def test_the_cpu_engine_runs_packed_linears_and_says_so(engines):
     layers = engine.adapter.text_config.num_hidden_layers
     assert len(packed) >= 7 * layers  # q, k, v, o, gate, up, down in every layer
     assert engine.stats()["linear_weights"] == f"{len(packed)} linear layers packed for oneDNN"
+
+
+def test_a_prefill_beside_a_decode_takes_every_thread_once_the_decode_is_done(engines, cases, monkeypatch):
+    """While a decode runs on the engine thread, the prefill thread is on half the threads (two forwards
+    asking for every core would put more OpenMP threads than cores on the machine); once the round's
+    decode is done, its next group runs on all of them, not on half until the round ends."""
+    engine = engines(8, num_threads=2)
+    seen, decoding, decoded = [], threading.Event(), threading.Event()
+    prefill, decode = engine.runner.prefill, engine.runner.decode
+
+    def prefill_recording_threads(seqs, sampled, batch):
+        beside = decoding.wait(timeout=1.0)  # the round's decode starts just after this prefill was handed over
+        seen.append((beside, torch.get_num_threads()))
+        if beside:
+            decoded.wait(timeout=10)  # let the decode finish before the next group
+        return prefill(seqs, sampled, batch)
+
+    def decode_flagged(*args):
+        decoded.clear()
+        decoding.set()
+        try:
+            return decode(*args)
+        finally:
+            decoding.clear()
+            decoded.set()
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill_recording_threads)
+    monkeypatch.setattr(engine.runner, "decode", decode_flagged)
+    long_ = [int(t) for t in torch.arange(200) % 50 + 30]  # a group of its own beside cases[1]
+
+    async def late_joiners():
+        first = asyncio.ensure_future(engine.generate_output("threads-a", cases[0][0], cases[0][1],
+                                                             SamplingParams(max_tokens=64, ignore_eos=True)))
+        while engine.stats()["decode_steps"] == 0:
+            await asyncio.sleep(0.002)
+        joined = await asyncio.gather(
+            engine.generate_output("threads-b", cases[1][0], cases[1][1], SamplingParams(max_tokens=4)),
+            engine.generate_output("threads-c", long_, [], SamplingParams(max_tokens=4)))
+        return await first, joined
+
+    _, (joined, _) = run(late_joiners())
+    assert joined.token_ids == cases[1][2][:4]
+    assert seen[0] == (False, 2)  # the first request's prefill: nothing decoding, every thread
+    assert seen[1] == (True, 1)  # the joining round's first group, beside the decode
+    assert seen[2][1] == 2  # its second group, after the decode

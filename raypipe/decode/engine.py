@@ -16,7 +16,8 @@ Prefill and decode overlap because, on a CPU, each is a stream of GEMMs that can
 its own; run one after the other, a round took prefill + decode time and profiling showed prefill
 at ~40% of the engine's time. While both run, the engine's torch threads are split between them:
 two forwards each asking for every core put twice as many OpenMP threads as cores on the machine,
-and every parallel op then waits at its barrier for a descheduled thread. They write disjoint rows
+and every parallel op then waits at its barrier for a descheduled thread (once the decode is done,
+the prefill takes every thread from its next group on). They write disjoint rows
 and blocks (a prefill may read cached prefix blocks, which nobody writes) and join at the round
 boundary, so rows are only moved and blocks only taken or given back while nothing runs. Joining
 requests enter the decode batch one round later; their outputs do not change.
@@ -137,6 +138,7 @@ class LLMEngine:
         self._capacity = self.config.max_num_seqs + self.config.max_num_waiting
         self._outbox: list[tuple[Sequence, RequestDelta]] = []  # delivered once rows are freed
         self._stopping = False
+        self._overlapping = False  # a decode runs beside the prefill thread (`_cores_split`)
         self._prefill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raypipe-prefill")
         self._thread = threading.Thread(target=self._loop, name="raypipe-decode", daemon=True)
         self._thread.start()
@@ -389,6 +391,7 @@ class LLMEngine:
             try:
                 self._decode(running)
             finally:
+                self._overlapping = False  # the prefill's next group takes every thread
                 first = prefill.result() if prefill is not None else []  # never leave a prefill running
         self._prefilled(groups, first)
         self._release_finished()
@@ -414,10 +417,12 @@ class LLMEngine:
         split = (overlapping and self.device.type == "cpu" and self.num_threads > 1
                  and self.runner.static_step is None)
         if split:
-            torch.set_num_threads(self.num_threads // 2)
+            torch.set_num_threads(self.num_threads // 2)  # this (the engine) thread's forwards
+        self._overlapping = split  # the prefill thread sets its own count per group (`_prefill`)
         try:
             yield
         finally:
+            self._overlapping = False
             if split:
                 torch.set_num_threads(self.num_threads)
 
@@ -427,6 +432,10 @@ class LLMEngine:
         nothing: its newest output token is already the next input."""
         out, start = [], time.perf_counter()
         for group in groups:
+            if self.device.type == "cpu" and self.runner.static_step is None:
+                # This thread's share: half while a decode runs beside it, all once that decode is done (a
+                # short decode beside a long prefill left it on half the cores for the rest of the round).
+                torch.set_num_threads(self.num_threads // 2 if self._overlapping else self.num_threads)
             sampled = [s for s in group if not s.output_ids and s.num_computed + s.chunk_len == s.prompt_len]
             if not sampled:
                 self.runner.prefill(group, [], None)

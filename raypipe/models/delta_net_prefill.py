@@ -10,9 +10,10 @@ itself (`update_conv_state` sees them all), and the delta rule returns the recur
 (`delta_rule.py`), given back with the final one (`update_recurrent_state(..., captured=...)`).
 Attention and MLP layers are untouched, so they run once over the whole chunk.
 
-Everything else is transformers' layer as it is (its projections, causal conv, gated norm; the
-decode step and any cache that does not ask for captures go to its own `forward`), so the module's
-weights and shapes are its own (a tensor-parallel rank's head slice too).
+Everything else is transformers' layer as it is (its projections, causal conv, gated norm; a cache
+that does not ask for captures goes to its own `forward`), so the module's weights and shapes are its
+own (a tensor-parallel rank's head slice too). The engine's decode step goes to
+`delta_net_decode.py`, which updates the rows in place.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from raypipe.models import delta_net_decode
 from raypipe.models.delta_rule import chunked_gated_delta_rule
 
 
 def install(model: torch.nn.Module) -> None:
-    """Route the prefill of every gated-delta-net layer of `model` through `prefill_forward`."""
+    """Route the prefill of every gated-delta-net layer of `model` through `prefill_forward`, and the engine's
+    decode step through `delta_net_decode.decode_forward`."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
 
@@ -37,10 +40,13 @@ def install(model: torch.nn.Module) -> None:
 
 def _forward(net, transformers_forward, hidden_states: torch.Tensor, cache_params=None, attention_mask=None,
              **kwargs) -> torch.Tensor:
-    offsets = getattr(cache_params, "state_capture_offsets", lambda: None)()
-    if offsets is None:  # decode, or a cache that takes no captures
-        return transformers_forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-    return prefill_forward(net, hidden_states, cache_params, attention_mask, offsets)
+    engine_cache = hasattr(cache_params, "state_capture_offsets")
+    offsets = cache_params.state_capture_offsets() if engine_cache else None
+    if offsets is not None:
+        return prefill_forward(net, hidden_states, cache_params, attention_mask, offsets)
+    if engine_cache and hidden_states.shape[1] == 1:  # the engine's decode step: its rows updated in place
+        return delta_net_decode.decode_forward(net, hidden_states, cache_params)
+    return transformers_forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
 
 
 def prefill_forward(net, hidden_states: torch.Tensor, cache, attention_mask: torch.Tensor | None,
