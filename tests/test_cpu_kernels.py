@@ -26,8 +26,10 @@ class _Subclassed(torch.nn.Linear):
     pass
 
 
-@pytest.mark.skipif(packed_linear.unsupported(torch.device("cpu"), torch.float32) is not None,
-                    reason="oneDNN cannot pack fp32 weights here")
+CPU_FP32 = packed_linear.compute_dtype(torch.device("cpu"), torch.float32)[0]
+
+
+@pytest.mark.skipif(CPU_FP32 is None, reason="oneDNN cannot pack fp32 weights here")
 def test_packed_linears_compute_what_the_plain_ones_did_and_skip_tied_and_other_layers():
     torch.manual_seed(0)
     model = _Layer()
@@ -35,7 +37,7 @@ def test_packed_linears_compute_what_the_plain_ones_did_and_skip_tied_and_other_
     x = torch.randn(3, 5, 16)
     with torch.inference_mode():
         want = model.down(torch.relu(model.up(x)))
-        assert packed_linear.pack_linears(model) == 2  # up, down: not the tied head, not the subclass
+        assert packed_linear.pack_linears(model, torch.float32) == 2  # up, down: not the tied head, not the subclass
         assert isinstance(model.up, packed_linear.PackedLinear) and isinstance(model.down, packed_linear.PackedLinear)
         assert type(model.head) is torch.nn.Linear and type(model.other) is _Subclassed
         got = model.down(torch.relu(model.up(x)))
@@ -46,7 +48,25 @@ def test_packed_linears_compute_what_the_plain_ones_did_and_skip_tied_and_other_
 
 
 def test_packing_says_why_not_where_it_cannot():
-    assert "CPU path" in packed_linear.unsupported(torch.device("meta"), torch.float32)
+    assert packed_linear.compute_dtype(torch.device("meta"), torch.float32) == (
+        None, "packed weights are a CPU path (device meta)")
+
+
+@pytest.mark.skipif(CPU_FP32 is None, reason="oneDNN cannot pack fp32 weights here")
+def test_a_bf16_linear_packed_for_fp32_rounds_the_fp32_result_once():
+    """Where oneDNN has no bf16 GEMM, bf16 weights and inputs are computed in fp32 (exact products, fp32
+    sums, as a bf16 GEMM keeps them) and the result is rounded to bf16 once."""
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float()).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = packed_linear.PackedLinear(linear, torch.float32)(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0.02)
+    dtype, how = packed_linear.compute_dtype(torch.device("cpu"), torch.bfloat16)
+    assert dtype in (torch.bfloat16, torch.float32)
+    assert how == "packed in torch.bfloat16" or how.startswith("packed and computed in torch.float32: oneDNN cannot")
 
 
 class _Attention(torch.nn.Module):

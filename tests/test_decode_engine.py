@@ -235,7 +235,7 @@ def test_the_cpu_engine_runs_packed_linears_and_says_so(engines):
     packed = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
     layers = engine.adapter.text_config.num_hidden_layers
     assert len(packed) >= 7 * layers  # q, k, v, o, gate, up, down in every layer
-    assert engine.stats()["linear_weights"] == f"{len(packed)} linear layers packed for oneDNN"
+    assert engine.stats()["linear_weights"] == f"{len(packed)} linear layers packed in torch.float32 for oneDNN"
 
 
 def test_a_prefill_beside_a_decode_takes_every_thread_once_the_decode_is_done(engines, cases, monkeypatch):

@@ -59,3 +59,21 @@ def test_decode_step_equals_transformers_layer_and_updates_the_rows_in_place(pre
     torch.testing.assert_close(ours.recurrent, theirs.handed_back, rtol=1e-5, atol=1e-5)
     assert ours.handed_back is None and ours.recurrent.data_ptr() == storage  # in place, nothing handed back
     assert not torch.equal(ours.recurrent, recurrent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_conv_in_fp32_gives_transformers_low_precision_conv_exactly(dtype):
+    """The prefill's causal conv runs a bf16 chunk in fp32 (transformers' bf16 `F.conv1d(groups=C)` is a
+    per-channel loop on a CPU) and rounds once: the same values as transformers' own conv."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, causal_conv1d_fn
+
+    from raypipe.models.delta_net_prefill import _causal_conv
+
+    config = language_adapter(preset_checkpoint("tiny-qwen3.5")).text_config
+    torch.manual_seed(4)
+    net = Qwen3_5GatedDeltaNet(config, layer_idx=0).to(dtype).eval()
+    inputs = torch.randn(3, net.conv_dim, 37).to(dtype)
+    with torch.inference_mode():
+        want = causal_conv1d_fn(inputs, net.conv1d.weight.squeeze(1), net.conv1d.bias, activation=net.activation)
+        got = _causal_conv(net, inputs)
+    assert got.dtype == dtype and torch.equal(got, want)

@@ -50,7 +50,8 @@ class EngineConfig:
     # takes milliseconds per bucket), off on CPU (compiling each bucket takes seconds to minutes).
     compiled_decode: bool | None = None
     # CPU, eager steps, one device: the language model's linears keep their weights packed for oneDNN's GEMMs
-    # (raypipe/models/packed_linear.py: ~20% less GEMM time at decode batch sizes; same results up to rounding).
+    # (raypipe/models/packed_linear.py: ~20% less GEMM time at decode batch sizes; same results up to rounding);
+    # a bf16 model on a CPU without a bf16 GEMM computes its linears in fp32 (fp32's weight bytes, 5-8x faster).
     cpu_packed_weights: bool = True
     decode_batch_buckets: tuple[int, ...] | None = None  # None: compiled_step's defaults up to max_num_seqs
     decode_kv_buckets: tuple[int, ...] | None = None  # None: doubling from 256 up to max_model_len

@@ -110,10 +110,10 @@ class ModelRunner:
 
     def use_packed_weights(self) -> str:
         """Pack the language model's linears for oneDNN's CPU kernels (`models/packed_linear.py`); what was done."""
-        reason = packed_linear.unsupported(self.device, self.dtype)
-        if reason is not None:
-            return f"not packed: {reason}"
-        return f"{packed_linear.pack_linears(self.model)} linear layers packed for oneDNN"
+        dtype, how = packed_linear.compute_dtype(self.device, self.dtype)
+        if dtype is None:
+            return f"not packed: {how}"
+        return f"{packed_linear.pack_linears(self.model, dtype)} linear layers {how} for oneDNN"
 
     def use_static_step(self, batch_buckets: tuple[int, ...] | None = None,
                         kv_buckets: tuple[int, ...] | None = None) -> str | None:

@@ -12,8 +12,8 @@ are equal. Results differ from MKL's by float rounding only (another summation o
 
 Only plain `torch.nn.Linear` modules are packed: tensor-parallel shards, quantized stored weights and
 anything else keep their own forward (a LoRA layer's base linear is plain and is packed; its adapter
-matmuls are not). Where oneDNN cannot pack the dtype on this CPU (bf16 needs AVX512 or AVX-NE-CONVERT),
-nothing is packed and the reason is returned.
+matmuls are not). Where oneDNN cannot pack bf16 on this CPU (it needs AVX512 or AVX-NE-CONVERT), a bf16
+model's linears are packed and computed in fp32 (`compute_dtype` says why that is exact enough).
 """
 
 from __future__ import annotations
@@ -22,43 +22,62 @@ import torch
 
 
 class PackedLinear(torch.nn.Module):
-    """`y = x W^T + b` through oneDNN with `W` packed once."""
+    """`y = x W^T + b` through oneDNN with `W` packed once, in `compute_dtype` (inputs cast to it, the
+    output cast back to the input's dtype)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
-        self.bias = linear.bias
+        weight = linear.weight.detach().to(compute_dtype)
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight))
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(compute_dtype),
+                                                                        requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.packed_weight.dtype), self.packed_weight, self.bias,
+                                                 "none", [], "")
+        return out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"compute_dtype={self.packed_weight.dtype}")
 
 
-def unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why weights cannot be packed for `device` / `dtype` here; None if they can."""
+def compute_dtype(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype | None, str]:
+    """The dtype a model in `dtype` gets its linears packed and computed in on `device`, and what that means;
+    None and the reason where nothing is packed.
+
+    A bf16 model on a CPU whose oneDNN has no bf16 GEMM (no AVX512 or AVX-NE-CONVERT: torch then runs a
+    reference bf16 GEMM, 5-8x slower than fp32 at decode and prefill shapes here) is computed in fp32:
+    bf16 inputs and weights are exact in fp32, sums are in fp32 as a bf16 GEMM keeps them, the output is
+    rounded to bf16 once. The packed weights then take fp32's bytes."""
     if torch.device(device).type != "cpu":
-        return f"packed weights are a CPU path (device {torch.device(device).type})"
+        return None, f"packed weights are a CPU path (device {torch.device(device).type})"
     if not torch.backends.mkldnn.is_available():
-        return "this torch has no oneDNN (mkldnn)"
-    try:  # the same op the packing runs, on a tiny weight: oneDNN says itself what this CPU supports
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros((8, 8), dtype=dtype))
-    except RuntimeError as exc:
-        return f"oneDNN cannot pack {dtype} weights on this CPU ({str(exc).splitlines()[0]})"
-    return None
+        return None, "this torch has no oneDNN (mkldnn)"
+    reasons = []
+    for candidate in dict.fromkeys((dtype, torch.float32)):
+        try:  # the op the packing runs, on a tiny weight: oneDNN says itself what this CPU supports
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros((8, 8), dtype=candidate))
+        except RuntimeError as exc:
+            reasons.append(f"oneDNN cannot pack {candidate} weights on this CPU ({str(exc).splitlines()[0]})")
+            continue
+        if candidate == dtype:
+            return candidate, f"packed in {dtype}"
+        return candidate, f"packed and computed in {candidate}: {reasons[-1]}"
+    return None, "; ".join(reasons)
 
 
-def pack_linears(model: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> int:
+def pack_linears(model: torch.nn.Module, dtype: torch.dtype, skip: tuple[torch.nn.Module, ...] = ()) -> int:
     """Replace every plain `nn.Linear` under `model` (except the modules in `skip` and linears that share
-    their weight with another module, a tied lm_head) by a `PackedLinear`; how many were replaced."""
+    their weight with another module, a tied lm_head) by a `PackedLinear` computing in `dtype`; how many
+    were replaced."""
     shared = _shared_weights(model)
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child not in skip and id(child.weight) not in shared:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, dtype))
                 replaced += 1
     return replaced
 
