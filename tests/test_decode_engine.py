@@ -281,3 +281,16 @@ def test_a_prefill_beside_a_decode_takes_every_thread_once_the_decode_is_done(en
     assert seen[0] == (False, 2)  # the first request's prefill: nothing decoding, every thread
     assert seen[1] == (True, 1)  # the joining round's first group, beside the decode
     assert seen[2][1] == 2  # its second group, after the decode
+
+
+def test_a_prefill_group_beside_a_decode_is_cut_into_pieces_of_bounded_tokens():
+    """One big group would keep the prefill on half the threads until the round ends, however soon the
+    decode beside it is done: it runs as forwards of at most `OVERLAP_PIECE_TOKENS` prompt tokens."""
+    from types import SimpleNamespace
+
+    from raypipe.decode.engine import _pieces
+
+    group = [SimpleNamespace(chunk_len=n) for n in (75, 75, 75, 75, 300, 10)]
+    pieces = _pieces(group, 256)
+    assert [[s.chunk_len for s in piece] for piece in pieces] == [[75, 75, 75], [75], [300], [10]]
+    assert [s for piece in pieces for s in piece] == group  # every sequence once, in order

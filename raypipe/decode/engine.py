@@ -71,6 +71,10 @@ from raypipe.models.registry import language_adapter
 from raypipe.runtime.device import pick_device, resolve_dtype
 
 log = logging.getLogger(__name__)
+# A prefill beside a decode runs on half the threads until that decode is done, then on all, from its next
+# forward on: its groups are cut into forwards of at most this many prompt tokens (still large enough for
+# efficient GEMMs), so one big group cannot keep it on half the threads for the whole round.
+OVERLAP_PIECE_TOKENS = 256
 
 
 class LLMEngine:
@@ -387,6 +391,8 @@ class LLMEngine:
             self._release_finished()
             return
         with self._cores_split(bool(groups)):
+            if self._overlapping:  # pieces, so the prefill can take every thread soon after the decode is done
+                groups = [piece for group in groups for piece in _pieces(group, OVERLAP_PIECE_TOKENS)]
             prefill = self._prefill_thread.submit(self._prefill, groups) if groups else None
             try:
                 self._decode(running)
@@ -543,6 +549,17 @@ class LLMEngine:
         with self._cond:
             if self._live.get(seq.request_id) is seq:
                 del self._live[seq.request_id]
+
+
+def _pieces(group: list[Sequence], tokens: int) -> list[list[Sequence]]:
+    """`group` cut into consecutive pieces of at most `tokens` prompt tokens (at least one sequence each)."""
+    pieces: list[list[Sequence]] = []
+    for seq in group:
+        if pieces and sum(s.chunk_len for s in pieces[-1]) + seq.chunk_len <= tokens:
+            pieces[-1].append(seq)
+        else:
+            pieces.append([seq])
+    return pieces
 
 
 async def _resolve(embeds: Seq) -> list:

@@ -5,10 +5,11 @@ weight into the blocked layout its kernel reads on every call. oneDNN (torch's `
 library vLLM's CPU build calls for its linears too) can pack a weight once and keep it packed:
 `PackedLinear` holds only that packed copy (the plain weight is freed, so memory does not grow).
 
-Measured on the `small` preset's eight layers of linears (2 AVX2 cores, fp32, `raypipe bench decode`
-reproduces the engine-level effect): 16.5 ms per decode step's GEMMs at batch 32 against MKL's 20.8,
-9.7 against 12.9 at batch 8, 6.8 against 9.3 at batch 1; prefill shapes (a few hundred rows and up)
-are equal. Results differ from MKL's by float rounding only (another summation order).
+Measured on the shapes of the `small` preset's eight layers of linears (2 AVX2 cores, fp32, one loop
+over all 56, so weights come from memory as in a step): 16.5 ms at batch 32 against MKL's 20.8, 9.7
+against 12.9 at batch 8, 6.8 against 9.3 at batch 1; at a few hundred rows and up the two are even in
+that loop, yet a burst's prefill in the engine took 2.25 s packed against 3.11 s (docs/performance.md,
+"The CPU decode path"). Results differ from MKL's by float rounding only (another summation order).
 
 Only plain `torch.nn.Linear` modules are packed: tensor-parallel shards, quantized stored weights and
 anything else keep their own forward (a LoRA layer's base linear is plain and is packed; its adapter
