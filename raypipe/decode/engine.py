@@ -420,8 +420,7 @@ class LLMEngine:
 
         Not with a compiled decode step: torch.compile guards on the thread count, so every change
         would recompile the step's buckets."""
-        split = (overlapping and self.device.type == "cpu" and self.num_threads > 1
-                 and self.runner.static_step is None)
+        split = overlapping and self._threads_are_ours()
         if split:
             torch.set_num_threads(self.num_threads // 2)  # this (the engine) thread's forwards
         self._overlapping = split  # the prefill thread sets its own count per group (`_prefill`)
@@ -432,13 +431,17 @@ class LLMEngine:
             if split:
                 torch.set_num_threads(self.num_threads)
 
+    def _threads_are_ours(self) -> bool:
+        """Whether the engine sets its forwards' torch thread counts: several CPU threads and eager steps."""
+        return self.device.type == "cpu" and self.num_threads > 1 and self.runner.static_step is None
+
     def _prefill(self, groups: list[list[Sequence]]) -> list[tuple[list[Sequence], list[int], list]]:
         """Per group: the sequences whose prompt it completes, their first token ids and log-probabilities
         (on the prefill thread: it touches only the prefilling sequences). A resumed sequence samples
         nothing: its newest output token is already the next input."""
         out, start = [], time.perf_counter()
         for group in groups:
-            if self.device.type == "cpu" and self.runner.static_step is None:
+            if self._threads_are_ours():
                 # This thread's share: half while a decode runs beside it, all once that decode is done (a
                 # short decode beside a long prefill left it on half the cores for the rest of the round).
                 torch.set_num_threads(self.num_threads // 2 if self._overlapping else self.num_threads)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from raypipe.models.delta_rule import l2_normalize
+
 
 def decode_forward(net, hidden_states: torch.Tensor, cache) -> torch.Tensor:
     """`net`'s output for one token per row `(B, 1, hidden)`; the rows' conv and recurrent states in `cache`
@@ -31,8 +33,8 @@ def decode_forward(net, hidden_states: torch.Tensor, cache) -> torch.Tensor:
     query, key, value = mixed.float().split([net.key_dim, net.key_dim, net.value_dim], -1)
     heads = net.num_v_heads
     repeat = heads // net.num_k_heads  # each key head serves `repeat` consecutive value heads
-    query = _l2norm(query.view(batch, net.num_k_heads, net.head_k_dim)).repeat_interleave(repeat, 1)
-    key = _l2norm(key.view(batch, net.num_k_heads, net.head_k_dim)).repeat_interleave(repeat, 1)
+    query = l2_normalize(query.view(batch, net.num_k_heads, net.head_k_dim)).repeat_interleave(repeat, 1)
+    key = l2_normalize(key.view(batch, net.num_k_heads, net.head_k_dim)).repeat_interleave(repeat, 1)
     query = query / net.head_k_dim ** 0.5
     value = value.view(batch, heads, net.head_v_dim)
     beta = net.in_proj_b(hidden_states).sigmoid().float().view(batch, heads, 1)
@@ -63,7 +65,3 @@ def _conv_step(net, inputs: torch.Tensor, conv_state: torch.Tensor) -> torch.Ten
     if net.conv1d.bias is not None:
         out = out + net.conv1d.bias.float()
     return ACT2FN[net.activation](out.to(inputs.dtype))
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)  # transformers' / FLA's form

@@ -47,8 +47,8 @@ def chunked_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torc
     # Heads first, fp32 throughout (the state is fp32 in every implementation).
     q, k, v = (x.transpose(1, 2).float() for x in (query, key, value))
     g, beta = (x.transpose(1, 2).float() for x in (g, beta))
-    q = _l2_normalize(q) * k_dim ** -0.5
-    k = _l2_normalize(k)
+    q = l2_normalize(q) * k_dim ** -0.5
+    k = l2_normalize(k)
 
     slots, chunk_ends = _segment_layout(length, list(boundaries), chunk_size)
     index = torch.tensor(slots, device=q.device)
@@ -108,6 +108,6 @@ def _laid_out(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, zero], dim=2).index_select(2, index)
 
 
-def _l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     # FLA's definition (what the checkpoints were trained with): x / sqrt(|x|^2 + eps), not F.normalize's max.
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -69,15 +69,14 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype
     return None, "; ".join(reasons)
 
 
-def pack_linears(model: torch.nn.Module, dtype: torch.dtype, skip: tuple[torch.nn.Module, ...] = ()) -> int:
-    """Replace every plain `nn.Linear` under `model` (except the modules in `skip` and linears that share
-    their weight with another module, a tied lm_head) by a `PackedLinear` computing in `dtype`; how many
-    were replaced."""
+def pack_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Replace every plain `nn.Linear` under `model` (except linears that share their weight with another
+    module, a tied lm_head) by a `PackedLinear` computing in `dtype`; how many were replaced."""
     shared = _shared_weights(model)
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and child not in skip and id(child.weight) not in shared:
+            if type(child) is torch.nn.Linear and id(child.weight) not in shared:
                 setattr(parent, name, PackedLinear(child, dtype))
                 replaced += 1
     return replaced
