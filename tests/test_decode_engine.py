@@ -285,12 +285,14 @@ def test_a_prefill_beside_a_decode_takes_every_thread_once_the_decode_is_done(en
 
 def test_a_prefill_group_beside_a_decode_is_cut_into_pieces_of_bounded_tokens():
     """One big group would keep the prefill on half the threads until the round ends, however soon the
-    decode beside it is done: it runs as forwards of at most `OVERLAP_PIECE_TOKENS` prompt tokens."""
+    decode beside it is done: while it runs, a forward takes at most `OVERLAP_PIECE_TOKENS` prompt tokens."""
     from types import SimpleNamespace
 
-    from raypipe.decode.engine import _pieces
+    from raypipe.decode.engine import _first_piece
 
     group = [SimpleNamespace(chunk_len=n) for n in (75, 75, 75, 75, 300, 10)]
-    pieces = _pieces(group, 256)
+    pieces = []
+    while group:
+        pieces.append(_first_piece(group, 256))
+        group = group[len(pieces[-1]):]
     assert [[s.chunk_len for s in piece] for piece in pieces] == [[75, 75, 75], [75], [300], [10]]
-    assert [s for piece in pieces for s in piece] == group  # every sequence once, in order

@@ -72,8 +72,9 @@ from raypipe.runtime.device import pick_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 # A prefill beside a decode runs on half the threads until that decode is done, then on all, from its next
-# forward on: its groups are cut into forwards of at most this many prompt tokens (still large enough for
-# efficient GEMMs), so one big group cannot keep it on half the threads for the whole round.
+# forward on: while the decode runs, its groups are cut into forwards of at most this many prompt tokens
+# (still large enough for efficient GEMMs), so one big group cannot keep it on half the threads for the whole
+# round; once the decode is done, what is left of a group runs as one forward (bigger GEMMs run faster).
 OVERLAP_PIECE_TOKENS = 256
 
 
@@ -386,25 +387,23 @@ class LLMEngine:
             # Nothing decodes: prefill here, group by group, each group's first tokens out as soon as it is
             # done (a burst's first requests answer while later groups still prefill).
             for group in groups:
-                self._prefilled([group], self._prefill([group]))
+                self._prefilled(self._prefill([group]))
                 self._flush(unfinished_only=True)
             self._release_finished()
             return
         with self._cores_split(bool(groups)):
-            if self._overlapping:  # pieces, so the prefill can take every thread soon after the decode is done
-                groups = [piece for group in groups for piece in _pieces(group, OVERLAP_PIECE_TOKENS)]
             prefill = self._prefill_thread.submit(self._prefill, groups) if groups else None
             try:
                 self._decode(running)
             finally:
-                self._overlapping = False  # the prefill's next group takes every thread
+                self._overlapping = False  # the prefill's next forward takes every thread
                 first = prefill.result() if prefill is not None else []  # never leave a prefill running
-        self._prefilled(groups, first)
+        self._prefilled(first)
         self._release_finished()
 
-    def _prefilled(self, groups: list[list[Sequence]], first: list[tuple[list[Sequence], list[int], list]]) -> None:
+    def _prefilled(self, forwards: list[tuple[list[Sequence], list[Sequence], list[int], list]]) -> None:
         """Book prefilled chunks and emit the first tokens `_prefill` sampled for them."""
-        for group, (sampled, tokens, logprobs) in zip(groups, first):
+        for group, sampled, tokens, logprobs in forwards:
             self._counters["prefills"] += 1
             self._counters["prefill_tokens"] += sum(s.chunk_len for s in group)
             for seq in group:
@@ -435,25 +434,32 @@ class LLMEngine:
         """Whether the engine sets its forwards' torch thread counts: several CPU threads and eager steps."""
         return self.device.type == "cpu" and self.num_threads > 1 and self.runner.static_step is None
 
-    def _prefill(self, groups: list[list[Sequence]]) -> list[tuple[list[Sequence], list[int], list]]:
-        """Per group: the sequences whose prompt it completes, their first token ids and log-probabilities
-        (on the prefill thread: it touches only the prefilling sequences). A resumed sequence samples
+    def _prefill(self, groups: list[list[Sequence]]) -> list[tuple[list[Sequence], list[Sequence], list[int], list]]:
+        """Per forward: its sequences, those whose prompt it completes, their first token ids and
+        log-probabilities (on the prefill thread: it touches only the prefilling sequences). A group is one
+        forward, or pieces while a decode runs beside it (`OVERLAP_PIECE_TOKENS`). A resumed sequence samples
         nothing: its newest output token is already the next input."""
         out, start = [], time.perf_counter()
         for group in groups:
-            if self._threads_are_ours():
-                # This thread's share: half while a decode runs beside it, all once that decode is done (a
-                # short decode beside a long prefill left it on half the cores for the rest of the round).
-                torch.set_num_threads(self.num_threads // 2 if self._overlapping else self.num_threads)
-            sampled = [s for s in group if not s.output_ids and s.num_computed + s.chunk_len == s.prompt_len]
-            if not sampled:
-                self.runner.prefill(group, [], None)
-                out.append(([], [], []))
-                continue
-            batch = self._sampling_batch(sampled)
-            out.append((sampled, self.runner.prefill(group, sampled, batch), batch.take_logprobs(sampled)))
+            while group:
+                overlapping = self._overlapping  # read once: the decode may finish meanwhile
+                forward = _first_piece(group, OVERLAP_PIECE_TOKENS) if overlapping else group
+                group = group[len(forward):]
+                if self._threads_are_ours():
+                    # This thread's share: half while a decode runs beside it, all once that decode is done (a
+                    # short decode beside a long prefill left it on half the cores for the rest of the round).
+                    torch.set_num_threads(self.num_threads // 2 if overlapping else self.num_threads)
+                out.append((forward, *self._prefill_forward(forward)))
         self._counters["prefill_seconds"] += time.perf_counter() - start
         return out
+
+    def _prefill_forward(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list]:
+        sampled = [s for s in seqs if not s.output_ids and s.num_computed + s.chunk_len == s.prompt_len]
+        if not sampled:
+            self.runner.prefill(seqs, [], None)
+            return [], [], []
+        batch = self._sampling_batch(sampled)
+        return sampled, self.runner.prefill(seqs, sampled, batch), batch.take_logprobs(sampled)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build(seqs, [self.output.stop_ids(s) for s in seqs], self.runner.vocab_size,
@@ -554,15 +560,14 @@ class LLMEngine:
                 del self._live[seq.request_id]
 
 
-def _pieces(group: list[Sequence], tokens: int) -> list[list[Sequence]]:
-    """`group` cut into consecutive pieces of at most `tokens` prompt tokens (at least one sequence each)."""
-    pieces: list[list[Sequence]] = []
-    for seq in group:
-        if pieces and sum(s.chunk_len for s in pieces[-1]) + seq.chunk_len <= tokens:
-            pieces[-1].append(seq)
-        else:
-            pieces.append([seq])
-    return pieces
+def _first_piece(group: list[Sequence], tokens: int) -> list[Sequence]:
+    """The longest start of `group` with at most `tokens` prompt tokens (at least its first sequence)."""
+    total = 0
+    for n, seq in enumerate(group):
+        total += seq.chunk_len
+        if n and total > tokens:
+            return group[:n]
+    return group
 
 
 async def _resolve(embeds: Seq) -> list:
