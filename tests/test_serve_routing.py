@@ -130,3 +130,67 @@ def test_turns_stay_on_their_replica_with_one_replicas_outputs_and_hit_rate(serv
     assert len(requests) == 2 and min(requests.values()) >= MIN_CONVERSATIONS * TURNS, requests
     assert sum(hits.values()) == sum(r[2] for row in served for r in row)
     assert sum(queries.values()) == sum(r[1] for row in served for r in row)
+
+
+def test_streams_on_a_killed_decoder_replica_finish_on_the_other_with_one_replicas_tokens(server, one_replica):
+    """Issue 43 item 7. Last in the module: it SIGKILLs one of the two Decoder replicas while 10 greedy streams run
+    (Serve restarts it). Every stream finishes whole; its tokens (as `token_id:<id>` logprob entries) and text are
+    the one-replica engine's, and /metrics counts the resumes. Before the resume, the streams on the killed replica
+    ended in a 503 `replica_unavailable` error event."""
+    import os
+    import signal
+
+    from ray import serve
+
+    from raypipe import SamplingParams
+    from raypipe.models.prompt import build_prompt
+    from raypipe.models.registry import vision_adapter
+
+    streams, tokens = 10, 160
+    conversations = [user(f"Stream {s}: count slowly, then tell a story about number {s * 7}.") for s in range(streams)]
+    decoder = serve.get_deployment_handle("Decoder", app_name="raypipe-routing")
+    pids = {decoder.pid.remote().result() for _ in range(20)}
+    assert len(pids) == 2, pids
+    victim = min(pids)
+
+    async def run():
+        started = asyncio.Event()
+        seen = [0] * streams
+
+        async def one(client, s: int):
+            ids, text, finish = [], "", None
+            stream = await client.chat.completions.create(
+                model="tiny", messages=conversations[s], temperature=0, max_tokens=tokens, stream=True, logprobs=True,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    ids += [int(e.token.removeprefix("token_id:")) for e in (choice.logprobs.content or [])] \
+                        if choice.logprobs else []
+                    finish = choice.finish_reason or finish
+                seen[s] = len(ids)
+                if min(seen) >= 8:
+                    started.set()
+            return ids, text, finish
+
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=300) as client:
+            runs = [asyncio.ensure_future(one(client, s)) for s in range(streams)]
+            await asyncio.wait_for(started.wait(), 120)
+            assert max(seen) < tokens, "the streams must still run when the replica dies"
+            os.kill(victim, signal.SIGKILL)
+            return await asyncio.gather(*runs)
+
+    served = asyncio.run(run())
+    vision = vision_adapter(one_replica.adapter.checkpoint)
+    prompts = [build_prompt(messages, one_replica.tokenizer, vision) for messages in conversations]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    async def reference():
+        return await asyncio.gather(*(one_replica.generate_output(f"kill-ref-{s}", prompt.without_pixels(), [], params)
+                                      for s, prompt in enumerate(prompts)))
+
+    for (ids, text, finish), expected in zip(served, asyncio.run(reference())):
+        assert finish == "length" and ids == expected.token_ids and text == expected.text
+    metrics = httpx.get(f"{server}/metrics", timeout=30).text
+    resumed = float(re.search(r"^raypipe_resumed_choices_total ([0-9.e+]+)$", metrics, re.M).group(1))
+    assert 1 <= resumed <= streams, resumed

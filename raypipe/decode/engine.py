@@ -59,6 +59,7 @@ from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
 from raypipe.decode.prefix_hash import chain_root, placeholder_runs
 from raypipe.decode.request import check_request, visual_rows
+from raypipe.decode.resume import Resume, resume_sequence
 from raypipe.decode.sampler import SamplingBatch
 from raypipe.decode.scheduler import Scheduler
 from raypipe.decode.sequence import RequestDelta, RequestOutput, Sequence
@@ -159,10 +160,11 @@ class LLMEngine:
 
     async def generate(self, request_id: str, prompt: PreparedPrompt | list[int], visual_embeds: Seq = (),
                        params: SamplingParams | None = None, lora: str | None = None, *,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+                       cache_salt: str | None = None, resume: Resume | None = None) -> AsyncIterator[RequestDelta]:
         """Deltas for one request, served with LoRA adapter `lora` (None: the base model); `cache_salt` keeps its
-        prefix-cache blocks apart from those of requests with another salt or none. Leaving the iteration early
-        (or cancelling) aborts it."""
+        prefix-cache blocks apart from those of requests with another salt or none; `resume` continues a request
+        another engine ran until it died (resume.py): deltas then carry only what follows its output. Leaving
+        the iteration early (or cancelling) aborts it."""
         params = params if params is not None else SamplingParams()
         ids, layouts = check_request(prompt, params, language_adapter=self.adapter,
                                      max_model_len=self.config.max_model_len)
@@ -186,6 +188,8 @@ class LLMEngine:
         matcher = await asyncio.to_thread(self.grammars.matcher, params.structured) if params.structured else None
         seq = Sequence(request_id, ids, positions, rope_delta, embeds, params, deliver, generator, matcher,
                        placeholder_runs=runs, prefix_root=chain_root(lora, cache_salt), lora_slot=lora_slot)
+        if resume is not None:
+            resume_sequence(seq, resume, self.output, self.runner.vocab_size)
         self._submit(seq)
         done = False
         try:

@@ -18,6 +18,7 @@ still be the start of a stop string is held back until the next round or the end
 from __future__ import annotations
 
 from raypipe.decode.sequence import RequestDelta, Sequence, TokenLogprob
+from raypipe.errors import InvalidInput
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -64,6 +65,17 @@ class OutputProcessor:
         accepted = seq.output_ids[before:]
         return RequestDelta(seq.request_id, accepted, self._emit(seq), seq.finish_reason,
                             logprobs[: len(accepted)] if logprobs is not None else None, seq.num_cached_tokens or 0)
+
+    def restore(self, seq: Sequence, ids: list[int], sent_chars: int) -> None:
+        """`seq` as after accepting `ids` with `sent_chars` characters of their text sent (a resume, resume.py):
+        detokenized token by token as `append` does with stop strings, all of it already searched for them."""
+        for token in ids:
+            seq.output_ids.append(token)
+            self._detokenize(seq)
+        if not 0 <= sent_chars <= len(seq.text):
+            raise InvalidInput(f"the resumed output's text has {len(seq.text)} complete characters, not {sent_chars}",
+                               item="resume", code="invalid_value")
+        seq.checked_chars, seq.emitted_chars = len(seq.text), sent_chars
 
     def finish(self, seq: Sequence, reason: str) -> RequestDelta:
         """Final delta for a sequence ended from outside (abort): flush held-back text."""

@@ -22,6 +22,7 @@ from ray import serve
 
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
+from raypipe.decode.resume import Resume
 from raypipe.errors import CapacityError, InvalidInput
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.prompt import PreparedPrompt
@@ -51,13 +52,16 @@ class Decoder:
             return self.engine
 
     async def generate(self, request_id: str, prompt: PreparedPrompt, visual_embeds: list, params: SamplingParams,
-                       lora: str | None = None, cache_salt: str | None = None, prefix_hashes: tuple[bytes, ...] = ()):
+                       lora: str | None = None, cache_salt: str | None = None, prefix_hashes: tuple[bytes, ...] = (),
+                       resume: Resume | None = None):
         # When the caller goes away Serve cancels this generator; the engine's generate() then
-        # aborts the request, which frees its KV-cache row at the next round boundary.
+        # aborts the request, which frees its KV-cache row at the next round boundary. `resume`: the
+        # request's output so far, from a replica that died (raypipe/serve/resume.py).
         replica = self.replica
         engine = await self._live_engine()
         try:
-            async for delta in engine.generate(request_id, prompt, visual_embeds, params, lora, cache_salt=cache_salt):
+            async for delta in engine.generate(request_id, prompt, visual_embeds, params, lora, cache_salt=cache_salt,
+                                               resume=resume):
                 delta.replica, replica = replica, None
                 yield delta
         except (InvalidInput, CapacityError) as refused:

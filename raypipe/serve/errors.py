@@ -26,6 +26,17 @@ _STATUS_BY_CODE = {"invalid_api_key": 401, "model_not_found": 404, "request_too_
 _UNAVAILABLE = (RayActorError, ActorDiedError, ActorUnavailableError, BackPressureError, DeploymentUnavailableError)
 
 
+def replica_lost(exc: BaseException) -> bool:
+    """Whether `exc` says the replica running a call died or cannot be reached (not what the call raised)."""
+    return isinstance(_cause(exc), (RayActorError, ActorUnavailableError))  # ActorDiedError is a RayActorError
+
+
+def _cause(exc: BaseException) -> BaseException:
+    while isinstance(exc, RayTaskError) and getattr(exc, "cause", None) is not None:
+        exc = exc.cause  # raised in another deployment: the original, not its traceback dump
+    return exc
+
+
 class ApiError(Exception):
     """An error with its HTTP status decided; `code` also labels the error metric."""
 
@@ -37,8 +48,7 @@ class ApiError(Exception):
     def from_exception(cls, exc: BaseException) -> "ApiError":
         if isinstance(exc, ApiError):
             return exc
-        while isinstance(exc, RayTaskError) and getattr(exc, "cause", None) is not None:
-            exc = exc.cause  # raised in another deployment: use the original, not its traceback dump
+        exc = _cause(exc)
         if isinstance(exc, InvalidInput):
             # Sampling fields are top-level request fields in the HTTP API.
             param = exc.item.removeprefix("sampling_params.") if exc.item else None

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import hmac
 import importlib.metadata
+import itertools
 import json
 import os
 import time
@@ -48,6 +49,7 @@ from raypipe.serve.openai.schemas import (
     TokenizeCompletionRequest,
 )
 from raypipe.serve.prefix_router import HASHES_KWARG
+from raypipe.serve.resume import ResumableStream
 from raypipe.serve.streaming import CompletionStream
 
 app = FastAPI(title="raypipe", redoc_url=None)
@@ -175,15 +177,22 @@ class Ingress:
 
     def _generate(self, request_id: str, prompt, visual_refs: list, params: SamplingParams, n: int | None,
                   key: dict, lora: str | None, cache_salt: str | None) -> list:
-        """One decoder stream per choice: n independent sequences (the prefix cache shares the prompt's blocks
+        """One decoder stream per choice, resumed elsewhere if its replica dies (`serve.resume`): n independent sequences (the prefix cache shares the prompt's blocks
         once they are cached; choices admitted in the same round each compute it); choice i of a seeded request samples with seed + i, so it
         equals a request of its own with that seed."""
         n = n or 1
-        return [self.decoder.options(stream=True).generate.remote(
-            request_id if n == 1 else f"{request_id}-{i}", prompt, visual_refs,
-            params if params.seed is None else dataclasses.replace(params, seed=params.seed + i), lora, cache_salt,
-            **key)
-            for i in range(n)]
+
+        def choice(i: int) -> ResumableStream:
+            choice_id = request_id if n == 1 else f"{request_id}-{i}"
+            choice_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            attempts = itertools.count()
+            return ResumableStream(
+                lambda resume: self.decoder.options(stream=True).generate.remote(
+                    choice_id if resume is None else f"{choice_id}-resume{next(attempts)}", prompt, visual_refs,
+                    choice_params, lora, cache_salt, **key, resume=resume),
+                self.metrics.resumed_choices.inc)
+
+        return [choice(i) for i in range(n)]
 
     async def _respond(self, endpoint: str, stream: CompletionStream, streaming: bool) -> Response:
         if streaming:

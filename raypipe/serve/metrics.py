@@ -39,6 +39,8 @@ class ServeMetrics:
                                  buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("raypipe_prompt_tokens", "Prompt tokens (image tokens included)", registry=r)
         self.generation_tokens = Counter("raypipe_generation_tokens", "Generated tokens", registry=r)
+        self.resumed_choices = Counter("raypipe_resumed_choices", "Choices resumed on another Decoder replica after "
+                                       "theirs died (each attempt)", registry=r)
         per_replica = ["replica"]
         self.decoder_requests = Counter("raypipe_decoder_requests", "Requests (choices) each Decoder replica ran",
                                         per_replica, registry=r)
