@@ -283,3 +283,116 @@ def test_model_field_names_a_lora_adapter(server, adapter):
     assert cards == {MODEL: None, ADAPTER: MODEL} and server.models.retrieve(ADAPTER).model_extra["parent"] == MODEL
     with pytest.raises(openai.NotFoundError, match="'red'"):
         server.chat.completions.create(model="red", messages=messages, max_tokens=1)
+
+
+# --- issue 43 item 4: OpenAI's Responses API (`client.responses`) ------------------------------------------------
+
+def _responses_input(messages: list[dict]) -> list[dict]:
+    """The chat messages of `expected` as Responses input items (input_text / input_image parts)."""
+    return [{"role": m["role"], "content": [
+        {"type": "input_text", "text": p["text"]} if p["type"] == "text"
+        else {"type": "input_image", "image_url": p["image_url"]["url"]} for p in m["content"]]} for m in messages]
+
+
+def _split(response) -> tuple[str | None, str | None]:
+    reasoning = [i.content[0].text for i in response.output if i.type == "reasoning"]
+    return (reasoning[0] if reasoning else None), (response.output_text or None)
+
+
+def test_a_response_holds_transformers_answer_as_reasoning_and_message_items(server, expected):
+    """Text and images in, greedy: the reasoning item and the output text are transformers' answer split by the qwen3
+    rule; streamed, the events rebuild the same items and end with the same response."""
+    messages, texts = expected
+    fields = dict(model=MODEL, input=_responses_input(messages), max_output_tokens=MAX_TOKENS, temperature=0)
+    response = server.responses.create(**fields)
+    assert _split(response) == vllm_qwen3(texts[True], True)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    chat = server.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert response.usage.output_tokens == MAX_TOKENS and response.usage.input_tokens == chat.usage.prompt_tokens
+    events = list(server.responses.create(**fields, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.incomplete"
+    final = events[-1].response
+    assert _split(final) == _split(response)
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (reasoning, text) == _split(response)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.model_dump(exclude={"id"}) for i in done] == [i.model_dump(exclude={"id"}) for i in response.output]
+
+
+def test_previous_response_id_continues_the_stored_conversation(server):
+    """Turn 2 by `previous_response_id` is the chat request with turn 1's messages and answer (its reasoning
+    included): same output; `store: false` leaves nothing to continue, and an unknown id is a 404 naming it."""
+    first = server.responses.create(model=MODEL, input="Name a color.", instructions="Be brief.", max_output_tokens=8,
+                                    temperature=0)
+    second = server.responses.create(model=MODEL, input="And another?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    reasoning, content = _split(first)
+    chat = server.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "Name a color."},  # instructions are not carried over (OpenAI's rule)
+        {"role": "assistant", "content": content, "reasoning_content": reasoning},
+        {"role": "user", "content": "And another?"}])
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert _split(second) == (chat.choices[0].message.model_extra.get("reasoning_content"),
+                              chat.choices[0].message.content)
+    assert second.previous_response_id == first.id
+    unstored = server.responses.create(model=MODEL, input="Hi.", max_output_tokens=2, store=False)
+    for missing in (unstored.id, "resp_does_not_exist"):
+        with pytest.raises(openai.NotFoundError) as refused:
+            server.responses.create(model=MODEL, input="Again.", previous_response_id=missing, max_output_tokens=2)
+        assert refused.value.body["param"] == "previous_response_id" and missing in refused.value.body["message"]
+
+
+def test_a_function_call_round_trip(server):
+    """A forced call comes back as a function_call item; its output sent as a function_call_output item continues
+    the conversation exactly as the chat request with the tool turn does."""
+    tool = {"type": "function", "name": "paint", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}
+    called = server.responses.create(model=MODEL, input="Paint.", tools=[tool], max_output_tokens=96, temperature=0,
+                                     tool_choice={"type": "function", "name": "paint"})
+    [call] = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "paint" and set(json.loads(call.arguments)) == {"n"} and called.status == "completed"
+    answered = server.responses.create(model=MODEL, previous_response_id=called.id, tools=[tool], max_output_tokens=8,
+                                       temperature=0, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                              "output": "painted"}])
+    chat_tool = {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+    reasoning, _ = _split(called)
+    chat = server.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[chat_tool], messages=[
+        {"role": "user", "content": "Paint."},
+        {"role": "assistant", "content": None, "reasoning_content": reasoning, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "paint", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "painted"}])
+    assert answered.usage.input_tokens == chat.usage.prompt_tokens
+    assert _split(answered) == (chat.choices[0].message.model_extra.get("reasoning_content"),
+                                chat.choices[0].message.content)
+    # The SDK's other loop: the output items sent back as input instead of previous_response_id.
+    resent = server.responses.create(model=MODEL, tools=[tool], max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "Paint."}, *[item.model_dump(exclude_none=True) for item in called.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": "painted"}])
+    assert _split(resent) == _split(answered)
+
+
+def test_a_json_schema_text_format_applies_to_the_answer(server, expected):
+    messages, texts = expected
+    response = server.responses.create(model=MODEL, input=_responses_input(messages), max_output_tokens=64,
+                                       temperature=0, text={"format": {"type": "json_schema", "name": "answer",
+                                                                       "schema": SCHEMA}})
+    reasoning, content = _split(response)
+    assert reasoning == vllm_qwen3(texts[True], True)[0] and set(json.loads(content)) == {"color"}
+
+
+def test_what_responses_cannot_honour_is_refused_by_name(server):
+    cases = [({"tools": [{"type": "web_search"}]}, "tools[0].type"), ({"background": True}, "background"),
+             ({"truncation": "auto"}, "truncation"), ({"temprature": 0.5}, "temprature"),
+             ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+             ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
+             ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0]"),
+             ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type")]
+    for fields, param in cases:
+        body = {"input": "hi", "max_output_tokens": 2, **fields}
+        with pytest.raises(openai.BadRequestError) as refused:
+            server.responses.create(model=MODEL, extra_body=body)
+        assert refused.value.body["param"] == param, refused.value.body

@@ -17,6 +17,7 @@ import typing
 
 MARKER = "<!-- request-fields -->"
 BODIES = {"POST /v1/chat/completions": "ChatCompletionRequest", "POST /v1/completions": "CompletionRequest",
+          "POST /v1/responses": "responses.ResponsesRequest",
           "POST /tokenize (a text prompt)": "TokenizeCompletionRequest", "POST /detokenize": "DetokenizeRequest"}
 
 
@@ -27,11 +28,12 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 def render() -> str:
-    from raypipe.serve.openai import schemas
+    from raypipe.serve.openai import responses, schemas
 
     sections = []
     for route, name in BODIES.items():
-        model = getattr(schemas, name)
+        module, _, name = name.rpartition(".")
+        model = getattr(responses if module == "responses" else schemas, name)
         rows = ["| field | type | bounds | notes |", "|---|---|---|---|"]
         rows += [f"| `{path}` | {_type(field.annotation)} | {_bounds(field)} | {_escape(note)} |"
                  for path, field, note in request_fields(model)]
@@ -97,6 +99,8 @@ def _field_comments(model) -> dict[str, str]:
 def _type(annotation) -> str:
     text = re.sub(r"\b[\w.]+\.(\w+)", r"\1", str(annotation).replace("typing.", ""))
     text = re.sub(r"Annotated\[(.*?), FieldInfo\(.*?\)\]", r"\1", text)  # discriminated unions: the union
+    text = re.sub(r"Annotated\[(\w+), Tag\(tag='[^']*'\)\]", r"\1", text)  # ... tagged by a function: the members
+    text = re.sub(r"Annotated\[Union\[(.*?)\], Discriminator\(.*?\)\]", lambda m: m[1].replace(", ", " | "), text)
     text = text.replace("NoneType", "null").replace("<class '", "").replace("'>", "")
     return _escape(text)
 

@@ -1,4 +1,4 @@
-"""The Serve application: `Ingress` composed with `EncoderGroup` and `Decoder` through handles.
+"""The Serve application: `Ingress` composed with `EncoderGroup`, `Decoder` and `ResponseStore` through handles.
 
 `build_app` is a Serve application builder, so the same graph starts from the CLI
 (`raypipe serve`), from `serve run deployments/config.yaml` (its `args:` are `AppArgs`), or from
@@ -22,8 +22,10 @@ from raypipe.serve.decoder import Decoder
 from raypipe.serve.encoder_group import EncoderGroup
 from raypipe.serve.ingress import Ingress
 from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
+from raypipe.serve.limits import ServeLimits
 from raypipe.serve.prefix_affinity import PrefixRouting
 from raypipe.serve.prefix_router import ROUTER_CLASS
+from raypipe.serve.response_store import ResponseStore
 
 IMPORT_PATH = "raypipe.serve.app:build_app"
 MODEL = defaults(ModelConfig)  # the model and encoder fields' defaults: written in ModelConfig only
@@ -72,7 +74,7 @@ def build_app(args: AppArgs | dict | None = None) -> Application:
 
 
 def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Application:
-    """The three deployments bound into one application; `options` per deployment name (autoscaling, ...).
+    """The four deployments bound into one application; `options` per deployment name (autoscaling, ...).
 
     A Decoder whose engine spans `tensor_parallel_size` devices also gets a placement group of that
     many bundles (one GPU each where its replicas take `num_gpus`), derived here from the engine args
@@ -92,7 +94,9 @@ def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Applicatio
     gpus = decoder_opts.get("ray_actor_options", {}).get("num_gpus", 0)
     group = placement_options(engine.tensor_parallel_size, gpus)
     decoder = Decoder.options(**decoder_opts, **group).bind(model=args.model, engine=args.engine)
-    return deployment(Ingress).bind(encoder, decoder, model=args.model, served_model_name=args.served_model_name,
+    limits = ServeLimits(**args.limits)
+    store = deployment(ResponseStore).bind(limits.max_stored_responses, limits.max_stored_response_bytes)
+    return deployment(Ingress).bind(encoder, decoder, store, model=args.model, served_model_name=args.served_model_name,
                                     api_key=args.api_key, limits=args.limits, resize_images=args.resize_images,
                                     video_pruning_rate=args.video_pruning_rate,
                                     prefix_key_blocks=routing.max_key_blocks if routed else 0,

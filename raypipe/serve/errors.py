@@ -19,7 +19,8 @@ from raypipe.errors import CapacityError, InvalidInput
 from raypipe.serve.error_body import REPLICA_UNAVAILABLE, REPLICA_UNAVAILABLE_MESSAGE, error_body
 
 # InvalidInput codes that are not a plain 400.
-_STATUS_BY_CODE = {"invalid_api_key": 401, "model_not_found": 404, "request_too_large": 413}
+_STATUS_BY_CODE = {"invalid_api_key": 401, "model_not_found": 404, "previous_response_not_found": 404,
+                   "request_too_large": 413}
 
 
 # A process serving the request went away (Serve restarts it): the same request may succeed on retry.

@@ -41,6 +41,7 @@ from raypipe.serve.openai.bodies import completion_id, model_card, models_body
 from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai.openapi import install_schemas, request_body
 from raypipe.serve.openai.parsing import parse_request
+from raypipe.serve.openai.responses import ResponsesRequest, chat_request, input_messages
 from raypipe.serve.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,16 +50,18 @@ from raypipe.serve.openai.schemas import (
     TokenizeCompletionRequest,
 )
 from raypipe.serve.prefix_router import HASHES_KWARG
+from raypipe.serve.response_stream import ResponseTurn, new_id
 from raypipe.serve.resume import ResumableStream
 from raypipe.serve.streaming import CompletionStream
 
 app = FastAPI(title="raypipe", redoc_url=None)
 install_handlers(app)
-install_schemas(app, [ChatCompletionRequest, CompletionRequest, TokenizeChatRequest, TokenizeCompletionRequest,
-                      DetokenizeRequest])
+install_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeChatRequest,
+                      TokenizeCompletionRequest, DetokenizeRequest])
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 
 
 def response_id(request, engine_id: str) -> str:
@@ -86,12 +89,12 @@ def _tokenize_model(body: bytes):
 @serve.ingress(app)
 class Ingress:
     # No defaults for what `AppArgs` carries: `raypipe.serve.app.compose` always passes them.
-    def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, *, model: str,
+    def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, store: DeploymentHandle, *, model: str,
                  served_model_name: str | None, api_key: str | None, limits: dict, resize_images: bool,
                  video_pruning_rate: float, prefix_key_blocks: int, block_size: int, lora_names: tuple[str, ...],
                  health_timeout_s: float = 5.0):
         checkpoint = resolve_model(model)
-        self.encoder, self.decoder = encoder, decoder
+        self.encoder, self.decoder, self.store = encoder, decoder, store  # store: /v1/responses conversations
         self.model_names = {served_model_name or str(model), str(model)}
         self.served_model_name = served_model_name or str(model)
         self.lora_names = lora_names  # the engine's LoRA adapters: a request's `model` may name one
@@ -123,26 +126,71 @@ class Ingress:
         try:
             self._authorize(request)
             chat = parse_request(await self._read_body(request), ChatCompletionRequest)
-            lora = self._check_model(chat.model)
-            template_kwargs = chat.template_kwargs(bool(self.family.reasoning))
-            thinking = self.family.thinks(template_kwargs)
-            prompt, params = await self._prepare(chat, template_kwargs)
-            params = dataclasses.replace(params, structured=reasoning.constrain_answer(params.structured, thinking))
-            visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
-            request_id = completion_id()
-            # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
-            deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n,
-                                    self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts, lora,
-                                                     chat.cache_salt), lora, chat.cache_salt)
-            stream = CompletionStream("chat", response_id(chat, request_id), lora or self.served_model_name,
-                                      self.fingerprint, deltas, prompt.num_prompt_tokens, arrival, chat.include_usage,
-                                      self._logprob_token_text(chat), chat.tool_names(), thinking,
-                                      chat.legacy_functions, continuous_usage=chat.continuous_usage)
-            await stream.start()
-            stream.record_routes(self.metrics)
+            stream = await self._chat_stream(chat, arrival)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return self._error(CHAT, exc)
         return await self._respond(CHAT, stream, bool(chat.stream))
+
+    @app.post(RESPONSES, openapi_extra=request_body(ResponsesRequest))
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API over the chat path (`openai/responses.py`, `response_stream.py`); a stored
+        response's conversation continues with `previous_response_id` (`response_store.py`)."""
+        arrival = time.monotonic()
+        try:
+            self._authorize(request)
+            asked = parse_request(await self._read_body(request), ResponsesRequest)
+            history = await self._stored_conversation(asked.previous_response_id)
+            chat = chat_request(asked, history)
+            stream = await self._chat_stream(chat, arrival)
+        except Exception as exc:  # noqa: BLE001
+            return self._error(RESPONSES, exc)
+        conversation = history + input_messages(asked)
+        turn = ResponseTurn(asked, new_id("resp"), stream.model, stream,
+                            lambda answer: self._store(turn.id, asked, conversation + [answer]))
+        if asked.stream:
+            return StreamingResponse(turn.sse(self.metrics, RESPONSES), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            body = await turn.collect()
+        except Exception as exc:  # noqa: BLE001
+            return self._error(RESPONSES, exc)
+        stream.record(self.metrics, RESPONSES)
+        return JSONResponse(body)
+
+    async def _chat_stream(self, chat: ChatCompletionRequest, arrival: float) -> CompletionStream:
+        """A checked chat request's decoder streams, started (its first deltas in: a failure so far is a 4xx)."""
+        lora = self._check_model(chat.model)
+        template_kwargs = chat.template_kwargs(bool(self.family.reasoning))
+        thinking = self.family.thinks(template_kwargs)
+        prompt, params = await self._prepare(chat, template_kwargs)
+        params = dataclasses.replace(params, structured=reasoning.constrain_answer(params.structured, thinking))
+        visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
+        request_id = completion_id()
+        # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
+        deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n,
+                                self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts, lora,
+                                                 chat.cache_salt), lora, chat.cache_salt)
+        stream = CompletionStream("chat", response_id(chat, request_id), lora or self.served_model_name,
+                                  self.fingerprint, deltas, prompt.num_prompt_tokens, arrival, chat.include_usage,
+                                  self._logprob_token_text(chat), chat.tool_names(), thinking,
+                                  chat.legacy_functions, continuous_usage=chat.continuous_usage)
+        await stream.start()
+        stream.record_routes(self.metrics)
+        return stream
+
+    async def _stored_conversation(self, response_id: str | None) -> list[dict]:
+        if response_id is None:
+            return []
+        conversation = await self.store.get.remote(response_id)
+        if conversation is None:
+            raise InvalidInput(f"Previous response with id {response_id!r} not found (never stored, stored with "
+                               "store: false, or no longer kept)", item="previous_response_id",
+                               code="previous_response_not_found")
+        return json.loads(conversation)
+
+    def _store(self, response_id: str, asked: ResponsesRequest, conversation: list[dict]) -> None:
+        if asked.stored:  # sent without waiting: the response does not wait for the store
+            self.store.put.remote(response_id, json.dumps(conversation))
 
     @app.post(COMPLETIONS, openapi_extra=request_body(CompletionRequest))
     async def completions(self, request: Request) -> Response:

@@ -28,10 +28,13 @@ class ServeLimits:
     max_video_frames: int = 768  # frames kept after sampling, per video (transformers' Qwen2-VL max_frames)
     allowed_url_prefixes: tuple[str, ...] = ()  # http(s)/file image and video URLs are refused unless listed here
     default_max_tokens: int = 512  # when the request sets none (capped by the context left)
+    max_stored_responses: int = 1024  # /v1/responses conversations kept for previous_response_id (LRU)
+    max_stored_response_bytes: int = 256 * 1024 * 1024  # their JSON in all (images travel as data: URLs)
 
     def __post_init__(self):
         if min(self.max_body_bytes, self.max_images_per_request, self.max_image_pixels, self.default_max_tokens,
-               self.max_video_duration_s, self.max_video_source_pixels, self.max_video_frames) <= 0:
+               self.max_video_duration_s, self.max_video_source_pixels, self.max_video_frames,
+               self.max_stored_responses, self.max_stored_response_bytes) <= 0:
             raise ValueError(f"limits must be positive: {self}")
 
     @property

@@ -82,13 +82,13 @@ class CompletionStream:
         try:
             firsts = await asyncio.gather(*(_next_delta(choice.deltas) for choice in self.choices))
         except BaseException:
-            self._cancel_unfinished()
+            self.cancel_unfinished()
             raise
         for choice, first in zip(self.choices, firsts):
             choice.first = first
         self.first_token_at = time.monotonic()
 
-    def _cancel_unfinished(self) -> None:
+    def cancel_unfinished(self) -> None:
         for choice in self.choices:
             if choice.finish_reason is None:
                 choice.deltas.cancel()  # stop the decoder's generator: it aborts the engine request
@@ -127,7 +127,7 @@ class CompletionStream:
         try:
             choices = await asyncio.gather(*(self._collect(choice) for choice in self.choices))
         finally:
-            self._cancel_unfinished()
+            self.cancel_unfinished()
         return completion_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, choices,
                                self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
@@ -158,7 +158,7 @@ class CompletionStream:
         metrics.record_success(endpoint, self.arrival, self.first_token_at, time.monotonic(), self.prompt_tokens,
                                self.completion_tokens)
 
-    async def _choice_chunks(self, choice: _Choice) -> AsyncIterator[tuple[int, dict, str | None, list | None]]:
+    async def choice_chunks(self, choice: _Choice) -> AsyncIterator[tuple[int, dict, str | None, list | None]]:
         """(choice index, delta, finish reason, logprob entries) per chunk of `choice`."""
         key = "content" if self.kind == "chat" else "text"
         if self.kind == "chat":
@@ -212,8 +212,8 @@ class CompletionStream:
                                     usage_value=usage_value))
 
         # One choice is read directly: interleaving costs a task per chunk.
-        pieces = (self._choice_chunks(self.choices[0]) if len(self.choices) == 1
-                  else _interleave([self._choice_chunks(choice) for choice in self.choices]))
+        pieces = (self.choice_chunks(self.choices[0]) if len(self.choices) == 1
+                  else _interleave([self.choice_chunks(choice) for choice in self.choices]))
         try:
             async for index, delta, finish, entries in pieces:
                 so_far = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens) \
@@ -233,7 +233,7 @@ class CompletionStream:
             yield "data: [DONE]\n\n"
         finally:
             await pieces.aclose()
-            self._cancel_unfinished()
+            self.cancel_unfinished()
 
 
 async def _next_delta(deltas):

@@ -33,6 +33,17 @@ def parse_request(body: bytes, model: type[BaseModel] = ChatCompletionRequest) -
     return request
 
 
+def validate_chat(data: dict) -> ChatCompletionRequest:
+    """A chat request the server wrote from another API's request (`responses`), validated and checked as if it
+    had been sent to /v1/chat/completions."""
+    try:
+        request = ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid_input(exc.errors(include_url=False)) from None
+    check_supported(request)
+    return request
+
+
 def _validate_deep(body: bytes, model: type[Common]) -> Common:
     """A body nested deeper than pydantic's JSON reader goes (~200 levels, e.g. a deep JSON schema), read
     by the standard library's instead (to Python's recursion limit); deeper still is refused with its own code."""
