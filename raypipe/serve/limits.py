@@ -28,10 +28,12 @@ class ServeLimits:
     max_video_frames: int = 768  # frames kept after sampling, per video (transformers' Qwen2-VL max_frames)
     allowed_url_prefixes: tuple[str, ...] = ()  # http(s)/file image and video URLs are refused unless listed here
     default_max_tokens: int = 512  # when the request sets none (capped by the context left)
+    max_prompts_per_request: int = 32  # a completions request's list of prompts (each one a request of its own)
 
     def __post_init__(self):
         if min(self.max_body_bytes, self.max_images_per_request, self.max_image_pixels, self.default_max_tokens,
-               self.max_video_duration_s, self.max_video_source_pixels, self.max_video_frames) <= 0:
+               self.max_video_duration_s, self.max_video_source_pixels, self.max_video_frames,
+               self.max_prompts_per_request) <= 0:
             raise ValueError(f"limits must be positive: {self}")
 
     @property
@@ -51,6 +53,11 @@ class ServeLimits:
         if count > limit:
             raise InvalidInput(f"{count} {kind}s in one request; the limit is {limit}", item="messages",
                                code=f"too_many_{kind}s")
+
+    def check_prompt_count(self, count: int) -> None:
+        if count > self.max_prompts_per_request:
+            raise InvalidInput(f"{count} prompts in one request; the limit is {self.max_prompts_per_request}",
+                               item="prompt", code="too_many_prompts")
 
     def max_tokens_for(self, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
         """The request's max_tokens, checked against the context left after its prompt."""
