@@ -1053,6 +1053,23 @@ def test_chat_echo_begins_with_the_message_it_continues(client):
         client.chat.completions.create(**asked).choices[0].message.content  # the reply continues no message
 
 
+def test_n_fan_out_fits_one_decoder_replica(client, http):
+    """n choices (per prompt) are that many decoder calls: more than one Decoder replica takes at once is a 400
+    naming n, not a queue of "replica at capacity" retries; exactly that many is served."""
+    from raypipe.serve.app import deployment_options
+    from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
+
+    capacity = deployment_options(load_serve_config(SERVE_CONFIG))["Decoder"]["max_ongoing_requests"]
+    for endpoint, body in (("/v1/chat/completions", _chat(n=capacity + 1)),
+                           ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": capacity // 2 + 1})):
+        response = http.post(endpoint, json=body)
+        error = response.json()["error"]
+        assert response.status_code == 400 and (error["param"], error["code"]) == ("n", "too_many_choices"), endpoint
+        assert str(capacity) in error["message"] and "max_ongoing_requests" in error["message"]
+    full = client.chat.completions.create(model="tiny", messages=user("hi"), n=capacity, max_tokens=1)
+    assert [c.index for c in full.choices] == list(range(capacity))
+
+
 def test_tokenize_counts_what_a_chat_request_costs_and_detokenize_inverts_it(client, http, server, tiny_ckpt):
     """vLLM's `/tokenize`: chat messages with an image give the prompt ids a chat request sends (its
     `usage.prompt_tokens`), the template options are transformers' own, a text prompt gives completions'

@@ -89,12 +89,13 @@ class Ingress:
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, *, model: str,
                  served_model_name: str | None, api_key: str | None, limits: dict, resize_images: bool,
                  video_pruning_rate: float, prefix_key_blocks: int, block_size: int, lora_names: tuple[str, ...],
-                 health_timeout_s: float = 5.0):
+                 decoder_capacity: int, health_timeout_s: float = 5.0):
         checkpoint = resolve_model(model)
         self.encoder, self.decoder = encoder, decoder
         self.model_names = {served_model_name or str(model), str(model)}
         self.served_model_name = served_model_name or str(model)
         self.lora_names = lora_names  # the engine's LoRA adapters: a request's `model` may name one
+        self.decoder_capacity = decoder_capacity  # a Decoder replica's max_ongoing_requests: bounds n's fan-out
         self.api_key = api_key or os.environ.get("RAYPIPE_API_KEY") or None
         self.limits = ServeLimits(**limits)
         self.image_limits = self.limits.image_limits
@@ -125,6 +126,7 @@ class Ingress:
             self._authorize(request)
             chat = parse_request(await self._read_body(request), ChatCompletionRequest)
             lora = self._check_model(chat.model)
+            self.limits.check_fan_out(1, chat.n or 1, self.decoder_capacity)
             template_kwargs = chat.template_kwargs(bool(self.family.reasoning))
             thinking = self.family.thinks(template_kwargs)
             prompt, params = await self._prepare(chat, template_kwargs)
@@ -361,6 +363,7 @@ class Ingress:
         parameters (one `max_tokens` for all: the request's, checked against the longest prompt)."""
         prompts = completion.prompts()
         self.limits.check_prompt_count(len(prompts))
+        self.limits.check_fan_out(len(prompts), completion.n or 1, self.decoder_capacity)
         model_len = await self._model_len()
         keep = truncation_length(completion.truncate_prompt_tokens, model_len)
         kept_prompts, echoes = [], []

@@ -59,6 +59,16 @@ class ServeLimits:
             raise InvalidInput(f"{count} prompts in one request; the limit is {self.max_prompts_per_request}",
                                item="prompt", code="too_many_prompts")
 
+    @staticmethod
+    def check_fan_out(prompts: int, n: int, decoder_capacity: int) -> None:
+        """A request's decoder streams (n per prompt) must fit one Decoder replica's `max_ongoing_requests`: the
+        choices of a prompt share its prefix, so prefix-affinity routing sends them all to one replica, and more
+        than it takes would wait in Serve's router queue (a "replica at capacity" warning per retry)."""
+        if prompts * n > decoder_capacity:
+            asked = f"n={n}" + (f" for each of {prompts} prompts" if prompts > 1 else "")
+            raise InvalidInput(f"{asked} asks for {prompts * n} choices at once; a decoder replica takes at most "
+                               f"{decoder_capacity} (its max_ongoing_requests)", item="n", code="too_many_choices")
+
     def max_tokens_for(self, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
         """The request's max_tokens, checked against the context left after its prompt."""
         room = max_model_len - prompt_tokens
