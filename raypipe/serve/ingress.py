@@ -6,9 +6,9 @@ chat template (text too long for the context is refused before tokenizing) -> li
 group (image embeddings as `ObjectRef`s, never fetched here) -> one decoder stream per choice (`n`)
 -> JSON body or SSE chunks. The first generated delta is awaited before a streaming response
 starts, so failures up to and including prefill still get a proper 4xx. `/v1/completions` is the
-same without images or chat template, for each of its prompts. With prefix-affinity routing on, each decoder call also
-carries the prompt's first block hashes (`prefix_hashes`), which the Decoder's request router reads
-(`prefix_router.py`).
+same without images or chat template, for each of its prompts. With prefix-affinity routing on,
+each decoder call also carries the prompt's first block hashes (`prefix_hashes`), which the
+Decoder's request router reads (`prefix_router.py`).
 """
 
 # No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string.
