@@ -16,6 +16,7 @@ import torch
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
@@ -152,6 +153,38 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_tokens():
     assert got[2][0].top == [] and got[2][0].logprob == pytest.approx(reference[2, tokens[2]].item(), abs=1e-5)
 
 
+def test_bad_words_match_transformers_on_the_output_and_advance_every_step():
+    """vLLM's bad words are transformers' `NoBadWordsLogitsProcessor` applied to the output alone (not the
+    prompt): a one-token word is banned always, a longer word's last token where the output ends with the rest."""
+    logits, prompts, _ = random_case(4, seed=8)
+    outputs = [[], [5, 6], [5, 6, 9], [40, 41]]
+    bans = [[[3], [8, 9]], [[6, 12], [5, 6, 13], [1]], [[5, 6, 14], [9, 15]], [[41, 16], [99, 41, 17]]]
+    params = [SamplingParams(bad_words_token_ids=b) for b in bans]
+    seqs, batch = batch_of(params, outputs, prompts)
+    got = process(logits, batch)
+    for row, words in enumerate(bans):
+        input_ids = torch.tensor([outputs[row] or [0]])  # [0] ends with no word's prefix: nothing but bans of one
+        want = NoBadWordsLogitsProcessor(words)(input_ids, logits[row: row + 1].clone())[0]
+        torch.testing.assert_close(got[row], want, msg=f"row {row}")
+    assert torch.isinf(got[1, 13]) and torch.isinf(got[2, 15]) and torch.isinf(got[3, 16]) and got[3, 17] > -1e9
+    # Row 0 is made to sample 8, after which 9 is banned; its tail advances inside the round.
+    logits[0] = -10.0
+    logits[0, 8], logits[0, 9] = 5.0, 1.0
+    assert sample(logits, batch)[0] == 8
+    logits[0, 8] = -100.0
+    assert torch.isinf(process(logits, batch)[0, 9]) and sample(logits, batch)[0] != 9
+
+
+def test_a_ban_never_leaves_a_row_without_a_token():
+    """Where `allowed_token_ids` leaves only banned tokens, the row keeps them (no argmax over all -inf)."""
+    logits, prompts, outputs = random_case(2, seed=9)
+    params = [SamplingParams(allowed_token_ids=[4, 5], bad_words_token_ids=[[4], [5]]),
+              SamplingParams(allowed_token_ids=[4, 5], bad_words_token_ids=[[4]])]
+    _, batch = batch_of(params, outputs, prompts)
+    tokens = sample(logits, batch).tolist()
+    assert tokens[0] in (4, 5) and tokens[1] == 5
+
+
 def test_tiny_temperature_is_greedy_and_never_nan():
     logits, prompts, outputs = random_case(2, seed=6)
     logits[:, 0] = -1e30  # the token a NaN row used to pick
@@ -164,7 +197,8 @@ def test_tiny_temperature_is_greedy_and_never_nan():
 @pytest.mark.parametrize("field, value", [
     ("min_p", -0.1), ("min_p", 1.5), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
     ("frequency_penalty", -3), ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", [1]),
-    ("min_tokens", -1), ("logprobs", 21), ("logprobs", -1)])
+    ("min_tokens", -1), ("logprobs", 21), ("logprobs", -1), ("bad_words_token_ids", [[]]),
+    ("bad_words_token_ids", [[1] * 33]), ("bad_words_token_ids", [[-1]]), ("bad_words_token_ids", [[1]] * 201)])
 def test_new_fields_refuse_nonsense(field, value):
     with pytest.raises(InvalidInput) as info:
         SamplingParams(**{field: value})
@@ -300,6 +334,34 @@ def test_allowed_token_ids_outside_the_vocabulary_are_refused(engines, cases):
     with pytest.raises(InvalidInput) as info:
         asyncio.run(engines[1].generate_output("allowed-oov", prompt, embeds, params))
     assert info.value.item == "sampling_params.allowed_token_ids"
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_bad_words_equal_generate_with_bad_words_ids(engines, cases, hf_model, k):
+    """A one-token word and a two-token word, each against `generate(bad_words_ids=...)`; the two-token word
+    is the greedy output's tokens 4 and 5, so its ban applies at step 5 (inside a K=8 round)."""
+    engine = engines[k]
+    prompt, embeds = cases[1]
+    plain = ref.hf_generate(hf_model, prompt, embeds, MAX_NEW, -1)
+    assert prompt.prompt_token_ids[-1] != plain[4]  # transformers also matches the prompt's end; vLLM does not
+    for name, words in (("one", [[plain[2]]]), ("two", [[plain[4], plain[5]]])):
+        want = ref.hf_generate(hf_model, prompt, embeds, MAX_NEW, -1, bad_words_ids=words)
+        params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, bad_words_token_ids=words)
+        out = asyncio.run(engine.generate_output(f"bad-{name}-{k}", prompt, embeds, params))
+        assert out.token_ids == want and want != plain, name
+    never = [plain[5], plain[4]]  # a word the greedy output never writes changes nothing
+    assert never not in [plain[i: i + 2] for i in range(len(plain) - 1)]
+    unbanned = asyncio.run(engine.generate_output(f"bad-none-{k}", prompt, embeds, SamplingParams(
+        max_tokens=MAX_NEW, ignore_eos=True, bad_words_token_ids=[never])))
+    assert unbanned.token_ids == plain
+
+
+def test_bad_words_outside_the_vocabulary_are_refused(engines, cases):
+    prompt, embeds = cases[0]
+    with pytest.raises(InvalidInput) as info:
+        asyncio.run(engines[1].generate_output("bad-oov", prompt, embeds,
+                                               SamplingParams(max_tokens=4, bad_words_token_ids=[[3, 10**6]])))
+    assert info.value.item == "sampling_params.bad_words_token_ids"
 
 
 @pytest.mark.parametrize("k", [1, 8])

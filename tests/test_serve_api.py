@@ -30,7 +30,8 @@ from tests.conftest import free_port, random_images  # noqa: F401 - free_port: o
 
 KEY = "test-key"
 MAX_MODEL_LEN = 2048
-LIMITS = {"max_body_bytes": 1024 * 1024, "max_images_per_request": 4, "max_image_pixels": 1_000_000}
+LIMITS = {"max_body_bytes": 1024 * 1024, "max_images_per_request": 4, "max_image_pixels": 1_000_000,
+          "max_prompts_per_request": 4}
 
 
 def png_bytes(array: np.ndarray) -> bytes:
@@ -902,8 +903,171 @@ def test_completions_endpoint_and_model_retrieval(client, pipe, tiny_ckpt):
     assert client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=2, echo=True)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, suffix="y")
+
+
+# --- issue 43: vLLM's prompt fields, bad words, echo, completions' logprobs and lists of prompts ----------------
+
+def test_completions_with_several_prompts_echo_and_logprobs(client, http, pipe, tiny_ckpt):
+    """One choice per prompt and `n` (prompt i's at i*n..i*n+n-1), usage summed, streamed interleaved by index;
+    `echo` prepends the prompt; integer `logprobs` in OpenAI's legacy shape, equal to the pipeline's."""
+    from transformers import AutoTokenizer
+
+    from raypipe import SamplingParams
+    from raypipe.models.prompt import plain_text_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
+    texts = ["Once upon a time", "The cat sat"]
+    ids = [plain_text_ids(tokenizer, text) for text in texts]
+    expected = pipe.generate([{"prompt_token_ids": i, "images": []} for i in ids],
+                             SamplingParams(max_tokens=6, temperature=0.0, logprobs=2))
+    kwargs = dict(model="tiny", max_tokens=6, temperature=0)
+    batch = client.completions.create(prompt=texts, n=2, **kwargs)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [expected[0].text] * 2 + [expected[1].text] * 2
+    assert batch.usage.prompt_tokens == sum(map(len, ids))
+    assert batch.usage.completion_tokens == 2 * sum(len(e.token_ids) for e in expected)
+    assert [c.text for c in client.completions.create(prompt=ids, **kwargs).choices] == [e.text for e in expected]
+    chunks = list(client.completions.create(prompt=texts, n=2, stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
+    streamed = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in batch.choices]
+    assert counts(chunks[-1].usage) == counts(batch.usage)
+
+    echoed = client.completions.create(prompt=texts, echo=True, **kwargs)
+    assert [c.text for c in echoed.choices] == [text + e.text for text, e in zip(texts, expected)]
+    by_ids = client.completions.create(prompt=ids[1], echo=True, **kwargs)  # token ids are echoed as their text
+    assert by_ids.choices[0].text == tokenizer.decode(ids[1]) + expected[1].text
+    first = next(c for c in client.completions.create(prompt=texts[0], echo=True, stream=True, **kwargs) if c.choices)
+    assert first.choices[0].text == texts[0]  # the prompt is the first delta
+
+    choice = client.completions.create(prompt=texts[0], logprobs=2, **kwargs).choices[0]
+    legacy, reference = choice.logprobs, expected[0].logprobs
+    assert "".join(legacy.tokens) == choice.text == expected[0].text
+    assert legacy.token_logprobs == pytest.approx([r.logprob for r in reference], abs=1e-5)
+    for top, ref, token in zip(legacy.top_logprobs, reference, legacy.tokens):
+        assert next(iter(top)) == token and top[token] == max(top.values())  # sampled first; greedy: the best
+        want = {token: ref.logprob}  # keyed by text: ids that decode alike (a lone byte's "\ufffd") share a key
+        want.update({tokenizer.decode([t]): lp for t, lp in ref.top if tokenizer.decode([t]) != token})
+        assert top == pytest.approx(want, abs=1e-5)
+    assert legacy.text_offset == [len("".join(legacy.tokens[:i])) for i in range(len(legacy.tokens))]
+    parts = [c.choices[0].logprobs for c in client.completions.create(prompt=texts[0], logprobs=2, stream=True,
+                                                                        **kwargs) if c.choices and c.choices[0].logprobs]
+    assert [t for part in parts for t in part.tokens] == legacy.tokens
+    assert [o for part in parts for o in part.text_offset] == legacy.text_offset  # offsets run on across chunks
+    only = client.completions.create(prompt=texts[0], logprobs=0, **kwargs).choices[0].logprobs
+    assert [list(top) for top in only.top_logprobs] == [[token] for token in only.tokens]
+
+    refused = {"echo+logprobs": (dict(prompt="x", echo=True, logprobs=1), "logprobs", "unsupported_parameter"),
+               "too many": (dict(prompt=["a"] * 5), "prompt", "too_many_prompts"),
+               "one empty": (dict(prompt=["a", ""]), "prompt", "invalid_value"),
+               "out of vocabulary": (dict(prompt=[[1, 2], [10**7]]), None, None)}
+    for name, (fields, param, code) in refused.items():
+        response = http.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **fields})
+        error = response.json()["error"]
+        assert response.status_code == 400 and (param is None or (error["param"], error["code"]) == (param, code)), name
+    assert "prompt" in http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True,
+                                                          "logprobs": 1}).json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_and_add_special_tokens(client, http, tiny_ckpt):
+    """vLLM's left truncation, against the tokenizer's own ids; a cut into an image's tokens is a 400."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
+    text = "Once upon a time there was"
+    ids = tokenizer.encode(text, add_special_tokens=True)  # completions' default (this tokenizer adds none)
+    for add in (True, False):
+        assert http.post("/tokenize", json={"prompt": text, "add_special_tokens": add}).json()["tokens"] == \
+            tokenizer.encode(text, add_special_tokens=add)
+    kwargs = dict(model="tiny", max_tokens=5, temperature=0)
+    cut = client.completions.create(prompt=text, extra_body={"truncate_prompt_tokens": 4}, **kwargs)
+    tail = client.completions.create(prompt=ids[-4:], **kwargs)
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == tail.choices[0].text
+    assert client.completions.create(prompt=text, extra_body={"truncate_prompt_tokens": -1}, **kwargs
+                                     ).usage.prompt_tokens == len(ids)
+
+    messages = [{"role": "system", "content": "You are terse."}, *user("Say hi.")]
+    full = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert http.post("/tokenize", json={"messages": messages, "truncate_prompt_tokens": 7}).json()["tokens"] == full[-7:]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 7})
+    assert chat.usage.prompt_tokens == 7
+
+    with_image = [{"role": "system", "content": "Be brief."}, *user("Look:", image_url(56, 56, seed=5), "ok")]
+    tokens = http.post("/tokenize", json={"messages": with_image}).json()["tokens"]
+    first_visual = tokens.index(tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    keep = len(tokens) - first_visual + 1  # the image's tokens and the marker that opens them
+    kept = client.chat.completions.create(model="tiny", messages=with_image, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": keep})
+    assert kept.usage.prompt_tokens == keep
+    for value, code in ((keep - 1, "invalid_value"), (MAX_MODEL_LEN + 1, "invalid_value"), (0, "invalid_value"),
+                        (-2, "invalid_value"), ("5", "invalid_type")):
+        response = http.post("/v1/chat/completions", json=_chat(messages=with_image, truncate_prompt_tokens=value))
+        error = response.json()["error"]
+        assert response.status_code == 400 and (error["param"], error["code"]) == ("truncate_prompt_tokens", code), \
+            (value, error)
+    assert "image or video" in http.post("/v1/chat/completions", json=_chat(
+        messages=with_image, truncate_prompt_tokens=keep - 1)).json()["error"]["message"]
+
+
+def test_bad_words_through_the_openai_client(client, http):
+    """A two-token word of the greedy answer is never written, the answer before it unchanged; a word the answer
+    never has changes nothing; hostile lists are 400s naming the word."""
+    messages = user("Pick words.")
+    kwargs = dict(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    text = client.chat.completions.create(extra_body={"ignore_eos": True}, **kwargs).choices[0].message.content
+    at = next(i for i in range(len(text) - 1) if text[i: i + 2].isascii() and text[i: i + 2].isalnum())
+    word = text[at: at + 2]  # byte-level tokenizer: two tokens
+    banned = client.chat.completions.create(extra_body={"ignore_eos": True, "bad_words": [word]},
+                                            **kwargs).choices[0].message.content
+    assert word not in banned and banned[: at + 1] == text[: at + 1]
+    absent = next(w for w in ("qqqq", "zxzx", "jjjjj") if w not in text)
+    same = client.chat.completions.create(extra_body={"ignore_eos": True, "bad_words": [absent, "Pick words."]},
+                                          **kwargs).choices[0].message.content
+    assert same == text  # the prompt itself as a bad word bans nothing of the prompt
+    for words, param in (([""], "bad_words[0]"), (["ok", "  "], "bad_words[1]"), (["a"] * 101, "bad_words"),
+                         ([7], "bad_words[0]"), (["ab " * 40], "bad_words[0]"), ("ab", "bad_words")):
+        response = http.post("/v1/chat/completions", json=_chat(bad_words=words))
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (words, response.text)
+    assert http.post("/v1/chat/completions", json=_chat(max_tokens=1)).status_code == 200  # nothing else harmed
+
+
+def test_chat_echo_begins_with_the_message_it_continues(client):
+    turns = [{"role": "user", "content": "Say a word."}, {"role": "assistant", "content": "The word is"}]
+    kwargs = dict(model="tiny", messages=turns, max_tokens=4, temperature=0)
+    plain = client.chat.completions.create(extra_body={"continue_final_message": True}, **kwargs)
+    echoed = client.chat.completions.create(extra_body={"continue_final_message": True, "echo": True}, **kwargs)
+    assert echoed.choices[0].message.content == "The word is" + plain.choices[0].message.content
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    chunks = list(client.chat.completions.create(stream=True, extra_body={"continue_final_message": True,
+                                                                         "echo": True}, **kwargs))
+    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert contents[0] == "The word is" and "".join(contents) == echoed.choices[0].message.content
+    asked = {"model": "tiny", "messages": user("hi"), "max_tokens": 3, "temperature": 0}
+    assert client.chat.completions.create(extra_body={"echo": True}, **asked).choices[0].message.content == \
+        client.chat.completions.create(**asked).choices[0].message.content  # the reply continues no message
+
+
+def test_n_fan_out_fits_one_decoder_replica(client, http):
+    """n choices (per prompt) are that many decoder calls: more than one Decoder replica takes at once is a 400
+    naming n, not a queue of "replica at capacity" retries; exactly that many is served."""
+    from raypipe.serve.app import deployment_options
+    from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
+
+    capacity = deployment_options(load_serve_config(SERVE_CONFIG))["Decoder"]["max_ongoing_requests"]
+    for endpoint, body in (("/v1/chat/completions", _chat(n=capacity + 1)),
+                           ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": capacity // 2 + 1})):
+        response = http.post(endpoint, json=body)
+        error = response.json()["error"]
+        assert response.status_code == 400 and (error["param"], error["code"]) == ("n", "too_many_choices"), endpoint
+        assert str(capacity) in error["message"] and "max_ongoing_requests" in error["message"]
+    full = client.chat.completions.create(model="tiny", messages=user("hi"), n=capacity, max_tokens=1)
+    assert [c.index for c in full.choices] == list(range(capacity))
 
 
 def test_tokenize_counts_what_a_chat_request_costs_and_detokenize_inverts_it(client, http, server, tiny_ckpt):

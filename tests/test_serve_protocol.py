@@ -95,12 +95,120 @@ def test_tool_choice_decides_parsing_and_constraint():
     assert '"add"' not in named.grammar and '"sub"' in named.grammar and "call)*" not in named.grammar
 
 
-@pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]], ["a", ""], [[1], []]])
 def test_empty_prompts_are_refused(prompt):
     raw = json.dumps({"model": "tiny", "prompt": prompt}).encode()
-    with pytest.raises(InvalidInput) as info:  # a batch of one empty prompt is refused when it is taken out
-        parse_request(raw, CompletionRequest).single_prompt()
+    with pytest.raises(InvalidInput) as info:
+        parse_request(raw, CompletionRequest)
     assert info.value.code == "invalid_value" and info.value.item == "prompt"
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "hi", **fields}).encode()
+
+
+@pytest.mark.parametrize("fields, code, param", [
+    ({"echo": True, "logprobs": 0}, "unsupported_parameter", "logprobs"),  # needs prompt log-probabilities
+    ({"best_of": 2}, "unsupported_parameter", "best_of"),
+    ({"suffix": "x"}, "unsupported_parameter", "suffix"),
+    ({"logprobs": 6}, "invalid_value", "logprobs"),
+    ({"truncate_prompt_tokens": -2}, "invalid_value", "truncate_prompt_tokens"),
+    ({"bad_words": ["a"] * 101}, "invalid_value", "bad_words"),
+    ({"bad_words": [3]}, "invalid_type", "bad_words[0]"),
+    ({"add_special_tokens": "yes"}, "invalid_type", "add_special_tokens"),
+    ({"prompt_logprobs": 1}, "unrecognized_argument", "prompt_logprobs"),
+])
+def test_completion_fields_refused_with_the_reason(fields, code, param):
+    with pytest.raises(InvalidInput) as info:
+        parse_request(completion(**fields), CompletionRequest)
+    assert (info.value.code, info.value.item) == (code, param)
+    if param == "logprobs" and code == "unsupported_parameter":
+        assert "echo" in str(info.value) and "prompt" in str(info.value)
+
+
+def test_prompt_lists_defaults_and_chat_echo_text():
+    assert parse_request(completion(prompt=["a", "b"]), CompletionRequest).prompts() == ["a", "b"]
+    assert parse_request(completion(prompt=[[1, 2], [3]]), CompletionRequest).prompts() == [[1, 2], [3]]
+    assert parse_request(completion(prompt=[1, 2]), CompletionRequest).prompts() == [[1, 2]]
+    # vLLM's defaults: completions add the tokenizer's special tokens, chat does not (its template does)
+    assert parse_request(completion(), CompletionRequest).special_tokens and not parse_request(body()).special_tokens
+    assert sampling_params(parse_request(completion(logprobs=3), CompletionRequest), 4).logprobs == 3
+    turns = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert parse_request(body(messages=turns, echo=True)).echoed_text() == "a\nb"  # text parts, as vLLM joins them
+    assert parse_request(body(messages=turns)).echoed_text() == ""
+    assert parse_request(body(messages=turns[:1], echo=True)).echoed_text() == ""  # the reply continues no message
+
+
+def test_prompt_limits_and_truncation():
+    from raypipe.serve.openai.prompt_tokens import truncate, truncation_length
+
+    with pytest.raises(InvalidInput) as info:
+        ServeLimits(max_prompts_per_request=2).check_prompt_count(3)
+    assert (info.value.code, info.value.item) == ("too_many_prompts", "prompt")
+    assert truncation_length(None, 100) is None and truncation_length(-1, 100) == 100
+    for bad in (0, 101):
+        with pytest.raises(InvalidInput) as info:
+            truncation_length(bad, 100)
+        assert info.value.item == "truncate_prompt_tokens"
+    ids = [1, 2, 3, 9, 9, 9, 4, 5]  # 9: a placeholder run at 3..5, opened by the marker 3
+    assert truncate(ids, 6, {9}) == ids[2:] and truncate(ids, 8, {9}) == ids == truncate(ids, 20, {9})
+    assert truncate(ids, 3) == [9, 4, 5]  # no visual items: any cut
+    for keep in (2, 4, 5):  # into the run, or right at its start (its opening marker would go)
+        with pytest.raises(InvalidInput) as info:
+            truncate(ids, keep, {9})
+        assert info.value.item == "truncate_prompt_tokens" and "image or video" in str(info.value)
+        assert "keep at least 6" in str(info.value)
+
+
+def test_special_tokens_around_the_text_are_the_tokenizers_own(tiny_ckpt):
+    """A tokenizer that adds a BOS and an EOS (Qwen's add none): what `add_special_tokens` puts around a prompt's
+    text ids is what the tokenizer's own `encode(..., add_special_tokens=True)` gives."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from raypipe.models.prompt import plain_text_ids
+    from raypipe.serve.openai.prompt_tokens import special_tokens_around
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
+    assert special_tokens_around(tokenizer) == ([], [])
+    bos, eos = "<|im_start|>", "<|endoftext|>"
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (bos, eos)}
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", special_tokens=list(ids.items()))
+    before, after = special_tokens_around(tokenizer)
+    for text in ("Once upon a time", " spaced", "x"):
+        assert before + plain_text_ids(tokenizer, text) + after == tokenizer.encode(text, add_special_tokens=True)
+    assert (before, after) == ([ids[bos]], [ids[eos]])
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tiny_ckpt):
+    """Each word as it starts a text and, when that gives another first token and as many tokens, after a space.
+    The preset tokenizers are byte-level (a space is a token of its own); "hello" and " hello" are made one
+    token each here, as a BPE vocabulary has them."""
+    from transformers import AutoTokenizer
+
+    from raypipe.models.prompt import max_chars_per_token
+    from raypipe.serve.openai.bad_words import bad_words_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
+    tokenizer.add_tokens(["hello", " hello"])
+    per_token = max_chars_per_token(tokenizer)
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    assert len(encode("hello")) == len(encode(" hello")) == 1 and len(encode(" world")) == len(encode("world")) + 1
+    assert bad_words_token_ids(tokenizer, ["  hello", "world"], per_token) == [
+        encode("hello"), encode(" hello"), encode("world")]  # " world" has one more token: not banned as well
+    assert bad_words_token_ids(tokenizer, None, per_token) is None
+    assert bad_words_token_ids(tokenizer, ["<|im_end|>"], per_token)[0] != [tokenizer.convert_tokens_to_ids(
+        "<|im_end|>")]  # plain text, as prompts are
+    for words, param in ((["ok", ""], "bad_words[1]"), (["   "], "bad_words[0]"), (["ab " * 40], "bad_words[0]"),
+                         (["a" * 10**6], "bad_words[0]")):
+        with pytest.raises(InvalidInput) as info:
+            bad_words_token_ids(tokenizer, words, per_token)
+        assert (info.value.code, info.value.item) == ("invalid_value", param)
 
 def test_max_tokens_against_context():
     limits = ServeLimits(default_max_tokens=100)
@@ -325,7 +433,7 @@ def test_calls_cut_by_max_tokens_keep_the_finished_ones_only():
     texts = [call % 1, "\n", call % 2, "\n", '<tool_call>\n{"name": "add", "argu']
 
     async def run(streaming: bool):
-        stream = CompletionStream("chat", "id", "m", "fp", [_Deltas(texts, "length")], 3, 0.0, False,
+        stream = CompletionStream("chat", "id", "m", "fp", [_Deltas(texts, "length")], [3], 0.0, False,
                                   tool_names={"add"})
         await stream.start()
         if not streaming:

@@ -41,7 +41,8 @@ def check_request(prompt, params, *, language_adapter, max_model_len: int) -> tu
                            "which must leave room for at least one generated token", item="prompt",
                            code="prompt_too_long")
     for field, tokens in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words_token_ids", [t for ids in params.bad_words_token_ids or () for t in ids])):
         for t in tokens:
             if t >= vocab:
                 raise InvalidInput(f"token id {t} is outside the vocabulary (size {vocab})",

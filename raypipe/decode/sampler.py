@@ -6,7 +6,8 @@ device tensors updated in place, so the step loop has no per-row Python. Each st
 
     raw logits -> log-probabilities (when asked; of the raw logits, vLLM's default)
     -> allowed_token_ids mask -> logit_bias -> repetition penalty -> presence/frequency penalties
-    -> grammar mask (constrained rows only, `raypipe.decode.grammar`) -> min_tokens mask
+    -> grammar mask (constrained rows only, `raypipe.decode.grammar`)
+    -> banned sequences (`bad_words`, `raypipe.decode.bad_words`) -> min_tokens mask
     -> greedy rows: argmax | other rows: temperature -> top-k -> top-p -> min-p -> sample
 
 The constraint always wins over `min_tokens`: where the grammar allows nothing but a stop token
@@ -31,6 +32,7 @@ import dataclasses
 
 import torch
 
+from raypipe.decode.bad_words import BadWordRows
 from raypipe.decode.grammar import GrammarRows
 from raypipe.decode.sequence import Sequence, TokenLogprob
 
@@ -59,6 +61,7 @@ class SamplingBatch:
     recorded: list[tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=list)
     grammar: GrammarRows | None = None  # rows with a structured-output constraint; None when no row has one
     allowed: torch.Tensor | None = None  # (B, V) bool, True where a row may sample the id; None when no row limits it
+    bad_words: BadWordRows | None = None  # rows with banned sequences; None when no row has one
 
     @classmethod
     def build(cls, seqs: list[Sequence], stop_ids: list[frozenset[int]], vocab_size: int,
@@ -114,6 +117,7 @@ class SamplingBatch:
                 batch.num_output = torch.tensor([len(s.output_ids) for s in seqs], device=device)
         if any(p.logprobs is not None for p in params):
             batch.logprobs = max(p.logprobs or 0 for p in params)
+        batch.bad_words = BadWordRows.build(seqs, device)
         constrained = [row for row, s in enumerate(seqs) if s.matcher is not None]
         if constrained:
             batch.grammar = GrammarRows(constrained, [seqs[row].matcher for row in constrained], vocab_size, device)
@@ -177,14 +181,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         batch.num_output += 1
     if batch.grammar is not None:
         batch.grammar.advance(tokens, logits)
+    if batch.bad_words is not None:
+        batch.bad_words.advance(tokens)
     return tokens
 
 
 def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The allowed-ids mask, logit bias, penalties, the min_tokens mask and the grammar mask (what greedy rows
-    take the argmax of)."""
+    """The allowed-ids mask, logit bias, penalties, the grammar mask, banned sequences and the min_tokens mask
+    (what greedy rows take the argmax of)."""
     if batch.bias is None and batch.counts is None and batch.min_tokens is None and batch.grammar is None \
-            and batch.allowed is None:
+            and batch.allowed is None and batch.bad_words is None:
         return logits
     logits = logits.clone()
     if batch.allowed is not None:
@@ -201,6 +207,8 @@ def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits - batch.frequency * counts - batch.presence * (counts > 0).to(logits.dtype)
     if batch.grammar is not None:
         logits = batch.grammar.apply(logits)
+    if batch.bad_words is not None:
+        logits = batch.bad_words.apply(logits)
     if batch.min_tokens is not None:
         rows, tokens, minimum = batch.min_tokens
         masked = batch.num_output[rows] < minimum

@@ -16,6 +16,8 @@ MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # entries in logit_bias (OpenAI's limit)
+MAX_BAD_WORDS = 100  # words per request (vLLM's `bad_words`); each is up to two token sequences
+MAX_BAD_WORD_TOKENS = 32  # tokens per banned sequence: every step compares each row's last tokens with it
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy: logits / T would overflow float32
 
 
@@ -40,6 +42,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these ids (vLLM's field); None = all
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output text (vLLM's field)
     include_stop_str_in_output: bool = False  # True: the text ends after the stop string, not before it
+    # Banned token sequences (vLLM's `bad_words`, tokenized): a sequence's last token is masked at a step where
+    # the output so far ends with its other tokens (a one-token sequence: at every step).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         self.max_tokens = _int(self.max_tokens, "max_tokens", minimum=1)
@@ -108,6 +113,8 @@ class SamplingParams:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 _fail("allowed_token_ids", "must be a non-empty list of token ids")
             self.allowed_token_ids = sorted({_int(t, "allowed_token_ids", minimum=0) for t in self.allowed_token_ids})
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = _bad_words(self.bad_words_token_ids) or None
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"must be a boolean, got {type(getattr(self, name)).__name__}")
@@ -115,6 +122,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _bad_words(sequences) -> list[list[int]]:
+    if not isinstance(sequences, (list, tuple)) or len(sequences) > 2 * MAX_BAD_WORDS:
+        _fail("bad_words_token_ids", f"must be a list of at most {2 * MAX_BAD_WORDS} token id lists")
+    out = []
+    for ids in sequences:
+        if not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= MAX_BAD_WORD_TOKENS:
+            _fail("bad_words_token_ids", f"each banned sequence is a list of 1 to {MAX_BAD_WORD_TOKENS} token ids")
+        out.append([_int(t, "bad_words_token_ids", minimum=0) for t in ids])
+    return out
 
 
 def _fail(field: str, message: str):

@@ -93,14 +93,16 @@ def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Applicatio
     decoder_opts = options[Decoder.name]
     gpus = decoder_opts.get("ray_actor_options", {}).get("num_gpus", 0)
     group = placement_options(engine.tensor_parallel_size, gpus)
-    decoder = Decoder.options(**decoder_opts, **group).bind(model=args.model, engine=args.engine)
+    decoder_deployment = Decoder.options(**decoder_opts, **group)
+    decoder = decoder_deployment.bind(model=args.model, engine=args.engine)
     limits = ServeLimits(**args.limits)
     store = deployment(ResponseStore).bind(limits.max_stored_responses, limits.max_stored_response_bytes)
     return deployment(Ingress).bind(encoder, decoder, store, model=args.model, served_model_name=args.served_model_name,
                                     api_key=args.api_key, limits=args.limits, resize_images=args.resize_images,
                                     video_pruning_rate=args.video_pruning_rate,
                                     prefix_key_blocks=routing.max_key_blocks if routed else 0,
-                                    block_size=engine.block_size, lora_names=tuple(engine.lora_modules))
+                                    block_size=engine.block_size, lora_names=tuple(engine.lora_modules),
+                                    decoder_capacity=decoder_deployment.max_ongoing_requests)
 
 
 def decoder_options(options: dict, routing: PrefixRouting) -> dict:

@@ -6,9 +6,9 @@ chat template (text too long for the context is refused before tokenizing) -> li
 group (image embeddings as `ObjectRef`s, never fetched here) -> one decoder stream per choice (`n`)
 -> JSON body or SSE chunks. The first generated delta is awaited before a streaming response
 starts, so failures up to and including prefill still get a proper 4xx. `/v1/completions` is the
-same without images or chat template. With prefix-affinity routing on, each decoder call also
-carries the prompt's first block hashes (`prefix_hashes`), which the Decoder's request router reads
-(`prefix_router.py`).
+same without images or chat template, for each of its prompts. With prefix-affinity routing on,
+each decoder call also carries the prompt's first block hashes (`prefix_hashes`), which the
+Decoder's request router reads (`prefix_router.py`).
 """
 
 # No `from __future__ import annotations` here: FastAPI must see `Request` as a class, not a string.
@@ -37,11 +37,13 @@ from raypipe.models.registry import family_of, language_adapter, resolve_model, 
 from raypipe.serve.errors import ApiError, install_handlers
 from raypipe.serve.limits import ServeLimits
 from raypipe.serve.metrics import ServeMetrics
+from raypipe.serve.openai.bad_words import bad_words_token_ids
 from raypipe.serve.openai.bodies import completion_id, model_card, models_body
 from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai.openapi import install_schemas, request_body
 from raypipe.serve.openai.parsing import parse_request
 from raypipe.serve.openai.responses import ResponsesRequest, chat_request, input_messages
+from raypipe.serve.openai.prompt_tokens import special_tokens_around, truncate, truncation_length
 from raypipe.serve.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -92,18 +94,20 @@ class Ingress:
     def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, store: DeploymentHandle, *, model: str,
                  served_model_name: str | None, api_key: str | None, limits: dict, resize_images: bool,
                  video_pruning_rate: float, prefix_key_blocks: int, block_size: int, lora_names: tuple[str, ...],
-                 health_timeout_s: float = 5.0):
+                 decoder_capacity: int, health_timeout_s: float = 5.0):
         checkpoint = resolve_model(model)
         self.encoder, self.decoder, self.store = encoder, decoder, store  # store: /v1/responses conversations
         self.model_names = {served_model_name or str(model), str(model)}
         self.served_model_name = served_model_name or str(model)
         self.lora_names = lora_names  # the engine's LoRA adapters: a request's `model` may name one
+        self.decoder_capacity = decoder_capacity  # a Decoder replica's max_ongoing_requests: bounds n's fan-out
         self.api_key = api_key or os.environ.get("RAYPIPE_API_KEY") or None
         self.limits = ServeLimits(**limits)
         self.image_limits = self.limits.image_limits
         self.video_options = VideoOptions(self.limits.video_limits, pruning_rate=video_pruning_rate)
         self.language = language_adapter(checkpoint)  # config and tokenizer only: placeholder runs for the keys
         self.tokenizer = self.language.tokenizer
+        self.special_tokens = special_tokens_around(self.tokenizer)  # (before, after) a text: `add_special_tokens`
         self.prefix_key_blocks, self.block_size = prefix_key_blocks, block_size  # 0 blocks: routing off
         self.chars_per_token = max_chars_per_token(self.tokenizer)
         self.vision_adapter = vision_adapter(checkpoint)
@@ -160,6 +164,7 @@ class Ingress:
     async def _chat_stream(self, chat: ChatCompletionRequest, arrival: float) -> CompletionStream:
         """A checked chat request's decoder streams, started (its first deltas in: a failure so far is a 4xx)."""
         lora = self._check_model(chat.model)
+        self.limits.check_fan_out(1, chat.n or 1, self.decoder_capacity)
         template_kwargs = chat.template_kwargs(bool(self.family.reasoning))
         thinking = self.family.thinks(template_kwargs)
         prompt, params = await self._prepare(chat, template_kwargs)
@@ -171,9 +176,10 @@ class Ingress:
                                 self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts, lora,
                                                  chat.cache_salt), lora, chat.cache_salt)
         stream = CompletionStream("chat", response_id(chat, request_id), lora or self.served_model_name,
-                                  self.fingerprint, deltas, prompt.num_prompt_tokens, arrival, chat.include_usage,
+                                  self.fingerprint, deltas, [prompt.num_prompt_tokens], arrival, chat.include_usage,
                                   self._logprob_token_text(chat), chat.tool_names(), thinking,
-                                  chat.legacy_functions, continuous_usage=chat.continuous_usage)
+                                  chat.legacy_functions, continuous_usage=chat.continuous_usage,
+                                  echo=[chat.echoed_text()])
         await stream.start()
         stream.record_routes(self.metrics)
         return stream
@@ -199,13 +205,16 @@ class Ingress:
             self._authorize(request)
             completion = parse_request(await self._read_body(request), CompletionRequest)
             lora = self._check_model(completion.model)
-            prompt, params = await self._prepare_completion(completion)
+            prompts, echoes, params = await self._prepare_completion(completion)
             request_id = completion_id("cmpl")
-            deltas = self._generate(request_id, prompt, [], params, completion.n,
-                                    self._prefix_key(prompt, [], lora, completion.cache_salt), lora, completion.cache_salt)
+            salt = completion.cache_salt
+            deltas = [stream for p, prompt in enumerate(prompts) for stream in self._generate(
+                request_id if len(prompts) == 1 else f"{request_id}-{p}", prompt, [], params, completion.n,
+                self._prefix_key(prompt, [], lora, salt), lora, salt)]
             stream = CompletionStream("text", response_id(completion, request_id), lora or self.served_model_name,
-                                      self.fingerprint, deltas, len(prompt), arrival, completion.include_usage,
-                                      continuous_usage=completion.continuous_usage)
+                                      self.fingerprint, deltas, [len(prompt) for prompt in prompts], arrival,
+                                      completion.include_usage, self._logprob_token_text(completion),
+                                      continuous_usage=completion.continuous_usage, echo=echoes)
             await stream.start()
             stream.record_routes(self.metrics)
         except Exception as exc:  # noqa: BLE001
@@ -293,7 +302,7 @@ class Ingress:
                 ids = (await self._build_prompt(asked, asked.template_kwargs(bool(self.family.reasoning)))
                        ).prompt_token_ids
             else:
-                ids = await self._text_ids(asked.prompt)
+                ids = await self._text_ids(asked.prompt, asked.special_tokens)
             strs = self.tokenizer.convert_ids_to_tokens(list(ids)) if asked.return_token_strs else None
             body = {"count": len(ids), "max_model_len": await self._model_len(), "tokens": list(ids),
                     "token_strs": strs}
@@ -387,32 +396,56 @@ class Ingress:
         prompt = await self._build_prompt(chat, template_kwargs)
         model_len = await self._model_len()
         max_tokens = self.limits.max_tokens_for(chat.requested_max_tokens, prompt.num_prompt_tokens, model_len)
-        return prompt, sampling_params(chat, max_tokens)
+        return prompt, sampling_params(chat, max_tokens, self._bad_words(chat))
 
     async def _build_prompt(self, chat: ChatCompletionRequest, template_kwargs: dict | None):
         self.limits.check_visual_count("image", len(chat.image_urls()))
         self.limits.check_visual_count("video", len(chat.video_urls()))
         model_len = await self._model_len()
         # Image/video decoding and the chat template are CPU work: keep the event loop serving other requests.
-        return await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
+        prompt = await asyncio.to_thread(build_prompt, chat.messages_for_template(), self.tokenizer,
                                          self.vision_adapter, self.image_limits, video=self._video_options(chat),
                                          max_text_chars=model_len * self.chars_per_token,
                                          max_video_tokens=model_len, resize_images=self.resize_images,
                                          tools=chat.template_tools(), tile_every_image=chat.tile_every_image(),
                                          chat_template_kwargs=template_kwargs, template=chat.template_options())
+        ids = truncate(self._with_special_tokens(prompt.prompt_token_ids, chat.special_tokens),
+                       truncation_length(chat.truncate_prompt_tokens, model_len),
+                       self.language.placeholder_token_ids.values())
+        return dataclasses.replace(prompt, prompt_token_ids=ids)
 
-    async def _prepare_completion(self, completion: CompletionRequest) -> tuple[list[int], SamplingParams]:
-        prompt = completion.single_prompt()
+    async def _prepare_completion(self, completion: CompletionRequest
+                                  ) -> tuple[list[list[int]], list[str] | None, SamplingParams]:
+        """Each prompt's token ids, with `echo` the text each choice of it begins with, and the sampling
+        parameters (one `max_tokens` for all: the request's, checked against the longest prompt)."""
+        prompts = completion.prompts()
+        self.limits.check_prompt_count(len(prompts))
+        self.limits.check_fan_out(len(prompts), completion.n or 1, self.decoder_capacity)
         model_len = await self._model_len()
-        if isinstance(prompt, str):
-            prompt = await self._text_ids(prompt)
-        max_tokens = self.limits.max_tokens_for(completion.requested_max_tokens, len(prompt), model_len)
-        return list(prompt), sampling_params(completion, max_tokens)
+        keep = truncation_length(completion.truncate_prompt_tokens, model_len)
+        kept_prompts, echoes = [], []
+        for prompt in prompts:
+            ids = await self._text_ids(prompt, completion.special_tokens) if isinstance(prompt, str) else list(prompt)
+            kept = truncate(ids, keep)
+            kept_prompts.append(kept)
+            if completion.echo:  # vLLM echoes a text prompt as sent, token ids (or what truncation kept) as text
+                echoes.append(prompt if isinstance(prompt, str) and len(kept) == len(ids)
+                              else self.tokenizer.decode(kept))
+        max_tokens = self.limits.max_tokens_for(completion.requested_max_tokens, max(map(len, kept_prompts)),
+                                                model_len)
+        return kept_prompts, echoes or None, sampling_params(completion, max_tokens, self._bad_words(completion))
 
-    async def _text_ids(self, text: str) -> list[int]:
+    async def _text_ids(self, text: str, special_tokens: bool) -> list[int]:
         """A plain-text prompt's ids (text hopelessly long for the context refused before tokenizing it)."""
         check_text_chars(len(text), await self._model_len() * self.chars_per_token)
-        return await asyncio.to_thread(plain_text_ids, self.tokenizer, text)
+        return self._with_special_tokens(await asyncio.to_thread(plain_text_ids, self.tokenizer, text), special_tokens)
+
+    def _with_special_tokens(self, ids: list[int], add: bool) -> list[int]:
+        before, after = self.special_tokens
+        return before + list(ids) + after if add else list(ids)
+
+    def _bad_words(self, request) -> list[list[int]] | None:
+        return bad_words_token_ids(self.tokenizer, request.bad_words, self.chars_per_token)
 
     def _video_options(self, chat: ChatCompletionRequest) -> VideoOptions:
         """The deployment's video options with the request's `mm_processor_kwargs` over them."""

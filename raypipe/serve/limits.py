@@ -30,11 +30,13 @@ class ServeLimits:
     default_max_tokens: int = 512  # when the request sets none (capped by the context left)
     max_stored_responses: int = 1024  # /v1/responses conversations kept for previous_response_id (LRU)
     max_stored_response_bytes: int = 256 * 1024 * 1024  # their JSON in all (images travel as data: URLs)
+    max_prompts_per_request: int = 32  # a completions request's list of prompts (each one a request of its own)
 
     def __post_init__(self):
         if min(self.max_body_bytes, self.max_images_per_request, self.max_image_pixels, self.default_max_tokens,
                self.max_video_duration_s, self.max_video_source_pixels, self.max_video_frames,
-               self.max_stored_responses, self.max_stored_response_bytes) <= 0:
+               self.max_stored_responses, self.max_stored_response_bytes,
+               self.max_prompts_per_request) <= 0:
             raise ValueError(f"limits must be positive: {self}")
 
     @property
@@ -54,6 +56,21 @@ class ServeLimits:
         if count > limit:
             raise InvalidInput(f"{count} {kind}s in one request; the limit is {limit}", item="messages",
                                code=f"too_many_{kind}s")
+
+    def check_prompt_count(self, count: int) -> None:
+        if count > self.max_prompts_per_request:
+            raise InvalidInput(f"{count} prompts in one request; the limit is {self.max_prompts_per_request}",
+                               item="prompt", code="too_many_prompts")
+
+    @staticmethod
+    def check_fan_out(prompts: int, n: int, decoder_capacity: int) -> None:
+        """A request's decoder streams (n per prompt) must fit one Decoder replica's `max_ongoing_requests`: the
+        choices of a prompt share its prefix, so prefix-affinity routing sends them all to one replica, and more
+        than it takes would wait in Serve's router queue (a "replica at capacity" warning per retry)."""
+        if prompts * n > decoder_capacity:
+            asked = f"n={n}" + (f" for each of {prompts} prompts" if prompts > 1 else "")
+            raise InvalidInput(f"{asked} asks for {prompts * n} choices at once; a decoder replica takes at most "
+                               f"{decoder_capacity} (its max_ongoing_requests)", item="n", code="too_many_choices")
 
     def max_tokens_for(self, requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
         """The request's max_tokens, checked against the context left after its prompt."""

@@ -1,5 +1,10 @@
 """One request's streams of decoder deltas (one per choice), turned into an OpenAI response body or SSE chunks.
 
+A completions request with several prompts has n choices per prompt, prompt i's at indices i*n to
+i*n+n-1 (OpenAI's and vLLM's order); its usage counts every prompt once. With `echo`, a choice's text
+begins with its prompt (completions) or with the assistant message it continues (chat), sent as the
+choice's first content delta when streamed.
+
 SSE order per choice (as OpenAI sends it): for chat a first chunk with the assistant role, one
 chunk per non-empty text delta (or per delta with logprobs), a chunk with `finish_reason` and an
 empty delta; with n > 1 the choices' chunks interleave as they come, each with its `index`. Then,
@@ -40,29 +45,52 @@ def openai_finish_reason(reason: str) -> str:
 class _Choice:
     """One choice's decoder deltas, with its own token count and finish reason."""
 
-    def __init__(self, index: int, deltas):
+    def __init__(self, index: int, deltas, prompt_tokens: int, echo: str):
         self.index, self.deltas = index, deltas
+        self.prompt_tokens, self.echo = prompt_tokens, echo  # echo: the text its content begins with
         self.completion_tokens = 0
         self.cached_tokens = 0  # of the prompt, taken from the prefix cache (every delta says it)
         self.finish_reason: str | None = None
         self.first = None
+        self.text_offset = 0  # completions' legacy logprobs: where the next token's text starts
+
+    def echoed(self, text: str | None) -> str | None:
+        return self.echo + (text or "") if self.echo else text
+
+    def legacy_logprobs(self, entries: list[dict]) -> dict:
+        """OpenAI's completions logprobs object for `entries` (chat-shaped entries of this choice's next tokens):
+        each token's top candidates as token -> logprob, the sampled token first (vLLM's order)."""
+        offsets = []
+        for entry in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(entry["token"])
+        return {"tokens": [entry["token"] for entry in entries],
+                "token_logprobs": [entry["logprob"] for entry in entries],
+                "top_logprobs": [{entry["token"]: entry["logprob"],
+                                  **{top["token"]: top["logprob"] for top in entry["top_logprobs"]
+                                     if top["token"] != entry["token"]}} for entry in entries],
+                "text_offset": offsets}
 
 
 class CompletionStream:
-    """`kind` is "chat" or "text" (see `openai.bodies`); `deltas` one decoder stream per choice;
+    """`kind` is "chat" or "text" (see `openai.bodies`); `deltas` one decoder stream per choice, n per prompt;
+    `prompt_tokens` each prompt's token count; `echo` (per prompt) the text its choices begin with;
     `token_text(id)` renders logprob tokens; `tool_names` (chat) the functions whose calls are parsed;
     `thinking` (chat) whether answers start inside a thinking block (`models.reasoning`); `legacy_functions`
     (chat) whether the tools came as `functions`, so a call is answered as a `function_call`; `continuous_usage`
     (with `include_usage`) whether every chunk carries the usage so far rather than null."""
 
-    def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas: list, prompt_tokens: int,
-                 arrival: float, include_usage: bool, token_text=None, tool_names: set[str] | None = None,
-                 thinking: bool = False, legacy_functions: bool = False, continuous_usage: bool = False):
+    def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, deltas: list,
+                 prompt_tokens: list[int], arrival: float, include_usage: bool, token_text=None,
+                 tool_names: set[str] | None = None, thinking: bool = False, legacy_functions: bool = False,
+                 continuous_usage: bool = False, echo: list[str] | None = None):
         self.kind, self.request_id, self.model, self.fingerprint = kind, request_id, model, fingerprint
-        self.choices = [_Choice(index, stream) for index, stream in enumerate(deltas)]
+        self.n = len(deltas) // len(prompt_tokens)  # choices per prompt
+        self.choices = [_Choice(index, stream, prompt_tokens[index // self.n], echo[index // self.n] if echo else "")
+                        for index, stream in enumerate(deltas)]
         self.token_text, self.tool_names, self.thinking = token_text, tool_names, thinking and kind == "chat"
         self.legacy_functions = legacy_functions
-        self.prompt_tokens, self.arrival, self.include_usage = prompt_tokens, arrival, include_usage
+        self.prompt_tokens, self.arrival, self.include_usage = sum(prompt_tokens), arrival, include_usage
         self.continuous_usage = continuous_usage  # vLLM's continuous_usage_stats: every chunk's usage, so far
         self.created = int(time.time())
         self.first_token_at: float | None = None
@@ -73,9 +101,10 @@ class CompletionStream:
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache. The prompt is counted once in usage, and with n > 1
-        each choice's sequence looked it up on its own: the tokens every one of them took from the cache."""
-        return min(choice.cached_tokens for choice in self.choices)
+        """Prompt tokens served from the prefix cache. Each prompt is counted once in usage, and with n > 1
+        each choice's sequence looked it up on its own: per prompt, the tokens every one of them took from the cache."""
+        return sum(min(choice.cached_tokens for choice in self.choices[start: start + self.n])
+                   for start in range(0, len(self.choices), self.n))
 
     async def start(self) -> None:
         """Wait for every choice's first delta (after prefill): errors before it can still become a 4xx response."""
@@ -119,6 +148,11 @@ class CompletionStream:
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                 for lp in logprobs]
 
+    def _logprobs_object(self, choice: _Choice, entries: list | None) -> dict | None:
+        if entries is None:
+            return None
+        return {"content": entries, "refusal": None} if self.kind == "chat" else choice.legacy_logprobs(entries)
+
     @property
     def _parses_tools(self) -> bool:
         return self.kind == "chat" and bool(self.tool_names)
@@ -137,7 +171,7 @@ class CompletionStream:
             texts.append(text)
             if piece_entries is not None:
                 entries = (entries or []) + piece_entries
-        logprobs = {"content": entries, "refusal": None} if entries is not None else None
+        logprobs = self._logprobs_object(choice, entries)
         text = "".join(texts)
         reasoning = None
         if self.thinking:
@@ -145,14 +179,15 @@ class CompletionStream:
         cut = choice.finish_reason == "length"
         parsed = parse_tool_calls(text, self.tool_names, cut) if self._parses_tools and text else None
         if parsed is not None:
-            return choice_body(self.kind, choice.index, parsed[0], "length" if cut else "tool_calls", logprobs,
-                               parsed[1], reasoning, self.legacy_functions)
-        return choice_body(self.kind, choice.index, text, choice.finish_reason, logprobs, reasoning=reasoning)
+            return choice_body(self.kind, choice.index, choice.echoed(parsed[0]), "length" if cut else "tool_calls",
+                               logprobs, parsed[1], reasoning, self.legacy_functions)
+        return choice_body(self.kind, choice.index, choice.echoed(text), choice.finish_reason, logprobs,
+                           reasoning=reasoning)
 
     def record_routes(self, metrics: ServeMetrics) -> None:
         """Per choice (started already): the Decoder replica that runs it and what its prefix cache gave."""
         for choice in self.choices:
-            metrics.record_route(choice.first.replica, self.prompt_tokens, choice.first.num_cached_tokens)
+            metrics.record_route(choice.first.replica, choice.prompt_tokens, choice.first.num_cached_tokens)
 
     def record(self, metrics: ServeMetrics, endpoint: str) -> None:
         metrics.record_success(endpoint, self.arrival, self.first_token_at, time.monotonic(), self.prompt_tokens,
@@ -163,6 +198,8 @@ class CompletionStream:
         key = "content" if self.kind == "chat" else "text"
         if self.kind == "chat":
             yield choice.index, {"role": "assistant", "content": ""}, None, None
+        if choice.echo:
+            yield choice.index, {key: choice.echo}, None, None
         calls = ToolCallStream(self.tool_names) if self._parses_tools else None
         thoughts = ReasoningStream(True) if self.thinking else None
         async for text, entries in self._pieces(choice):
@@ -206,7 +243,7 @@ class CompletionStream:
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
         def chunk(delta, finish=None, index=0, usage_value=None, entries=None) -> str:
-            logprobs = {"content": entries, "refusal": None} if entries is not None else None
+            logprobs = self._logprobs_object(self.choices[index], entries)
             return event(chunk_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, delta,
                                     finish, index=index, logprobs=logprobs, with_usage_field=self.include_usage,
                                     usage_value=usage_value))

@@ -4,7 +4,8 @@ Nothing is refused here: `refusals` already turned away what the engine cannot h
 field left maps onto a `SamplingParams` field. Only what the request set is passed; the rest keeps
 the engine's default, except where OpenAI's default differs (temperature and top_p are 1).
 `SamplingParams` still validates the values (a negative `logit_bias` token id, `min_tokens` above
-`max_tokens`) and names the field when it fails.
+`max_tokens`) and names the field when it fails. `bad_words` need the tokenizer: the caller passes
+them tokenized (`openai.bad_words`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.inputs.structured import StructuredOutput
-from raypipe.serve.openai.schemas import ChatCompletionRequest, Common
+from raypipe.serve.openai.schemas import ChatCompletionRequest, Common, CompletionRequest
 from raypipe.serve.openai.tools import tool_call_grammar
 
 # Request fields that `SamplingParams` takes unchanged, under the same name.
@@ -21,15 +22,19 @@ _SAME = ("ignore_eos", "stop_token_ids", "min_p", "repetition_penalty", "presenc
          "min_tokens", "allowed_token_ids", "skip_special_tokens", "include_stop_str_in_output")
 
 
-def sampling_params(request: Common, max_tokens: int) -> SamplingParams:
+def sampling_params(request: Common, max_tokens: int, bad_words_token_ids: list[list[int]] | None = None
+                    ) -> SamplingParams:
     kwargs = {name: getattr(request, name) for name in _SAME if getattr(request, name) is not None}
     if request.top_k is not None:
         kwargs["top_k"] = max(request.top_k, 0)  # vLLM: -1 (or 0) means off
     if request.logit_bias:
         kwargs["logit_bias"] = {int(token): bias for token, bias in request.logit_bias.items()}
-    # Completions' integer `logprobs` never gets here: `refusals` turns it away.
     if isinstance(request, ChatCompletionRequest) and request.logprobs:
         kwargs["logprobs"] = request.top_logprobs or 0  # 0: the sampled token's own log-probability only
+    if isinstance(request, CompletionRequest) and request.logprobs is not None:
+        kwargs["logprobs"] = request.logprobs  # the legacy integer: that many top candidates
+    if bad_words_token_ids:
+        kwargs["bad_words_token_ids"] = bad_words_token_ids
     structured = structured_output(request)
     if structured is not None:
         kwargs["structured"] = structured

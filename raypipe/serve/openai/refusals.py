@@ -3,8 +3,8 @@ fields whose behaviour this server lacks.
 
 Every field OpenAI's API defines is accepted (the schema), and refused here with a 400 naming it
 (`unsupported_parameter`) only where this server cannot honour it: audio in or out, file parts,
-moderation, custom tools, completions' `logprobs`/`echo`/`best_of`/`suffix`, unless it carries the
-value that means "not used". Fields with no effect here are accepted (docs/serving-fields.md lists
+moderation, custom tools, completions' `best_of`/`suffix` unless it carries the value that means "not
+used", and completions' `echo` with `logprobs` (that needs the prompt's log-probabilities). Fields with no effect here are accepted (docs/serving-fields.md lists
 them with the reason); a name in neither OpenAI's nor vLLM's API is a 400 in `parsing`. A request may carry
 one output constraint (`response_format` json modes, `structured_outputs`, one `guided_*` field, or
 a `tool_choice` that forces calls). Tools are checked here as far as the request alone tells: a
@@ -170,13 +170,16 @@ def _json_or_none(text: str):
 
 
 def _check_completion(request: CompletionRequest) -> None:
-    if isinstance(request.prompt, list) and request.prompt and not isinstance(request.prompt[0], int) \
-            and len(request.prompt) != 1:
-        raise InvalidInput("one prompt per request is supported", item="prompt", code="unsupported_parameter")
-    if len(request.prompt) == 0:  # [""] and [[]] pass here; `single_prompt` refuses them
+    if len(request.prompt) == 0:
         raise InvalidInput("prompt must not be empty", item="prompt", code="invalid_value")
-    _refuse_used({"logprobs": request.logprobs is not None, "echo": bool(request.echo),
-                  "best_of": request.best_of not in (None, 1), "suffix": bool(request.suffix)})
+    for i, prompt in enumerate(request.prompts()):
+        if len(prompt) == 0:
+            raise InvalidInput(f"prompt[{i}] is empty; every prompt needs at least one token", item="prompt",
+                               code="invalid_value")
+    _refuse_used({"best_of": request.best_of not in (None, 1), "suffix": bool(request.suffix)})
+    if request.echo and request.logprobs is not None:
+        _unsupported("logprobs", "logprobs with echo needs the prompt tokens' log-probabilities, which this server "
+                                 "does not compute; send echo or logprobs, not both")
 
 
 def _refuse_used(used: dict[str, bool]) -> None:

@@ -3,14 +3,13 @@
 Strict mode makes `"max_tokens": "5"` a 400 rather than a silent coercion, and `extra="forbid"`
 makes an unknown or misspelled field a 400 naming it. Explicit `null` means "not set", as in
 OpenAI's API. vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`), which benchmark tools send, are accepted under vLLM's names, and
-so are video parts (`video_url`), per-request video sampling (`mm_processor_kwargs`) and the chat
+`ignore_eos`, `stop_token_ids`, `bad_words`), which benchmark tools send, are accepted under vLLM's names,
+and so are its prompt fields (`add_special_tokens`, `truncate_prompt_tokens`, chat `echo`), video parts (`video_url`), per-request video sampling (`mm_processor_kwargs`) and the chat
 template's switches (`chat_template_kwargs`: Qwen3.5's `enable_thinking`). Structured
 outputs come as OpenAI's `response_format` (chat), vLLM's `structured_outputs` object (vLLM >= 0.12)
 or vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields.
 
-The models describe what a client may write; what this server refuses of it lives in `refusals`
-(except an empty prompt inside a one-element batch, refused where `single_prompt` takes it out),
+The models describe what a client may write; what this server refuses of it lives in `refusals`,
 and what it asks of the engine in `conversion`.
 """
 
@@ -21,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, model_validator
 
-from raypipe.errors import InvalidInput
+from raypipe.inputs.sampling import MAX_BAD_WORDS
 from raypipe.models.prompt import TemplateOptions
 
 
@@ -322,11 +321,22 @@ class Common(_Strict):
     request_id: str | None = Field(default=None, min_length=1, max_length=256)  # the response's id, after its prefix
     return_tokens_as_token_ids: bool | None = None  # logprob tokens written "token_id:<id>"
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # prefix-cache hits only within a salt
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)  # banned words (`openai.bad_words`)
+    # vLLM's prompt fields (`openai.prompt_tokens`): keep the last N prompt tokens (-1: the context length); the
+    # tokenizer's special tokens around the prompt text (default: `special_tokens`)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    add_special_tokens: bool | None = None
+    echo: bool | None = None  # the reply begins with the prompt (completions) or the message it continues (chat)
 
     @property
     def requested_max_tokens(self) -> int | None:
         """None leaves the choice to the server's limits."""
         return self.max_tokens
+
+    @property
+    def special_tokens(self) -> bool:
+        """vLLM's default for chat: none (the chat template writes what the model needs)."""
+        return bool(self.add_special_tokens)
 
     @property
     def include_usage(self) -> bool:
@@ -417,6 +427,17 @@ class ChatCompletionRequest(Common):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def echoed_text(self) -> str:
+        """With `echo`, what the reply's content begins with (vLLM's rule): the last message's text when the
+        reply continues it, i.e. when it is the assistant's (the reply's role); else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part.text if isinstance(part, TextPart) else part.refusal for part in last.content
+                         if isinstance(part, (TextPart, RefusalPart)))
+
     def tile_every_image(self) -> bool:
         return bool(self.mm_processor_kwargs and self.mm_processor_kwargs.tile_every_image)
 
@@ -494,11 +515,11 @@ _TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 
 
 class CompletionRequest(Common):
-    """`POST /v1/completions`: a text prompt (plain text, see `raypipe.models.prompt`) or token ids; no images."""
+    """`POST /v1/completions`: text prompts (plain text, see `raypipe.models.prompt`) or token ids; no images.
+    Several prompts are answered as one request each, their choices in prompt order."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's limit: top candidates per output token
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
@@ -506,14 +527,17 @@ class CompletionRequest(Common):
     def requested_max_tokens(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
 
-    def single_prompt(self) -> str | list[int]:
-        """The prompt, out of its one-element batch if it came in one (`refusals` allows no more)."""
+    @property
+    def special_tokens(self) -> bool:
+        """vLLM's default for a completion prompt: the tokenizer's special tokens (a BOS) around its text."""
+        return self.add_special_tokens is not False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one text or token-id list, or each of a list of them."""
         prompt = self.prompt
-        if prompt and isinstance(prompt, list) and not isinstance(prompt[0], int):
-            prompt = prompt[0]
-        if len(prompt) == 0:  # [""] or [[]]: `refusals` saw a batch of one
-            raise InvalidInput("prompt must not be empty", item="prompt", code="invalid_value")
-        return prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
 
 
 class TokenizeChatRequest(ChatCompletionRequest):
@@ -530,6 +554,11 @@ class TokenizeCompletionRequest(_Strict):
     model: str | None = None
     prompt: str
     return_token_strs: bool | None = None
+    add_special_tokens: bool | None = None  # as in `CompletionRequest`
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens is not False
 
 
 class DetokenizeRequest(_Strict):
