@@ -1282,6 +1282,42 @@ def test_ingress_crash_mid_request_is_a_retryable_503(server):
     assert _deployment("Ingress").pid.remote().result() != pid
 
 
+def test_prompt_logprobs_are_transformers_log_softmax_of_the_prompt(client, http, hf_model):
+    """vLLM's `prompt_logprobs`: per prompt token after the first, its id (and its top candidates) -> logprob, rank and
+    text, equal to transformers' log-softmax of the prompt; chat puts them on the response, completions on each
+    choice. With `stream` it is a 400, as in vLLM."""
+    import torch
+
+    def reference(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return hf_model(input_ids=torch.tensor([ids])).logits[0, :-1].float().log_softmax(dim=-1)
+
+    def check(shown: list, ids: list[int]) -> None:
+        rows = reference(ids)
+        assert shown[0] is None and len(shown) == len(ids)
+        for i, entry in enumerate(shown[1:]):
+            row, token = rows[i], ids[i + 1]
+            assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[str(token)]["rank"] == int((row > row[token]).sum()) + 1
+            assert {int(t) for t, v in entry.items() if v["rank"] <= 2} >= set(row.topk(2).indices.tolist())
+
+    ids = [11, 57, 203, 9, 88, 140, 21, 5, 77, 190, 33, 64]
+    text = client.completions.create(model="tiny", prompt=[ids, ids[:7]], max_tokens=2, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    check(text.choices[0].model_extra["prompt_logprobs"], ids)
+    check(text.choices[1].model_extra["prompt_logprobs"], ids[:7])
+    messages = user("What comes next?")
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 2})
+    prompt = http.post("/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+    check(chat.model_extra["prompt_logprobs"], prompt)
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0  # asked: computed whole
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert refused.value.body["param"] == "prompt_logprobs"
+
+
 def test_a_request_on_the_killed_only_decoder_finishes_once_serve_restarts_it(server):
     """Issue 43 item 7 (was issue 9 item 11's 503). Last in the module: it kills the only Decoder replica mid-request.
     The ingress resumes each request from the tokens it already has (`serve.resume`); Serve holds the resumed call

@@ -108,7 +108,7 @@ def completion(**fields) -> bytes:
 
 
 @pytest.mark.parametrize("fields, code, param", [
-    ({"echo": True, "logprobs": 0}, "unsupported_parameter", "logprobs"),  # needs prompt log-probabilities
+    ({"echo": True, "logprobs": 0}, "unsupported_parameter", "logprobs"),  # the prompt in the legacy object
     ({"best_of": 2}, "unsupported_parameter", "best_of"),
     ({"suffix": "x"}, "unsupported_parameter", "suffix"),
     ({"logprobs": 6}, "invalid_value", "logprobs"),
@@ -116,7 +116,9 @@ def completion(**fields) -> bytes:
     ({"bad_words": ["a"] * 101}, "invalid_value", "bad_words"),
     ({"bad_words": [3]}, "invalid_type", "bad_words[0]"),
     ({"add_special_tokens": "yes"}, "invalid_type", "add_special_tokens"),
-    ({"prompt_logprobs": 1}, "unrecognized_argument", "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "invalid_value", "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "invalid_value", "prompt_logprobs"),  # vLLM's rule
+    ({"documents": []}, "unrecognized_argument", "documents"),
 ])
 def test_completion_fields_refused_with_the_reason(fields, code, param):
     with pytest.raises(InvalidInput) as info:

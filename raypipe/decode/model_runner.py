@@ -32,9 +32,11 @@ from raypipe.decode.cache_kinds import LinearAttentionRows
 from raypipe.decode.kv_cache import KVCache, block_tables, layer_types, paged_bytes_per_token
 from raypipe.decode.kv_pool_size import PoolShape, pool_blocks
 from raypipe.decode.sampler import SamplingBatch, sample
-from raypipe.decode.sequence import Sequence
+from raypipe.decode.sequence import Sequence, TokenLogprob
 from raypipe.decode.sliding_window import window_bytes_per_token, window_pool_shape
 from raypipe.models import lora, packed_linear
+
+PROMPT_LOGPROB_POSITIONS = 256  # positions whose full-vocabulary log-probabilities are held at once
 
 # on_step(step, ids) -> True when every row is done and the round may end early.
 StepCallback = Callable[[int, list[int]], bool]
@@ -157,10 +159,31 @@ class ModelRunner:
         lengths = [end - start for start, end in zip(starts, ends)]
         hidden = self._forward(seqs, starts, lengths)
         self._save_states(seqs, ends)
+        for b, seq in enumerate(seqs):
+            if seq.wants_prompt_logprobs:
+                self._record_prompt_logprobs(seq, hidden[b, :lengths[b]], starts[b])
         rows = [seqs.index(s) for s in sampled]
         last = hidden[torch.tensor(rows, dtype=torch.long, device=self.device),
                       torch.tensor([lengths[r] - 1 for r in rows], dtype=torch.long, device=self.device)]
         return self.model.logits(last)
+
+    def _record_prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
+        """The log-probabilities this chunk's positions give the prompt tokens after them (position i predicts
+        token i + 1), in slices of positions: all logits of a long chunk at once would not fit."""
+        targets = seq.prompt_ids[start + 1: start + 1 + hidden.shape[0]]
+        k = seq.params.prompt_logprobs
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = {}
+        for lo in range(0, len(targets), PROMPT_LOGPROB_POSITIONS):
+            ids = torch.tensor(targets[lo: lo + PROMPT_LOGPROB_POSITIONS], device=self.device)
+            logprobs = self.model.logits(hidden[lo: lo + len(ids)]).float().log_softmax(dim=-1)
+            chosen = logprobs.gather(-1, ids[:, None])[:, 0]
+            ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+            top = logprobs.topk(k, dim=-1) if k else None
+            top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * len(ids), [[]] * len(ids))
+            for i, (token, lp, rank) in enumerate(zip(ids.tolist(), chosen.tolist(), ranks.tolist())):
+                seq.prompt_logprobs[start + 1 + lo + i] = TokenLogprob(token, lp, list(zip(top_ids[i], top_lps[i])),
+                                                                       rank)
 
     def _forward(self, seqs: list[Sequence], starts: list[int], lengths: list[int]) -> torch.Tensor:
         """Final hidden states of one right-padded prefill forward: tokens `starts[b] .. + lengths[b]` of each."""

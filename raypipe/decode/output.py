@@ -63,8 +63,12 @@ class OutputProcessor:
             seq.output_ids.extend(ids)
             self._detokenize(seq)
         accepted = seq.output_ids[before:]
+        prompt = None
+        if before == 0 and seq.params.prompt_logprobs is not None:  # the first token's delta: the prompt's too
+            prompt = [None] + [seq.prompt_logprobs[p] for p in range(1, seq.prompt_len)]
         return RequestDelta(seq.request_id, accepted, self._emit(seq), seq.finish_reason,
-                            logprobs[: len(accepted)] if logprobs is not None else None, seq.num_cached_tokens or 0)
+                            logprobs[: len(accepted)] if logprobs is not None else None, seq.num_cached_tokens or 0,
+                            prompt)
 
     def restore(self, seq: Sequence, ids: list[int], sent_chars: int) -> None:
         """`seq` as after accepting `ids` with `sent_chars` characters of their text sent (a resume, resume.py):

@@ -270,6 +270,8 @@ class Scheduler:
             return [], 0
         full = (target - 1) // self.pool.block_size
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.pool.block_size, full, seq.placeholder_runs, seq.prefix_root)
+        if seq.wants_prompt_logprobs:
+            return [], 0  # every prompt position's logits are asked: none of it may come from the cache
         hit = self.pool.take_cached(seq.block_hashes[:full])
         if self.snapshots is None and self.window is None:
             return hit, len(hit)

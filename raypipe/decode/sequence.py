@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), highest first; empty when logprobs=0
+    rank: int | None = None  # of the token among the vocabulary (1: the most likely); prompt tokens only
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,6 +35,8 @@ class RequestDelta:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (OpenAI usage's `cached_tokens`)
+    # With SamplingParams.prompt_logprobs, on the first delta: None for the first prompt token, then one per token
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     replica: str | None = None  # the Serve Decoder replica that runs the request (set on its first delta there)
 
 
@@ -47,6 +50,7 @@ class RequestOutput:
     num_image_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
     @property
     def num_prompt_tokens(self) -> int:  # image tokens included (OpenAI usage counts them)
@@ -61,6 +65,8 @@ class RequestOutput:
         self.text += delta.text
         self.finish_reason = delta.finish_reason
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
@@ -108,6 +114,8 @@ class Sequence:
     # Block boundaries where another prompt leaves this one, so its prefill keeps a state there: where its
     # cached run of blocks ended past its last snapshot, and where a prompt waiting for its blocks diverges
     branch_points: set[int] = dataclasses.field(default_factory=set)
+    # With SamplingParams.prompt_logprobs: prompt position -> its token's log-probability, filled by the prefill
+    prompt_logprobs: dict[int, TokenLogprob] | None = None
     # Prompt tokens its first admission took from the prefix cache (what usage reports; not a resume's), None before
     num_cached_tokens: int | None = None
     finish_reason: str | None = None
@@ -148,6 +156,12 @@ class Sequence:
     def decoding(self) -> bool:
         """Prefilled (its first token sampled, or recomputed after a preemption): it takes decode steps."""
         return bool(self.output_ids) and self.num_computed == self.cache_len
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for prompt log-probabilities and not sent them yet (they go with the first output token). A
+        tensor-parallel rank's mirror has no params: logits are rank 0's."""
+        return self.params is not None and self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def finished(self) -> bool:

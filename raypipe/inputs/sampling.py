@@ -38,6 +38,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
     min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
     logprobs: int | None = None  # None: none; 0: the sampled token's log-probability; k: also the top k
+    # Per prompt token after the first, its log-probability given the tokens before it (vLLM's field; with the
+    # top k): None: none. Such a prompt is computed whole: it takes nothing from the prefix cache.
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # JSON schema / regex / choice / grammar the output must follow
     allowed_token_ids: list[int] | None = None  # sample only among these ids (vLLM's field); None = all
     skip_special_tokens: bool = True  # False: special tokens' text stays in the output text (vLLM's field)
@@ -103,10 +106,11 @@ class SamplingParams:
         self.min_tokens = _int(self.min_tokens, "min_tokens", minimum=0)
         if self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if self.logprobs is not None:
-            self.logprobs = _int(self.logprobs, "logprobs", minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                _fail("logprobs", f"must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _int(getattr(self, name), name, minimum=0))
+                if getattr(self, name) > MAX_LOGPROBS:
+                    _fail(name, f"must be <= {MAX_LOGPROBS}, got {getattr(self, name)}")
         if self.structured is not None:
             self.structured = StructuredOutput.of(self.structured)
         if self.allowed_token_ids is not None:

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 
 from raypipe.serve.errors import ApiError
 from raypipe.serve.metrics import ServeMetrics
-from raypipe.serve.openai.bodies import choice_body, chunk_body, completion_body, usage
+from raypipe.serve.openai.bodies import choice_body, chunk_body, completion_body, prompt_logprobs_body, usage
 from raypipe.models.reasoning import ReasoningStream, split_reasoning
 from raypipe.serve.openai.tools import ToolCallStream, parse_tool_calls
 
@@ -162,8 +162,16 @@ class CompletionStream:
             choices = await asyncio.gather(*(self._collect(choice) for choice in self.choices))
         finally:
             self.cancel_unfinished()
-        return completion_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, choices,
+        body = completion_body(self.kind, self.request_id, self.model, self.fingerprint, self.created, choices,
                                self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        first = self.choices[0].first.prompt_logprobs
+        if first is not None:  # where vLLM puts them: the chat response, each text choice (its own prompt's)
+            if self.kind == "chat":
+                body["prompt_logprobs"] = prompt_logprobs_body(first, self.token_text)
+            else:
+                for choice, shown in zip(self.choices, choices):
+                    shown["prompt_logprobs"] = prompt_logprobs_body(choice.first.prompt_logprobs, self.token_text)
+        return body
 
     async def _collect(self, choice: _Choice) -> dict:
         texts, entries = [], None

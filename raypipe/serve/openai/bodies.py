@@ -52,6 +52,22 @@ def choice_body(kind: str, index: int, text: str | None, finish_reason: str, log
     return {**choice, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def prompt_logprobs_body(entries: list, token_text) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token its id (a string key, as JSON
+    writes vLLM's int keys) and its top candidates' ids -> `{"logprob", "rank", "decoded_token"}`."""
+    body: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            body.append(None)
+            continue
+        ranked = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)}
+                  for rank, (token, logprob) in enumerate(entry.top, start=1)}
+        ranked[str(entry.token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
+                                       "decoded_token": token_text(entry.token_id)}
+        body.append(ranked)
+    return body
+
+
 def completion_body(kind: str, request_id: str, model: str, fingerprint: str, created: int, choices: list[dict],
                     prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"id": request_id, "object": _OBJECT[kind][0], "created": created, "model": model,

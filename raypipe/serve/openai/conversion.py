@@ -19,7 +19,7 @@ from raypipe.serve.openai.tools import tool_call_grammar
 
 # Request fields that `SamplingParams` takes unchanged, under the same name.
 _SAME = ("ignore_eos", "stop_token_ids", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-         "min_tokens", "allowed_token_ids", "skip_special_tokens", "include_stop_str_in_output")
+         "min_tokens", "allowed_token_ids", "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs")
 
 
 def sampling_params(request: Common, max_tokens: int, bad_words_token_ids: list[list[int]] | None = None

@@ -52,6 +52,9 @@ def check_supported(request: Common) -> None:
 
 
 def _check_common(request: Common) -> None:
+    if request.prompt_logprobs is not None and request.stream:
+        raise InvalidInput("prompt_logprobs are not available with stream=true (as in vLLM)", item="prompt_logprobs",
+                           code="invalid_value")
     if request.priority not in (None, 0):
         _unsupported("priority", "priority scheduling is not enabled: requests are served first come, first "
                                  "served, so priority must be 0")
@@ -178,8 +181,8 @@ def _check_completion(request: CompletionRequest) -> None:
                                code="invalid_value")
     _refuse_used({"best_of": request.best_of not in (None, 1), "suffix": bool(request.suffix)})
     if request.echo and request.logprobs is not None:
-        _unsupported("logprobs", "logprobs with echo needs the prompt tokens' log-probabilities, which this server "
-                                 "does not compute; send echo or logprobs, not both")
+        _unsupported("logprobs", "logprobs with echo (the prompt tokens in the legacy logprobs object) is not "
+                                 "supported; send echo or logprobs, not both (prompt_logprobs gives the prompt's)")
 
 
 def _refuse_used(used: dict[str, bool]) -> None:

@@ -307,6 +307,8 @@ class Common(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
+    # vLLM's: each prompt token's log-probability (and its top candidates) in the response; not with stream
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     stop_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None
