@@ -390,7 +390,12 @@ def test_what_responses_cannot_honour_is_refused_by_name(server):
              ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
              ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
              ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0]"),
-             ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type")]
+             ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
+             # faults of the chat request written for it name the Responses field the client sent
+             ({"max_output_tokens": 10**9}, "max_output_tokens"), ({"input": [{"content": "hi"}]}, "input[0].role"),
+             ({"tools": [{"type": "function", "name": "f"}] * 2}, "tools[1].name"),
+             ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+             ({"input": "x" * 10**5}, "input")]
     for fields, param in cases:
         body = {"input": "hi", "max_output_tokens": 2, **fields}
         with pytest.raises(openai.BadRequestError) as refused:

@@ -42,7 +42,7 @@ from raypipe.serve.openai.bodies import completion_id, model_card, models_body
 from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai.openapi import install_schemas, request_body
 from raypipe.serve.openai.parsing import parse_request
-from raypipe.serve.openai.responses import ResponsesRequest, chat_request, input_messages
+from raypipe.serve.openai.responses import ResponsesRequest, as_responses_error, chat_request, input_messages
 from raypipe.serve.openai.prompt_tokens import special_tokens_around, truncate, truncation_length
 from raypipe.serve.openai.schemas import (
     ChatCompletionRequest,
@@ -144,8 +144,10 @@ class Ingress:
             self._authorize(request)
             asked = parse_request(await self._read_body(request), ResponsesRequest)
             history = await self._stored_conversation(asked.previous_response_id)
-            chat = chat_request(asked, history)
-            stream = await self._chat_stream(chat, arrival)
+            try:
+                stream = await self._chat_stream(chat_request(asked, history), arrival)
+            except InvalidInput as exc:  # about the chat request written for it: name what the client sent
+                raise as_responses_error(exc) from None
         except Exception as exc:  # noqa: BLE001
             return self._error(RESPONSES, exc)
         conversation = history + input_messages(asked)

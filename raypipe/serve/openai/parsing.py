@@ -95,4 +95,7 @@ def _field_path(loc: tuple) -> str:
 
 
 # The `type` values of the schemas' tagged unions (content parts, tools, tool calls, tool choices).
-_TAGS = {"text", "image_url", "video_url", "refusal", "input_audio", "file", "function", "custom", "allowed_tools"}
+_TAGS = {"text", "image_url", "video_url", "refusal", "input_audio", "file", "function", "custom", "allowed_tools",
+         # the Responses API's items, parts and tools (`responses`)
+         "message", "function_call", "function_call_output", "reasoning", "item_reference", "unknown", "hosted",
+         "input_text", "input_image", "input_file", "output_text"}

@@ -19,6 +19,7 @@ image `file_id`s and `item_reference` items (this server keeps conversations, no
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
@@ -352,6 +353,28 @@ def _refuse_unsupported(request: ResponsesRequest) -> None:
     if request.truncation == "auto":
         _unsupported("truncation", "truncation 'auto' (dropping conversation items to fit) is not supported: "
                                    "a conversation longer than the context is refused")
+
+
+# Chat fields `chat_request` writes, and the Responses fields they come from (a chat message's index is not an
+# input item's: instructions and the stored conversation come first).
+_RESPONSES_FIELDS = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+                     ("max_tokens", "max_output_tokens"), ("response_format.json_schema.schema", "text.format.schema"),
+                     ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                     ("reasoning_effort", "reasoning.effort"), ("tool_choice.function.name", "tool_choice.name"))
+
+
+def as_responses_error(error: InvalidInput) -> InvalidInput:
+    """`error` about the chat request `chat_request` wrote, naming the Responses field the client sent."""
+    item = re.sub(r"^tools\[(\d+)\]\.function\.", r"tools[\1].", error.item or "")
+    reason = error.reason
+    for chat, ours in _RESPONSES_FIELDS:
+        if item == chat or item.startswith((chat + ".", chat + "[")):
+            item = ours if chat == "messages" else ours + item[len(chat):]
+            reason = re.sub(rf"\b{re.escape(chat)}\b", ours, reason)
+            break
+    if not item or item == error.item:
+        return error
+    return InvalidInput(reason, item=item, code=error.code)
 
 
 def _unsupported(param: str, message: str) -> None:
