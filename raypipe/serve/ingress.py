@@ -42,8 +42,8 @@ from raypipe.serve.openai.bodies import completion_id, model_card, models_body
 from raypipe.serve.openai.conversion import sampling_params
 from raypipe.serve.openai.openapi import install_schemas, request_body
 from raypipe.serve.openai.parsing import parse_request
-from raypipe.serve.openai.responses import ResponsesRequest, as_responses_error, chat_request, input_messages
 from raypipe.serve.openai.prompt_tokens import special_tokens_around, truncate, truncation_length
+from raypipe.serve.openai.responses import ResponsesRequest, as_responses_error, chat_request, input_messages
 from raypipe.serve.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
