@@ -12,6 +12,11 @@ def greedy_makespan(costs, n, initial=None):
     return makespan(costs, split_by_counts(order, counts), initial)
 
 
+def not_worse(makespan_: float, greedy: float) -> bool:
+    """Never worse than greedy, up to rounding: equal loads summed in another order differ in the last bits."""
+    return makespan_ <= greedy * (1 + 1e-12)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.floats(min_value=0.0, max_value=1e4, allow_nan=False), max_size=60),
        st.integers(min_value=1, max_value=9), st.data())
@@ -23,7 +28,17 @@ def test_properties(costs, n, data):
     for shard, load in zip(shards, loads):
         assert abs(load - sum(costs[i] for i in shard)) <= 1e-9 * max(1.0, load)
     if costs:
-        assert makespan(costs, shards, initial) <= greedy_makespan(costs, n, initial)
+        assert not_worse(makespan(costs, shards, initial), greedy_makespan(costs, n, initial))
+
+
+def test_a_split_as_good_as_greedys_summed_in_another_order_is_not_worse():
+    """Hypothesis found this in a clean-clone run: the improved split's makespan is greedy's, summed in another
+    order, 3e-12 above it. A strict `<=` failed; the property is "not worse up to rounding"."""
+    costs = [2.0, 3830.0, 8192.0, 8194.0, 8194.0, 8194.0, 1.9406106584981444, 1.9406106584981444, 3830.963050930005,
+             4362.963050930005, 4362.963050930005]
+    shards, _ = partition(costs, 6, budget_s=1.0)
+    assert makespan(costs, shards) != greedy_makespan(costs, 6)  # the case still differs in the last bits
+    assert not_worse(makespan(costs, shards), greedy_makespan(costs, 6))
 
 
 def test_strictly_better_than_greedy():
