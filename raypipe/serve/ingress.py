@@ -153,15 +153,7 @@ class Ingress:
         conversation = history + input_messages(asked)
         turn = ResponseTurn(asked, new_id("resp"), stream.model, stream,
                             lambda answer: self._store(turn.id, asked, conversation + [answer]))
-        if asked.stream:
-            return StreamingResponse(turn.sse(self.metrics, RESPONSES), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            body = await turn.collect()
-        except Exception as exc:  # noqa: BLE001
-            return self._error(RESPONSES, exc)
-        stream.record(self.metrics, RESPONSES)
-        return JSONResponse(body)
+        return await self._respond(RESPONSES, turn, bool(asked.stream))
 
     async def _chat_stream(self, chat: ChatCompletionRequest, arrival: float) -> CompletionStream:
         """A checked chat request's decoder streams, started (its first deltas in: a failure so far is a 4xx)."""
@@ -253,7 +245,7 @@ class Ingress:
 
         return [choice(i) for i in range(n)]
 
-    async def _respond(self, endpoint: str, stream: CompletionStream, streaming: bool) -> Response:
+    async def _respond(self, endpoint: str, stream: CompletionStream | ResponseTurn, streaming: bool) -> Response:
         if streaming:
             return StreamingResponse(stream.sse(self.metrics, endpoint), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

@@ -56,12 +56,15 @@ class ResponseTurn:
         try:
             async for event in self._events():
                 yield f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
-            self.stream.record(metrics, endpoint)
+            self.record(metrics, endpoint)
         except Exception as exc:  # noqa: BLE001 - the status line is sent already: report in-band
             error = ApiError.from_exception(exc)
             metrics.record_error(endpoint, error.status, error.code)
             event = self._event("error", code=error.code, message=error.message, param=error.param)
             yield f"event: error\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+    def record(self, metrics: ServeMetrics, endpoint: str) -> None:
+        self.stream.record(metrics, endpoint)
 
     def body(self) -> dict:
         r, stream = self.request, self.stream
