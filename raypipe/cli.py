@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quant", action="store_true",
                        help="decode: --model (a preset, default small) beside its quantized presets: weight bytes, "
                             "KV tokens, tokens/s (docs/quantization.md)")
+    bench.add_argument("--loras", type=int, default=None, metavar="N",
+                       help="decode: one batch mixing 1, 4 ... N LoRA adapters vs the base model alone (tokens/s, "
+                            "bytes per adapter; docs/lora.md)")
     bench.add_argument("--tp", type=int, default=None, metavar="N",
                        help="decode: a tensor-parallel group of N ranks vs one device (step time, collectives, "
                             "per-rank memory)")
@@ -376,6 +379,8 @@ def run_command(args) -> int:
             name = "decode_tp"
         if args.target == "decode" and args.quant:
             name = "decode_quant"
+        if args.target == "decode" and args.loras is not None:
+            name = "decode_lora"
         return importlib.import_module(f"raypipe.bench.{name}").main(args)
     return 2
 

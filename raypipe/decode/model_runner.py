@@ -108,7 +108,7 @@ class ModelRunner:
         """The context of a forward over `seqs` (row i = seqs[i]): their adapter slots, if any row has one."""
         if self.lora_rows is None or not any(s.lora_slot for s in seqs):
             return contextlib.nullcontext()
-        return self.lora_rows.using(torch.tensor([s.lora_slot for s in seqs], device=self.device))
+        return self.lora_rows.using([s.lora_slot for s in seqs], self.dtype, self.device)
 
     def use_packed_weights(self) -> str:
         """Pack the language model's linears for oneDNN's CPU kernels (`models/packed_linear.py`); what was done."""

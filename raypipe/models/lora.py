@@ -2,13 +2,19 @@
 
 A PEFT LoRA adapter adds `scaling * B(A(x))` to chosen linear layers (`scaling` is alpha / r, or
 alpha / sqrt(r) with `use_rslora`). To serve rows of different adapters, and rows of none, in one
-forward, every linear that some adapter targets keeps all adapters' factors stacked in fixed-shape slot
-tensors, `A [max_loras + 1, in, max_lora_rank]` and `B [max_loras + 1, max_lora_rank, out]`: slot 0 holds
-zeros (the base model's rows), a rank below `max_lora_rank` is padded with zeros (which add exact
-zeros), the scaling is folded into B. Each row gathers its slot's pair and the delta is two batched
-matmuls (Punica / S-LoRA's batched LoRA), never one forward per adapter.
+forward, every linear that some adapter targets keeps all adapters' factors side by side in fixed-shape
+slot tensors, `A [in, (max_loras + 1) * max_lora_rank]` and `B [(max_loras + 1) * max_lora_rank, out]`
+(slot s is columns / rows `s * max_lora_rank` onwards): slot 0 holds zeros (the base model's rows), a
+rank below `max_lora_rank` is padded with zeros (which add exact zeros), the scaling is folded into B.
 
-The row -> slot tensor of a forward is set per thread (`LoraRows.using`): the engine runs a prefill and
+The delta of a batch is two GEMMs over the slots the batch uses, whatever mix of adapters its rows
+name: `x @ A[:, slots]` gives every row every used slot's `r` columns, a one-hot mask keeps the row's
+own slot's (the rest become exact zeros; no mask when every row uses one slot), and `@ B[slots]` adds
+back onto the output. That is Punica / S-LoRA's batched LoRA done with dense GEMMs: it computes `used
+slots x r` columns instead of `r`, but copies no weights and adds two or three operations a layer, where gathering each row's A and B (a copy of
+every row's factors per layer) cost a third of a decode step on a CPU. Never one forward per adapter.
+
+The row -> slot mask of a forward is set per thread (`LoraRows.using`): the engine runs a prefill and
 a decode forward on two threads at once. Anything PEFT would apply that this does not is refused at
 load with `InvalidInput` naming the config field or the module: DoRA, `modules_to_save`, biases,
 per-module rank or alpha patterns, embeddings, and modules outside the language model (the vision tower,
@@ -133,52 +139,75 @@ def _shape(t: torch.Tensor | None) -> tuple | None:
 
 
 class LoraRows:
-    """Which slot each row of this thread's current forward uses; None: every row is the base model's."""
+    """Which slots this thread's current forward uses: slots `first .. first + used - 1`, and the mask
+    `[rows, 1, used, 1]` (1 where row i uses the slot) that picks each row's own; no mask when every row
+    uses one slot. `used` is 0 when every row is the base model's."""
 
     def __init__(self):
         self._local = threading.local()
 
     @property
-    def slots(self) -> torch.Tensor | None:
-        return getattr(self._local, "slots", None)
+    def first(self) -> int:
+        return getattr(self._local, "first", 0)
+
+    @property
+    def used(self) -> int:
+        return getattr(self._local, "used", 0)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return getattr(self._local, "mask", None)
 
     @contextlib.contextmanager
-    def using(self, slots: torch.Tensor | None):
-        self._local.slots = slots
+    def using(self, slots: list[int], dtype: torch.dtype, device: torch.device):
+        named = [s for s in slots if s]
+        local = self._local
+        local.first, last = min(named), max(named)
+        local.used = last - local.first + 1
+        if len(named) < len(slots) or local.first != last:
+            span = torch.arange(local.first, last + 1)
+            local.mask = (torch.tensor(slots)[:, None] == span).to(device, dtype)[:, None, :, None]
         try:
             yield
         finally:
-            self._local.slots = None
+            local.first, local.used, local.mask = 0, 0, None
 
 
 class LoraLinear(torch.nn.Module):
-    """A base linear plus each row's adapter delta, gathered from the stacked slot tensors."""
+    """A base linear plus each row's adapter delta from the side-by-side slot tensors."""
 
     def __init__(self, base: torch.nn.Linear, rows: LoraRows, num_slots: int, max_rank: int):
         super().__init__()
         self.base = base
         self.rows = rows
+        self.max_rank = max_rank
         w = base.weight
-        self.register_buffer("lora_a", torch.zeros(num_slots, base.in_features, max_rank, dtype=w.dtype, device=w.device))
-        self.register_buffer("lora_b", torch.zeros(num_slots, max_rank, base.out_features, dtype=w.dtype, device=w.device))
+        self.register_buffer("lora_a", torch.zeros(base.in_features, num_slots * max_rank, dtype=w.dtype, device=w.device))
+        self.register_buffer("lora_b", torch.zeros(num_slots * max_rank, base.out_features, dtype=w.dtype, device=w.device))
 
     @property
     def weight(self) -> torch.Tensor:  # transformers' code reads a projection's weight (dtype, device)
         return self.base.weight
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        rank = a.shape[1]
-        self.lora_a[slot].zero_()[:, :rank] = a
-        self.lora_b[slot].zero_()[:rank] = b
+        first = slot * self.max_rank
+        self.lora_a[:, first: first + self.max_rank] = 0
+        self.lora_b[first: first + self.max_rank] = 0
+        self.lora_a[:, first: first + a.shape[1]] = a
+        self.lora_b[first: first + a.shape[1]] = b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        slots = self.rows.slots
-        if slots is None:
+        used = self.rows.used
+        if not used:
             return out
-        rows = x.reshape(slots.shape[0], -1, x.shape[-1])
-        delta = torch.bmm(torch.bmm(rows, self.lora_a[slots]), self.lora_b[slots])
-        return out + delta.view_as(out)
+        first = self.rows.first * self.max_rank
+        columns = slice(first, first + used * self.max_rank)  # a view of the used slots, no copy
+        h = x.reshape(-1, x.shape[-1]) @ self.lora_a[:, columns]
+        mask = self.rows.mask
+        if mask is not None:
+            h = (h.view(mask.shape[0], -1, used, self.max_rank) * mask).view(h.shape)
+        return torch.addmm(out.reshape(-1, out.shape[-1]), h, self.lora_b[columns]).view_as(out)
 
 
 def install(decoder, adapters: list[LoraWeights], max_loras: int, max_lora_rank: int) -> LoraRows:

@@ -1,0 +1,133 @@
+"""`raypipe bench decode --loras N`: one batch mixing N LoRA adapters against the base model alone, in process.
+
+For `--model` (a preset, `small` by default) it writes N random PEFT adapters (rank 8 on every attention
+and MLP linear of the language model, PEFT's own `save_pretrained`), starts one engine per N with
+`max_loras = N`, and decodes 16 text requests (K=8, eager steps, `ignore_eos`) three ways:
+
+- base: an engine without adapters (what LoRA serving is measured against);
+- base rows on the LoRA engine: every row names no adapter (the price of merely serving LoRA);
+- mixed: row i uses adapter i mod N, so N=16 puts 16 different adapters in every round.
+
+The three run in turn, three times after a warm-up pass, each run with new prompt texts, and each ratio
+is the median of the three runs' ratios, so load drift hits them alike. Memory per adapter is what its slot holds in every
+wrapped linear (`max_lora_rank` padded A and B), beside the adapter file's bytes. The issue's target
+is >= 0.8x of base at N=16 on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+import tempfile
+import time
+
+REQUESTS = 16
+RANK = 8
+COUNTS = (1, 4, 16)
+TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|out_proj)"
+
+
+def write_adapters(checkpoint, folder, count: int) -> dict[str, str]:
+    """`count` random rank-`RANK` PEFT saves of `checkpoint`; name -> folder."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint)
+    # init_lora_weights=False: random B as well (PEFT's default B = 0 would be the base model)
+    configs = {f"bench{i}": LoraConfig(r=RANK, lora_alpha=2 * RANK, init_lora_weights=False, target_modules=TARGETS)
+               for i in range(count)}
+    first, *rest = configs
+    model = get_peft_model(model, configs[first], adapter_name=first)
+    for name in rest:
+        model.add_adapter(name, configs[name])
+    model.save_pretrained(folder)
+    return {name: str(folder / name) for name in configs}
+
+
+def tok_s(engine, prompts, loras, max_tokens: int) -> float:
+    """Tokens/s decoding every prompt at once, prompt i under adapter `loras[i]`."""
+    from raypipe import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def every():
+        return await asyncio.gather(*(engine.generate_output(f"l{time.monotonic_ns()}-{i}", p, [], params, lora)
+                                      for i, (p, lora) in enumerate(zip(prompts, loras))))
+
+    start = time.perf_counter()
+    outputs = asyncio.run(every())
+    return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def slot_bytes(engine, slots: int) -> int:
+    """Bytes one of the `slots` adapter slots takes across every wrapped linear."""
+    from raypipe.models.lora import LoraLinear
+
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, LoraLinear)]
+    return sum(m.lora_a.nbytes + m.lora_b.nbytes for m in layers) // slots
+
+
+def main(args) -> int:
+    import os
+    import pathlib
+
+    from raypipe.bench.common import emit, print_table
+    from raypipe.bench.decode import make_prompts
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from raypipe.models.registry import language_adapter, resolve_model
+
+    name = args.model or "small"
+    checkpoint = resolve_model(name)
+    counts = [n for n in COUNTS if n <= args.loras] or [args.loras]
+    max_tokens, repeats = (16, 1) if args.quick else (64, 3)
+    tokenizer = language_adapter(checkpoint).tokenizer
+    config = EngineConfig(max_num_seqs=REQUESTS, num_scheduler_steps=8, compiled_decode=False, max_model_len=256)
+    load_before = os.getloadavg()
+    base = LLMEngine(checkpoint, config)
+    rows, fresh = [], iter(range(1, 10**6))  # a new prompt seed for every run: no run reuses another's prefix
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            adapters = write_adapters(checkpoint, pathlib.Path(folder), max(counts))
+            file_bytes = sum(f.stat().st_size for f in pathlib.Path(adapters["bench0"]).iterdir())
+            for n in counts:
+                engine = LLMEngine(checkpoint, dataclasses.replace(
+                    config, lora_modules=dict(list(adapters.items())[:n]), max_loras=n, max_lora_rank=RANK))
+                try:
+                    names = list(engine.lora_slots)
+                    mixed_loras = [names[i % n] for i in range(REQUESTS)]
+                    runs = {"base": (base, [None] * REQUESTS), "base_rows": (engine, [None] * REQUESTS),
+                            "mixed": (engine, mixed_loras)}
+                    speeds = {key: [] for key in runs}
+                    for repeat in range(repeats + 1):  # interleaved, so load drift hits all three alike
+                        for key, (which, loras) in runs.items():
+                            prompts = make_prompts(tokenizer, REQUESTS, seed=next(fresh))
+                            speed = tok_s(which, prompts, loras, max_tokens if repeat else 4)
+                            if repeat:  # the first pass warms up
+                                speeds[key].append(speed)
+                    rows.append({"adapters": n, "slot_bytes": slot_bytes(engine, n + 1),
+                                 **{f"{key}_tok_s": statistics.median(v) for key, v in speeds.items()},
+                                 **{f"{key}_vs_base": statistics.median(s / b for s, b in zip(v, speeds["base"]))
+                                    for key, v in speeds.items() if key != "base"}})
+                finally:
+                    engine.shutdown()
+    finally:
+        base.shutdown()
+    result = {"model": name, "requests": REQUESTS, "max_tokens": max_tokens, "repeats": repeats, "rank": RANK,
+              "adapter_file_bytes": file_bytes, "rows": rows,
+              "load_average_before": load_before, "load_average_after": os.getloadavg()}
+
+    def describe(result: dict, path) -> None:
+        print_table(f"{name}: {REQUESTS} requests x {max_tokens} tokens, K=8, eager, rank-{RANK} adapters on every "
+                    f"linear; medians of {repeats} interleaved runs; load average "
+                    f"{result['load_average_before'][0]:.2f} -> {result['load_average_after'][0]:.2f}",
+                    ["adapters in the batch", "base model tok/s", "base rows on the LoRA engine", "vs base",
+                     "mixed tok/s", "vs base", "KiB per adapter slot"],
+                    [[r["adapters"], r["base_tok_s"], r["base_rows_tok_s"], r["base_rows_vs_base"], r["mixed_tok_s"],
+                      r["mixed_vs_base"], r["slot_bytes"] / 1024] for r in result["rows"]])
+        print(f"adapter file: {result['adapter_file_bytes'] / 1024:.0f} KiB\n(JSON: {path})")
+
+    return emit(args, "decode_lora", result, describe)
