@@ -252,11 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print tables and ratios", **_command_options())
     bench.add_argument("target", choices=["encode", "decode", "detok", "serve", "serve-load", "batch", "cluster",
-                                                 "cluster-batch", "step3", "video", "structured", "kv", "peer"],
+                                                 "cluster-batch", "step3", "video", "structured", "kv", "peer",
+                                                 "attention"],
                        help="serve-load: large images before/after ingress resizing, /health under load and "
                             "after every encoder worker is killed; cluster / cluster-batch: Serve / a batch "
                             "job autoscaling on a fake multi-node cluster; peer: raypipe vs vLLM's CPU build "
-                            "side by side (--vllm-python)")
+                            "side by side (--vllm-python); attention: decode attention over the paged pool, "
+                            "the engine's gather + SDPA vs FlexAttention")
     bench.add_argument("--model", default=None, help="checkpoint to benchmark (default: each benchmark's own)")
     bench.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
