@@ -295,3 +295,33 @@ def test_a_bad_adapter_loaded_at_run_time_is_refused_naming_the_field(served, ru
         runtime.load_lora("missing", str(tmp_path / "missing"))
     assert refused.value.code == "lora_adapter_not_found" and "lora_path" == refused.value.item
     assert "dora" not in runtime.loras.names() and "missing" not in runtime.loras.names()
+
+
+def test_an_adapter_loaded_from_object_storage_equals_the_same_folder(served, runtime, monkeypatch):
+    """`s3://` through raypipe.storage, against a loopback S3-protocol server (moto): the adapter read from the bucket
+    has the fingerprint of the same bytes read locally and answers as PEFT does."""
+    import logging
+
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for name, value in (("AWS_ENDPOINT_URL_S3", f"http://{host}:{port}"), ("AWS_ACCESS_KEY_ID", "testing"),
+                            ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        fs = pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", region="us-east-1",
+                               access_key="testing", secret_key="testing", allow_bucket_creation=True)
+        fs.create_dir("adapters")
+        for path in served.folders["red"].iterdir():
+            with fs.open_output_stream(f"adapters/red/{path.name}") as out:
+                out.write(path.read_bytes())
+        local = lora.read_adapter("red", served.folders["red"], runtime.runner.model, max_lora_rank=16)
+        assert runtime.load_lora("from-s3", "s3://adapters/red") == local.fingerprint
+        assert asyncio.run(_collect(runtime, "s3-1", 1, "from-s3", served))[0] == served.expected[1, "red"]
+        runtime.unload_lora("from-s3")
+    finally:
+        server.stop()
