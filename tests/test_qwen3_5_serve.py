@@ -320,16 +320,25 @@ def red(tmp_path_factory):
 def test_adapters_load_and_unload_while_the_app_runs(server, red):
     """vLLM's routes: a load while another request streams (that stream ends as it would have), `model=<adapter>`
     then answers as PEFT with it, /v1/models lists it; a name loaded twice, a malformed adapter (naming the field)
-    and a path without one are refused; after an unload the name is a 404 naming it; the key guards both routes."""
+    and a path without one are refused; an unload while a request of the adapter streams lets it end as it would
+    have, and after it the name is a 404 naming it; the key guards both routes."""
     red, dora, theirs = red
-    long = dict(model=ADAPTER, messages=DOG, max_tokens=48, temperature=0, extra_body={**OFF, "ignore_eos": True})
-    whole = server.chat.completions.create(**long).choices[0].message.content
-    stream = server.chat.completions.create(**long, stream=True)
-    chunks = [next(stream)]  # the other request streams
-    assert _admin(server, "load_lora_adapter", lora_name="red", lora_path=str(red)) == \
-        "Success: LoRA adapter 'red' added successfully."
-    chunks += list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    long = dict(messages=DOG, max_tokens=48, temperature=0, extra_body={**OFF, "ignore_eos": True})
+
+    def streamed_around(model: str, action) -> bool:
+        """Whether a stream of `model`, with `action` run once it started, equals the same request answered whole."""
+        whole = server.chat.completions.create(model=model, **long).choices[0].message.content
+        stream = server.chat.completions.create(model=model, **long, stream=True)
+        chunks = [next(stream)]  # streaming: its first delta is out
+        action()
+        chunks += list(stream)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+
+    def load():
+        assert _admin(server, "load_lora_adapter", lora_name="red", lora_path=str(red)) == \
+            "Success: LoRA adapter 'red' added successfully."
+
+    assert streamed_around(ADAPTER, load)
     reply = server.chat.completions.create(model="red", messages=DOG, max_tokens=MAX_TOKENS, temperature=0,
                                            extra_body=OFF)
     assert (reply.model, reply.choices[0].message.content) == ("red", theirs)
@@ -346,7 +355,12 @@ def test_adapters_load_and_unload_while_the_app_runs(server, red):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).post(
             "/unload_lora_adapter", body={"lora_name": "red"}, cast_to=httpx.Response)
-    assert _admin(server, "unload_lora_adapter", lora_name="red") == "Success: LoRA adapter 'red' removed successfully."
+
+    def unload():
+        assert _admin(server, "unload_lora_adapter", lora_name="red") == \
+            "Success: LoRA adapter 'red' removed successfully."
+
+    assert streamed_around("red", unload)
     with pytest.raises(openai.NotFoundError, match="'red'"):
         server.chat.completions.create(model="red", messages=DOG, max_tokens=1)
     with pytest.raises(openai.NotFoundError, match="'red'"):
