@@ -6,10 +6,12 @@ their prompts leave its own."""
 from __future__ import annotations
 
 from raypipe.decode.block_pool import BlockPool
+from raypipe.decode.lora_pool import LoraPool
 from raypipe.decode.scheduler import MAX_PADDING, Scheduler, group_by_length
 from raypipe.decode.sequence import Sequence
 from raypipe.decode.snapshot_pool import SnapshotPool
 from raypipe.inputs.sampling import SamplingParams
+from raypipe.models.lora import LoraWeights
 
 
 def _seq(length: int, output: int = 0, tokens: list[int] | None = None) -> Sequence:
@@ -149,3 +151,29 @@ def test_rows_waiting_for_a_shared_prompt_hit_its_state_where_they_leave_it():
     assert sorted((s for g in plan.prefill for s in g), key=lambda s: s.arrival) == followers
     assert [s.num_computed for s in followers] == [192] * 3
     assert len(plan.restores) == 3 and len({slot for slot, _ in plan.restores}) == 1  # the one state at 192
+
+
+def test_a_row_whose_adapter_finds_every_slot_busy_waits_and_only_base_rows_pass_it():
+    """Two slots, three adapters: the third adapter's row waits (not refused) while both slots are in use; behind
+    it base rows join, adapter rows do not (not even of an adapter in a slot: they would keep it busy); once a
+    row leaves, its slot, least recently used, is given to the waiting row and written."""
+    adapters = {name: LoraWeights(name, {}, fingerprint=name * 8) for name in "ABC"}
+    pool = LoraPool(lambda name, path, where: adapters[name], max_loras=2, max_cpu_loras=2)
+    for name in adapters:
+        pool.load(name, f"/adapters/{name}")
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=1000, pool=BlockPool(100, 16), chunked_prefill=False,
+                          prefix_caching=False, loras=pool)
+    a, b, c, base, a2 = (_seq(20 + i) for i in range(5))
+    for seq, name in ((a, "A"), (b, "B"), (c, "C"), (base, None), (a2, "A")):
+        seq.lora = adapters.get(name)
+        scheduler.add(seq)
+    scheduler.schedule(lambda seq: 1)
+    assert scheduler.running == [a, b, base] and list(scheduler.waiting) == [c, a2]
+    assert [(slot, w.name) for slot, w in pool.take_writes()] == [(1, "A"), (2, "B")]
+    scheduler.release([a])
+    scheduler.schedule(lambda seq: 1)
+    assert c.row is not None and c.lora_slot == 1 and list(scheduler.waiting) == [a2]  # A's slot was free
+    assert [(slot, w.name) for slot, w in pool.take_writes()] == [(1, "C")]
+    scheduler.release([b])
+    scheduler.schedule(lambda seq: 1)
+    assert a2.lora_slot == 2 and not scheduler.waiting and [w.name for _, w in pool.take_writes()] == ["A"]

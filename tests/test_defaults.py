@@ -117,7 +117,7 @@ def test_deployment_options_live_in_config_yaml_only():
                 for decorator in node.decorator_list:
                     if ast.unparse(getattr(decorator, "func", decorator)) == "serve.deployment":
                         decorated[node.name] = decorator
-    assert set(decorated) == {"Ingress", "EncoderGroup", "Decoder", "ResponseStore"}
+    assert set(decorated) == {"Ingress", "EncoderGroup", "Decoder", "ResponseStore", "LoraRegistry"}
     for name, decorator in decorated.items():
         assert not isinstance(decorator, ast.Call), f"{name}'s decorator sets {ast.unparse(decorator)}"
     [app] = load_serve_config()["applications"]

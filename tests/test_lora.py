@@ -104,8 +104,10 @@ def served(request, tmp_path_factory):
 
 def run(served, k: int, rows, tag: str):
     """Outputs of `rows` ((prompt index, adapter)) submitted 4 ms apart: later rows join a running batch."""
-    engine = served.engine(k)
+    return run_on(served, served.engine(k), rows, tag)
 
+
+def run_on(served, engine, rows, tag: str):
     async def one(n, i, name):
         await asyncio.sleep(0.004 * n)
         prompt, embeds = served.case(i)
@@ -186,13 +188,13 @@ def test_adapters_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
 
 
 def test_engine_start_refuses_what_it_cannot_serve(tmp_path):
-    """At start: more adapters than slots, tensor parallel, and a bad adapter (the engine does not start); the
+    """At start: fewer CPU-kept adapters than slots, tensor parallel, and a bad adapter (the engine does not start); the
     compiled decode step, asked for, is declined with its reason and decode steps run eager."""
     ckpt = preset_checkpoint("tiny")
     good = write_adapters(ckpt, tmp_path, {"good": dict(r=4, lora_alpha=8, target_modules=["q_proj"],
                                                         exclude_modules=r".*visual.*")})["good"]
-    with pytest.raises(ValueError, match="max_loras"):
-        EngineConfig(lora_modules={"a": str(good), "b": str(good)}, max_loras=1)
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineConfig(max_loras=4, max_cpu_loras=2)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(lora_modules={"a": str(good)}, tensor_parallel_size=2)
     with pytest.raises(InvalidInput) as refused:
@@ -204,3 +206,122 @@ def test_engine_start_refuses_what_it_cannot_serve(tmp_path):
         assert engine.decode_step["mode"] == "eager" and "LoRA" in engine.decode_step["reason"]
     finally:
         engine.shutdown()
+
+
+# --- adapters loaded and unloaded while the engine runs (lora_pool.py) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def runtime(served):
+    """An engine started without adapters, 2 device slots and 2 CPU-kept adapters for 3 adapters: every one is
+    loaded at run time (`load_lora`), and a batch of all three must wait for slots and re-read one from disk."""
+    engine = LLMEngine(served.ckpt, EngineConfig(max_num_seqs=4, max_model_len=512, block_size=8, max_loras=2,
+                                                 max_cpu_loras=2))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+async def _collect(engine, tag: str, i: int, name: str | None, served, salt: str | None = None, max_tokens=MAX_NEW):
+    """(token ids, cached prompt tokens) of prompt `i` under adapter `name`."""
+    prompt, embeds = served.case(i)
+    tokens, cached = [], None
+    async for delta in engine.generate(tag, prompt, embeds, SamplingParams(max_tokens=max_tokens), name,
+                                       cache_salt=salt):
+        tokens += delta.token_ids
+        cached = delta.num_cached_tokens
+    return tokens, cached
+
+
+def test_adapters_loaded_at_run_time_equal_peft_with_fewer_slots_than_adapters(served, runtime):
+    """Three adapters, two slots: rows wait for a slot (never fail; the rule itself is held in
+    test_decode_scheduler), slots are rewritten; with two kept in CPU memory one is read again; every row
+    still equals PEFT."""
+    for name, folder in served.folders.items():
+        runtime.load_lora(name, str(folder))
+    outs = [o.token_ids for o in run_on(served, runtime, ROWS, "runtime")]
+    assert outs == [served.expected[row] for row in ROWS]
+    stats = runtime.stats()
+    # every adapter was written into one of the two slots; "red", first loaded, had left CPU memory
+    assert stats["lora_slot_writes"] >= 3 and stats["lora_reads"] >= 1, stats
+
+
+def test_a_name_loaded_again_with_other_weights_never_hits_the_old_blocks(served, runtime):
+    """The prefix cache keys an adapter by its weights, not its name: "swap" unloaded and loaded again from
+    another folder answers as the new adapter, with no cached prompt token from the old one (a name-keyed cache
+    hands it the old adapter's K/V). The salt keeps other tests' blocks out of the count."""
+    runtime.load_lora("swap", str(served.folders["green"]))
+    first = asyncio.run(_collect(runtime, "swap-1", 3, "swap", served, salt="reload"))
+    again = asyncio.run(_collect(runtime, "swap-2", 3, "swap", served, salt="reload"))
+    assert first == (served.expected[3, "green"], 0) and again[1] > 0  # same weights: a hit
+    runtime.unload_lora("swap")
+    runtime.load_lora("swap", str(served.folders["blue"]))
+    assert asyncio.run(_collect(runtime, "swap-3", 3, "swap", served, salt="reload")) == (served.expected[3, "blue"], 0)
+    runtime.unload_lora("swap")
+
+
+def test_unload_lets_running_requests_finish_and_refuses_new_ones(served, runtime):
+    """vLLM's rules: loading a served name again is refused (400), unloading an unknown one is a not-found;
+    requests running with an adapter when it is unloaded finish with it, later ones are refused naming it."""
+    with pytest.raises(InvalidInput) as refused:
+        runtime.load_lora("red", str(served.folders["red"]))
+    assert refused.value.code == "lora_already_loaded" and "'red'" in str(refused.value)
+    with pytest.raises(InvalidInput) as refused:
+        runtime.unload_lora("nope")
+    assert refused.value.code == "lora_not_found" and "'nope'" in str(refused.value)
+    runtime.load_lora("brief", str(served.folders["red"]))
+
+    async def unload_while_running():
+        prompt, embeds = served.case(1)
+        stream = runtime.generate("brief-1", prompt, embeds, SamplingParams(max_tokens=MAX_NEW), "brief")
+        tokens = list((await anext(stream)).token_ids)  # running: its first token is out
+        runtime.unload_lora("brief")
+        async for delta in stream:
+            tokens += delta.token_ids
+        return tokens
+
+    assert asyncio.run(unload_while_running()) == served.expected[1, "red"]
+    with pytest.raises(InvalidInput) as refused:
+        asyncio.run(_collect(runtime, "brief-2", 1, "brief", served))
+    assert refused.value.code == "lora_not_found" and "'brief'" in str(refused.value)
+
+
+def test_a_bad_adapter_loaded_at_run_time_is_refused_naming_the_field(served, runtime, tmp_path):
+    bad = _edited(served.folders["red"], tmp_path / "dora", use_dora=True)
+    with pytest.raises(InvalidInput) as refused:
+        runtime.load_lora("dora", str(bad))
+    assert refused.value.item == "lora_path.use_dora"
+    with pytest.raises(InvalidInput) as refused:
+        runtime.load_lora("missing", str(tmp_path / "missing"))
+    assert refused.value.code == "lora_adapter_not_found" and "lora_path" == refused.value.item
+    assert "dora" not in runtime.loras.names() and "missing" not in runtime.loras.names()
+
+
+def test_an_adapter_loaded_from_object_storage_equals_the_same_folder(served, runtime, monkeypatch):
+    """`s3://` through raypipe.storage, against a loopback S3-protocol server (moto): the adapter read from the bucket
+    has the fingerprint of the same bytes read locally and answers as PEFT does."""
+    import logging
+
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for name, value in (("AWS_ENDPOINT_URL_S3", f"http://{host}:{port}"), ("AWS_ACCESS_KEY_ID", "testing"),
+                            ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        fs = pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", region="us-east-1",
+                               access_key="testing", secret_key="testing", allow_bucket_creation=True)
+        fs.create_dir("adapters")
+        for path in served.folders["red"].iterdir():
+            with fs.open_output_stream(f"adapters/red/{path.name}") as out:
+                out.write(path.read_bytes())
+        local = lora.read_adapter("red", served.folders["red"], runtime.runner.model, max_lora_rank=16)
+        assert runtime.load_lora("from-s3", "s3://adapters/red") == local.fingerprint
+        assert asyncio.run(_collect(runtime, "s3-1", 1, "from-s3", served))[0] == served.expected[1, "red"]
+        runtime.unload_lora("from-s3")
+    finally:
+        server.stop()

@@ -5,12 +5,14 @@ vLLM's `qwen3` parser rule splits the same tokens, whole and streamed as deltas;
 answer is content; an output constraint (schema, choice, forced tool call) applies to the answer after the
 thinking block, or with thinking off to the whole answer. The `model` field may name a LoRA adapter
 (`engine.lora_modules`): its answer is PEFT's greedy answer, `/v1/models` lists it under its base model, and
-an unknown name is a 404 naming it."""
+an unknown name is a 404 naming it. Adapters are loaded and unloaded while the app runs through vLLM's
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (behind the API key), while another request streams."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -24,6 +26,7 @@ from tests.test_serve_api import data_url, png_bytes
 MODEL = "tiny-qwen3.5"
 MAX_TOKENS = 12
 OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+KEY = "qwen3.5-test-key"
 
 
 ADAPTER = "blue"  # tests.test_lora's adapter on every linear of the language model
@@ -40,10 +43,10 @@ def server(serve_app, adapter):
     from raypipe.serve.app import build_app
 
     preset_checkpoint(MODEL)  # written once here, not by each replica
-    url = serve_app(build_app({"model": MODEL, "num_encoders": 1, "batch_window_s": 0.02,
+    url = serve_app(build_app({"model": MODEL, "num_encoders": 1, "batch_window_s": 0.02, "api_key": KEY,
                                 "engine": {"max_model_len": 1024, "max_num_seqs": 4,
                                            "lora_modules": {ADAPTER: str(adapter)}}}), "raypipe-qwen3-5-test")
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -259,21 +262,29 @@ def test_legacy_functions_call_a_function(server, expected):
     assert chunks[-1].finish_reason == "function_call"
 
 
-def test_model_field_names_a_lora_adapter(server, adapter):
-    """vLLM's convention: `model` names the adapter; the answer is PEFT's greedy one, not the base model's."""
+DOG = [{"role": "user", "content": "Describe a dog."}]
+
+
+def _greedy_texts(*adapters) -> list[str]:
+    """transformers' greedy answer to DOG with thinking off: the base model's, then PEFT's with each adapter folder."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
     ckpt = preset_checkpoint(MODEL)
-    messages = [{"role": "user", "content": "Describe a dog."}]
     processor = ref.hf_processor(ckpt)
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    text = processor.apply_chat_template(DOG, add_generation_prompt=True, tokenize=False, enable_thinking=False)
     inputs = dict(processor(text=[text], return_tensors="pt"))
-    hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
-    eos = hf.generation_config.eos_token_id
-    base = processor.tokenizer.decode(ref.hf_generate(hf, inputs, MAX_TOKENS, eos), skip_special_tokens=True)
-    peft = PeftModel.from_pretrained(hf, adapter).eval()
-    theirs = processor.tokenizer.decode(ref.hf_generate(peft, inputs, MAX_TOKENS, eos), skip_special_tokens=True)
+    eos = AutoModelForImageTextToText.from_pretrained(ckpt).generation_config.eos_token_id
+    models = [AutoModelForImageTextToText.from_pretrained(ckpt).eval()]
+    models += [PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(ckpt), a).eval() for a in adapters]
+    return [processor.tokenizer.decode(ref.hf_generate(m, inputs, MAX_TOKENS, eos), skip_special_tokens=True)
+            for m in models]
+
+
+def test_model_field_names_a_lora_adapter(server, adapter):
+    """vLLM's convention: `model` names the adapter; the answer is PEFT's greedy one, not the base model's."""
+    messages = DOG
+    base, theirs = _greedy_texts(adapter)
     assert theirs != base
     for model, want in ((ADAPTER, theirs), (MODEL, base)):
         reply = server.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
@@ -283,6 +294,78 @@ def test_model_field_names_a_lora_adapter(server, adapter):
     assert cards == {MODEL: None, ADAPTER: MODEL} and server.models.retrieve(ADAPTER).model_extra["parent"] == MODEL
     with pytest.raises(openai.NotFoundError, match="'red'"):
         server.chat.completions.create(model="red", messages=messages, max_tokens=1)
+
+
+def _admin(server, route: str, **body) -> str:
+    """POST vLLM's adapter route through the openai client's own transport (it raises its status errors)."""
+    return server.post(f"/{route}", body=body, cast_to=httpx.Response).text
+
+
+@pytest.fixture(scope="module")
+def red(tmp_path_factory):
+    """tests.test_lora's "red" adapter, written by PEFT, its malformed copy (DoRA), and PEFT's answer to DOG."""
+    folder = tmp_path_factory.mktemp("runtime-lora")
+    red = write_adapters(preset_checkpoint(MODEL), folder, {"red": ADAPTERS["red"]})["red"]
+    dora = folder / "dora"
+    dora.mkdir()
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        (dora / name).write_bytes((red / name).read_bytes())
+    (dora / "adapter_config.json").write_text(json.dumps({**json.loads((red / "adapter_config.json").read_text()),
+                                                          "use_dora": True}))
+    base, theirs = _greedy_texts(red)
+    assert theirs != base
+    return red, dora, theirs
+
+
+def test_adapters_load_and_unload_while_the_app_runs(server, red):
+    """vLLM's routes: a load while another request streams (that stream ends as it would have), `model=<adapter>`
+    then answers as PEFT with it, /v1/models lists it; a name loaded twice, a malformed adapter (naming the field)
+    and a path without one are refused; an unload while a request of the adapter streams lets it end as it would
+    have, and after it the name is a 404 naming it; the key guards both routes."""
+    red, dora, theirs = red
+    long = dict(messages=DOG, max_tokens=48, temperature=0, extra_body={**OFF, "ignore_eos": True})
+
+    def streamed_around(model: str, action) -> bool:
+        """Whether a stream of `model`, with `action` run once it started, equals the same request answered whole."""
+        whole = server.chat.completions.create(model=model, **long).choices[0].message.content
+        stream = server.chat.completions.create(model=model, **long, stream=True)
+        chunks = [next(stream)]  # streaming: its first delta is out
+        action()
+        chunks += list(stream)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+
+    def load():
+        assert _admin(server, "load_lora_adapter", lora_name="red", lora_path=str(red)) == \
+            "Success: LoRA adapter 'red' added successfully."
+
+    assert streamed_around(ADAPTER, load)
+    reply = server.chat.completions.create(model="red", messages=DOG, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body=OFF)
+    assert (reply.model, reply.choices[0].message.content) == ("red", theirs)
+    assert {m.id: m.model_extra.get("parent") for m in server.models.list().data}["red"] == MODEL
+    for name, path, error, where in (("red", red, openai.BadRequestError, "'red'"),  # loaded already
+                                     (ADAPTER, red, openai.BadRequestError, f"'{ADAPTER}'"),  # configured at start
+                                     ("dora", dora, openai.BadRequestError, "use_dora"),
+                                     ("nowhere", red.parent / "nowhere", openai.NotFoundError, "nowhere")):
+        with pytest.raises(error, match=where):
+            _admin(server, "load_lora_adapter", lora_name=name, lora_path=str(path))
+    with pytest.raises(openai.BadRequestError) as refused:
+        _admin(server, "load_lora_adapter", lora_name="dora", lora_path=str(dora))
+    assert refused.value.body["param"] == "lora_path.use_dora"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).post(
+            "/unload_lora_adapter", body={"lora_name": "red"}, cast_to=httpx.Response)
+
+    def unload():
+        assert _admin(server, "unload_lora_adapter", lora_name="red") == \
+            "Success: LoRA adapter 'red' removed successfully."
+
+    assert streamed_around("red", unload)
+    with pytest.raises(openai.NotFoundError, match="'red'"):
+        server.chat.completions.create(model="red", messages=DOG, max_tokens=1)
+    with pytest.raises(openai.NotFoundError, match="'red'"):
+        _admin(server, "unload_lora_adapter", lora_name="red")
+    assert "red" not in {m.id for m in server.models.list().data}
 
 
 # --- issue 43 item 4: OpenAI's Responses API (`client.responses`) ------------------------------------------------
@@ -401,3 +484,32 @@ def test_what_responses_cannot_honour_is_refused_by_name(server):
         with pytest.raises(openai.BadRequestError) as refused:
             server.responses.create(model=MODEL, extra_body=body)
         assert refused.value.body["param"] == param, refused.value.body
+
+
+def test_a_decoder_replica_started_later_serves_an_adapter_loaded_before_it(server, red):
+    """The registry, not the replica that checked the load, holds runtime adapters: the Decoder replica is killed
+    after a load, and its replacement (which read only the adapters configured at start) answers `model=red` as
+    PEFT does, reading the adapter when the first request names it. Last in this module: it restarts the Decoder."""
+    import os
+    import signal
+    import time
+
+    from ray import serve
+
+    folder, _, theirs = red
+    _admin(server, "load_lora_adapter", lora_name="red", lora_path=str(folder))  # unloaded above: loaded again
+    decoder = serve.get_deployment_handle("Decoder", "raypipe-qwen3-5-test")
+    old = decoder.pid.remote().result()
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if decoder.pid.remote().result(timeout_s=30) != old:
+                break
+        except Exception:  # noqa: BLE001 - the replica is dead or not started yet
+            pass
+        assert time.monotonic() < deadline, "no new Decoder replica"
+        time.sleep(0.5)
+    reply = server.chat.completions.create(model="red", messages=DOG, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body=OFF)
+    assert reply.choices[0].message.content == theirs

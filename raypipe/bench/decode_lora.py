@@ -97,7 +97,7 @@ def main(args) -> int:
                 engine = LLMEngine(checkpoint, dataclasses.replace(
                     config, lora_modules=dict(list(adapters.items())[:n]), max_loras=n, max_lora_rank=RANK))
                 try:
-                    names = list(engine.lora_slots)
+                    names = engine.loras.names()
                     mixed_loras = [names[i % n] for i in range(REQUESTS)]
                     runs = {"base": (base, [None] * REQUESTS), "base_rows": (engine, [None] * REQUESTS),
                             "mixed": (engine, mixed_loras)}

@@ -73,13 +73,18 @@ class EngineConfig:
     grammar_max_depth: int = 100
     grammar_max_ref_depth: int = 100
     grammar_max_rules: int = 1000
-    # LoRA adapters (raypipe/models/lora.py), read when the engine starts: name -> local folder of a PEFT
-    # LoRA save. A request names one (`lora=`, or the OpenAI `model` field); rows of different adapters and
-    # of none share a round. Each targeted linear keeps `max_loras + 1` slots of rank `max_lora_rank`
-    # (an adapter of a lower rank is zero-padded); every configured adapter holds a slot.
+    # LoRA adapters (raypipe/models/lora.py; docs/lora.md): name -> folder (local or s3://) of a PEFT LoRA save,
+    # read when the engine starts; more are loaded and unloaded while it runs (`LLMEngine.load_lora`). A request
+    # names one (`lora=`, or the OpenAI `model` field); rows of different adapters and of none share a round.
+    # Each targeted linear keeps `max_loras` device slots of rank `max_lora_rank` (a lower rank is zero-padded),
+    # given to the adapters of running requests least recently used first: a request whose adapter finds every
+    # slot busy waits (raypipe/decode/lora_pool.py). `max_cpu_loras` read adapters stay in CPU memory (LRU); the
+    # others are read again from their folder when asked. None: max_loras, vLLM's default (an adapter's fp32
+    # factors take 4 * r * (in + out) bytes per targeted linear: ~160 MB at r=16 on every linear of a 7B model).
     lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
     max_loras: int = 4
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "max_num_waiting", "block_size",
@@ -110,9 +115,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}")
         if self.expert_split not in EXPERT_SPLITS:
             raise ValueError(f"EngineConfig.expert_split must be one of {EXPERT_SPLITS}, got {self.expert_split!r}")
-        if len(self.lora_modules) > self.max_loras:
-            raise ValueError(f"EngineConfig.lora_modules names {len(self.lora_modules)} adapters; max_loras is "
-                             f"{self.max_loras}")
+        if self.max_cpu_loras is not None and (isinstance(self.max_cpu_loras, bool) or not isinstance(
+                self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"EngineConfig.max_cpu_loras must be an integer >= max_loras ({self.max_loras}) or None, "
+                             f"got {self.max_cpu_loras!r}")
         if self.lora_modules and self.tensor_parallel_size > 1:
             raise ValueError("EngineConfig.lora_modules is not supported with tensor_parallel_size > 1 yet")
         if self.num_threads is not None and self.num_threads < 1:

@@ -7,7 +7,8 @@ view per thread, so it keeps no per-call state that two threads could share):
     apply aborts -> schedule (scheduler.py): blocks of the paged KV pool for the running sequences'
        K steps (preempting the newest when the pool runs dry), next chunks of prefills under way,
        waiting requests admitted after the running batch (reusing their longest cached prefix; for
-       layers with per-row state, the state snapshot at its end is copied into the row first)
+       layers with per-row state, the state snapshot at its end is copied into the row first; a LoRA
+       adapter's row only once its adapter has a device slot, written here: lora_pool.py)
     -> [prefill thread] prefill those chunks by groups of similar length, first token of each
        prompt completed || [engine thread] K decode steps for the sequences already decoding
     -> per sequence: cut at its stop, emit one delta -> free the rows and blocks of finished ones
@@ -55,6 +56,7 @@ from raypipe.decode.block_pool import BlockPool
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.grammar import GrammarCompiler, GrammarLimits
 from raypipe.decode.grammar_worker import readable_error
+from raypipe.decode.lora_pool import LoraPool
 from raypipe.decode.model_runner import ModelRunner
 from raypipe.decode.output import OutputProcessor
 from raypipe.decode.prefix_hash import chain_root, placeholder_runs
@@ -67,6 +69,7 @@ from raypipe.decode.snapshot_pool import SnapshotPool
 from raypipe.decode.window_tables import WindowTables
 from raypipe.errors import CapacityError, EngineClosed, InvalidInput, QueueFull
 from raypipe.inputs.sampling import SamplingParams
+from raypipe.models.lora import read_adapter
 from raypipe.models.prompt import PreparedPrompt
 from raypipe.models.registry import language_adapter
 from raypipe.runtime.device import pick_device, resolve_dtype
@@ -101,9 +104,14 @@ class LLMEngine:
                                   state_snapshot_fraction=self.config.state_snapshot_memory_fraction
                                   if prefix_caching else 0.0,
                                   max_num_batched_tokens=self.config.max_num_batched_tokens)
-        # LoRA adapters before the decode step is chosen: the compiled step does not take them
-        self.lora_slots = self.runner.use_loras(self.config.lora_modules, self.config.max_loras,
-                                                self.config.max_lora_rank) if self.config.lora_modules else {}
+        # LoRA adapters (lora_pool.py): the configured ones read now (a bad one stops the start), before the decode
+        # step is chosen (the compiled step does not take them); more may be loaded while the engine runs
+        self.loras = LoraPool(self._read_lora, self.config.max_loras,
+                              self.config.max_cpu_loras or self.config.max_loras)
+        if self.config.lora_modules:
+            self.runner.use_loras(self.config.max_loras, self.config.max_lora_rank)
+            for name, path in self.config.lora_modules.items():
+                self.loras.load(name, path)
         self.decode_step = self._start_decode_step()
         self.weights = self._pack_weights()
         self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
@@ -122,7 +130,7 @@ class LLMEngine:
                                        self.adapter.text_config.sliding_window)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, self.pool,
                                    chunked_prefill=True, prefix_caching=prefix_caching, snapshots=self.snapshots,
-                                   snapshot_every=self.snapshot_every, window=self.window)
+                                   snapshot_every=self.snapshot_every, window=self.window, loras=self.loras)
         self._log_cache()
         self.output = OutputProcessor(self.adapter.tokenizer, self.adapter.eos_token_ids, self.config.max_model_len)
         self.tokenizer = self.adapter.tokenizer
@@ -154,7 +162,8 @@ class LLMEngine:
     def check_request(self, prompt: PreparedPrompt | list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise `InvalidInput` if the engine would refuse this request (no work is started)."""
         check_request(prompt, params, language_adapter=self.adapter, max_model_len=self.config.max_model_len)
-        self._lora_slot(lora)
+        if lora is not None:
+            self.loras.check(lora)
         if params.structured is not None:
             self.grammars.matcher(params.structured)  # compiles (and caches) it, or names what is wrong
 
@@ -168,7 +177,8 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         ids, layouts = check_request(prompt, params, language_adapter=self.adapter,
                                      max_model_len=self.config.max_model_len)
-        lora_slot = self._lora_slot(lora)
+        adapter = None if lora is None else (self.loras.cached(lora)
+                                             or await asyncio.to_thread(self.loras.weights, lora))
         embeds, kept = visual_rows(await _resolve(visual_embeds), layouts, self.adapter)
         runs = placeholder_runs(ids, layouts, self.adapter) if self.scheduler.prefix_caching else ()
         positions, rope_delta = self.adapter.positions(ids, layouts, kept)
@@ -187,7 +197,8 @@ class LLMEngine:
         # Compiled here, not on the engine thread (cached: ~1 ms the first time, a copy after).
         matcher = await asyncio.to_thread(self.grammars.matcher, params.structured) if params.structured else None
         seq = Sequence(request_id, ids, positions, rope_delta, embeds, params, deliver, generator, matcher,
-                       placeholder_runs=runs, prefix_root=chain_root(lora, cache_salt), lora_slot=lora_slot)
+                       placeholder_runs=runs, prefix_root=chain_root(adapter and adapter.fingerprint, cache_salt),
+                       lora=adapter)
         if resume is not None:
             resume_sequence(seq, resume, self.output, self.runner.vocab_size)
         self._submit(seq)
@@ -214,15 +225,24 @@ class LLMEngine:
             out.add(delta)
         return out
 
-    def _lora_slot(self, lora: str | None) -> int:
-        """The model's slot of adapter `lora` (0: the base model); an adapter the engine was not started with
-        is refused."""
-        if lora is None:
-            return 0
-        if lora not in self.lora_slots:
-            raise InvalidInput(f"unknown LoRA adapter {lora!r}; this engine serves {sorted(self.lora_slots)}",
-                               item="lora", code="lora_not_found")
-        return self.lora_slots[lora]
+    def load_lora(self, name: str, path: str, where: str = "lora_path") -> str:
+        """Serve LoRA adapter `name` from `path` (a PEFT folder, local or `s3://`) from now on; its fingerprint.
+        Read and checked here, in the caller's thread (a bad adapter is an `InvalidInput` naming `where`'s field);
+        a name already served is refused (unload it first). Its slot is written at a round boundary, when a
+        request first needs it."""
+        if self.runner.static_step is not None or self.config.tensor_parallel_size > 1:
+            raise InvalidInput("this engine cannot take LoRA adapters: its decode step is compiled or it spans "
+                               "several devices (start it with lora_modules, or compiled_decode=False and "
+                               "tensor_parallel_size=1)", item="lora_path", code="lora_not_supported")
+        self.runner.use_loras(self.config.max_loras, self.config.max_lora_rank)
+        return self.loras.load(name, str(path), where).fingerprint
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name`: requests already holding it finish with it, new ones are refused (`lora_not_found`)."""
+        self.loras.unload(name)
+
+    def _read_lora(self, name: str, path: str, where: str):
+        return read_adapter(name, path, self.runner.model, self.config.max_lora_rank, where)
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next round boundary and free its row; unknown ids are ignored."""
@@ -260,6 +280,7 @@ class LLMEngine:
                 "preemptions": s["preemptions"], "chunked_prefills": s["chunked_prefills"],
                 "deferred_admissions": s["deferred_admissions"],
                 **({"snapshot_every_blocks": self.snapshot_every} if self.snapshots is not None else {}),
+                **self.loras.stats(), "lora_slot_waits": s["lora_slot_waits"],
                 "device": str(self.device), "decode_step": self.decode_step, "linear_weights": self.weights}
 
     def _log_cache(self) -> None:
@@ -380,6 +401,8 @@ class LLMEngine:
     def _round(self) -> None:
         steps = self.config.num_scheduler_steps
         plan = self.scheduler.schedule(lambda seq: min(steps, self.output.budget(seq)))
+        # Adapter slots given this round are written here: no forward runs between rounds (see top)
+        self.runner.write_lora_slots(self.loras.take_writes())
         self.runner.move_rows(plan.moves)
         if plan.restores:
             try:

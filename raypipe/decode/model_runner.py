@@ -81,7 +81,7 @@ class ModelRunner:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.host_ids = torch.empty((num_scheduler_steps, max_num_seqs), dtype=torch.long, pin_memory=True)
         self.static_step: compiled_step.StaticDecodeStep | None = None
-        self.lora_rows: lora.LoraRows | None = None
+        self.lora_slots: lora.LoraSlots | None = None
 
     def _size_pool(self, text, *, block_size: int, max_num_seqs: int, max_model_len: int,
                    kv_cache_memory: int | None, kv_cache_free_memory_fraction: float,
@@ -98,17 +98,21 @@ class ModelRunner:
             **window_pool_shape(text, block_size=block_size, max_model_len=max_model_len,
                                 num_scheduler_steps=num_scheduler_steps, max_num_batched_tokens=max_num_batched_tokens))
 
-    def use_loras(self, folders: dict[str, str], max_loras: int, max_lora_rank: int) -> dict[str, int]:
-        """Read the LoRA adapters `folders` (name -> PEFT folder) into the model's slots; name -> slot."""
-        adapters = [lora.read_adapter(name, folder, self.model, max_lora_rank) for name, folder in folders.items()]
-        self.lora_rows = lora.install(self.model, adapters, max_loras, max_lora_rank)
-        return {adapter.name: slot for slot, adapter in enumerate(adapters, start=1)}
+    def use_loras(self, max_loras: int, max_lora_rank: int) -> None:
+        """Give the model LoRA adapter slots (once; layers are wrapped as adapters are written)."""
+        if self.lora_slots is None:
+            self.lora_slots = lora.LoraSlots(self.model, max_loras, max_lora_rank, self.dtype, self.device)
+
+    def write_lora_slots(self, writes: list[tuple[int, lora.LoraWeights]]) -> None:
+        """Put adapters into their slots `(slot, adapter)`: only where no forward runs (between rounds)."""
+        for slot, adapter in writes:
+            self.lora_slots.write(slot, adapter)
 
     def _lora_rows(self, seqs: list[Sequence]):
         """The context of a forward over `seqs` (row i = seqs[i]): their adapter slots, if any row has one."""
-        if self.lora_rows is None or not any(s.lora_slot for s in seqs):
+        if self.lora_slots is None or not any(s.lora_slot for s in seqs):
             return contextlib.nullcontext()
-        return self.lora_rows.using([s.lora_slot for s in seqs], self.dtype, self.device)
+        return self.lora_slots.rows.using([s.lora_slot for s in seqs], self.dtype, self.device)
 
     def use_packed_weights(self) -> str:
         """Pack the language model's linears for oneDNN's CPU kernels (`models/packed_linear.py`); what was done."""
@@ -120,7 +124,7 @@ class ModelRunner:
     def use_static_step(self, batch_buckets: tuple[int, ...] | None = None,
                         kv_buckets: tuple[int, ...] | None = None) -> str | None:
         """Run decode steps through static-shape buckets from now on; the reason if it cannot."""
-        if self.lora_rows is not None:
+        if self.lora_slots is not None:
             return "LoRA adapters run eager decode steps (the compiled step has no slot input yet)"
         reason = compiled_step.supports(self.cache)
         if reason is None:

@@ -17,8 +17,10 @@ by hand) gets a digest of its own, so no block from it on is ever shared.
 
 A sequence served with a LoRA adapter computes different K/V (and row state) for the same tokens, so its
 chain starts from the adapter's key (`chain_root`) instead of nothing: a block computed under one adapter
-is never a hit for another adapter or for the base model. The key is the adapter's name, which names the
-same weights for as long as an engine runs (adapters are read when it starts). A request's `cache_salt`
+is never a hit for another adapter or for the base model. The key is the adapter's fingerprint, a sha256
+of the bytes its weights and config were read from (`models/lora.py`), not its name: adapters are loaded
+and unloaded while the engine runs, and a name loaded again with other weights must not hit the blocks
+computed under the old ones. A request's `cache_salt`
 (vLLM's field) goes into the same key: tenants with different salts never hit each other's blocks, so
 one cannot learn from its latency what another asked.
 """
@@ -42,8 +44,8 @@ def item_digest(layout) -> bytes:
 
 
 def chain_root(lora: str | None, cache_salt: str | None = None) -> bytes:
-    """The chain's start for a sequence served with adapter `lora` and salted with `cache_salt`; empty for the
-    base model without a salt."""
+    """The chain's start for a sequence served with the LoRA adapter of key `lora` (its fingerprint) and salted
+    with `cache_salt`; empty for the base model without a salt."""
     if lora is None and cache_salt is None:
         return b""
     key = repr(("lora", lora, "salt", cache_salt)).encode()

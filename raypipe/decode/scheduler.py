@@ -19,6 +19,10 @@ A round (see engine.py) decodes the running sequences K steps and prefills the j
    with row state, a better restore point) a prefill under way is computing waits for it instead of
    computing it too (`_would_recompute_pending`): rows sharing a long prompt that arrive together
    compute it once, in the first row, and join with the hit; the sequences behind it go ahead.
+   A sequence served with a LoRA adapter joins only if its adapter holds, or can be given, one of the
+   model's adapter slots (`lora_pool.py`: a slot no running or joining sequence uses); else it waits,
+   keeping its place, and behind it only base-model rows join this round, so slots do free up for it
+   (adapters of later requests cannot keep every slot busy forever) while base rows never wait for slots.
 
 Models with sliding-window layers also have a window pool (`window_tables.py`): a sequence takes
 window blocks as it takes full-attention blocks, gives back those that have left the window after
@@ -61,6 +65,7 @@ from collections import deque
 from collections.abc import Callable
 
 from raypipe.decode.block_pool import BlockPool
+from raypipe.decode.lora_pool import LoraPool
 from raypipe.decode.prefix_hash import extend_block_hashes
 from raypipe.decode.sequence import Sequence
 from raypipe.decode.snapshot_pool import SnapshotPool
@@ -81,7 +86,7 @@ class Round:
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pool: BlockPool, *,
                  chunked_prefill: bool, prefix_caching: bool, snapshots: SnapshotPool | None = None,
-                 snapshot_every: int = 1, window: WindowTables | None = None):
+                 snapshot_every: int = 1, window: WindowTables | None = None, loras: LoraPool | None = None):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pool = pool
@@ -91,11 +96,12 @@ class Scheduler:
         self.snapshots = snapshots
         self.snapshot_every = snapshot_every  # blocks between snapshots of a long prefill
         self.window = window  # None: no sliding-window layers
+        self.loras = loras  # None: no LoRA adapters (every sequence runs the base model)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = itertools.count()
         self.counters = dict(prefill_tokens_asked=0, prefix_cache_hit_tokens=0, preemptions=0, chunked_prefills=0,
-                             deferred_admissions=0)
+                             deferred_admissions=0, lora_slot_waits=0)
 
     def add(self, seq: Sequence) -> None:
         seq.arrival = next(self._arrivals)
@@ -170,8 +176,17 @@ class Scheduler:
         joining: list[Sequence] = []
         deferred: list[Sequence] = []
         pending = self._pending_blocks_and_states(self.running)
+        busy = {s.lora_slot for s in self.running if s.lora_slot}  # adapter slots of running sequences
+        slot_wait = False  # a sequence waits for an adapter slot: only base rows join behind it
         while self.waiting and budget > 0 and len(self.running) + len(joining) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None:
+                seq.lora_slot = 0 if slot_wait else self.loras.assign(seq.lora, busy) or 0
+                if not seq.lora_slot:
+                    self.counters["lora_slot_waits"] += not slot_wait
+                    slot_wait = True
+                    deferred.append(self.waiting.popleft())
+                    continue
             target = seq.cache_len  # a resumed sequence recomputes all but its newest token
             hit, run = self._cached_prefix(seq, target)
             if self._would_recompute_pending(seq, len(hit), run, pending):
@@ -205,6 +220,7 @@ class Scheduler:
             self.counters["chunked_prefills"] += chunk < target - seq.num_computed
             budget -= chunk
             joining.append(seq)
+            busy.add(seq.lora_slot)
             self._add_pending(seq, pending)
         self.counters["deferred_admissions"] += len(deferred)
         self.waiting.extendleft(reversed(deferred))  # they keep their place at the front

@@ -101,7 +101,10 @@ class Sequence:
     # full block so far, how many of its blocks are registered in the pool's cache
     placeholder_runs: tuple = ()
     prefix_root: bytes = b""  # what its first block's hash chains from: its LoRA adapter's and cache salt's key (prefix_hash.py)
-    lora_slot: int = 0  # its LoRA adapter's slot in the model's stacked factors; 0: the base model
+    # Its LoRA adapter (`models.lora.LoraWeights`, held so an unload cannot take it away) and, while it runs, the
+    # model's slot holding it (lora_pool.py; set at each admission); None / 0: the base model
+    lora: object | None = None
+    lora_slot: int = 0
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_registered: int = 0
     # State snapshots (snapshot_pool.py; models with row-state layers): `(position, slot)` fills this round

@@ -14,8 +14,11 @@ back onto the output. That is Punica / S-LoRA's batched LoRA done with dense GEM
 slots x r` columns instead of `r`, but copies no weights and adds two or three operations a layer, where gathering each row's A and B (a copy of
 every row's factors per layer) cost a third of a decode step on a CPU. Never one forward per adapter.
 
-The row -> slot mask of a forward is set per thread (`LoraRows.using`): the engine runs a prefill and
-a decode forward on two threads at once. Anything PEFT would apply that this does not is refused at
+Which adapter a slot holds is the engine's choice (`decode/lora_pool.py`); `LoraSlots.write` puts it
+there, wrapping a linear in a `LoraLinear` the first time an adapter targets it. The row -> slot mask of
+a forward is set per thread (`LoraRows.using`): the engine runs a prefill and a decode forward on two
+threads at once. An adapter is read from a local folder or `s3://` (`raypipe.storage`) and fingerprinted
+by the bytes read. Anything PEFT would apply that this does not is refused at
 load with `InvalidInput` naming the config field or the module: DoRA, `modules_to_save`, biases,
 per-module rank or alpha patterns, embeddings, and modules outside the language model (the vision tower,
 lm_head).
@@ -25,12 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import math
 import pathlib
 import threading
 
+import safetensors.torch
 import torch
-from safetensors import safe_open
 
 from raypipe.errors import InvalidInput
 from raypipe.models.checkpoint import strip_prefix
@@ -44,44 +49,52 @@ UNSUPPORTED_FIELDS = ("use_dora", "modules_to_save", "lora_bias", "fan_in_fan_ou
                       "use_qalora", "use_bdlora", "arrow_config")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LoraWeights:
     """One adapter read from its folder: per language-model module (its name inside the text model),
-    `(A (in, r), B scaled (r, out))`, ready to be stacked."""
+    `(A (in, r), B scaled (r, out))`, ready to be stacked, and `fingerprint`, a sha256 of exactly the bytes
+    read (config and weights): the adapter's identity for the prefix cache and the device slots, which a
+    name is not once adapters can be unloaded and loaded again."""
 
     name: str
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    fingerprint: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.factors.values())
 
 
-def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: int) -> LoraWeights:
-    """Adapter `name` from a PEFT folder, checked against `decoder` (a `TextDecoder`): every tensor must
-    belong to one of its linear layers and every listed target must match one."""
-    from peft import PeftConfig
-
-    folder = pathlib.Path(folder)
-    where = f"lora_modules.{name}"
-    if not (folder / "adapter_config.json").is_file() or not (folder / ADAPTER_WEIGHTS).is_file():
-        raise InvalidInput(f"{folder} has no adapter_config.json and {ADAPTER_WEIGHTS} (a PEFT LoRA save)", item=where,
-                           code="invalid_lora_adapter")
+def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: int,
+                 where: str | None = None) -> LoraWeights:
+    """Adapter `name` from a PEFT folder (local or `s3://`), checked against `decoder` (a `TextDecoder`): every
+    tensor must belong to one of its linear layers and every listed target must match one. Errors name
+    `where` (default `lora_modules.<name>`) and the field."""
+    where = where or f"lora_modules.{name}"
     if not hasattr(decoder, "key_prefixes"):  # loaded by a family's own loader (Step3), not TextDecoder's
         raise InvalidInput(f"{type(decoder).__name__} does not take LoRA adapters", item=where,
                            code="invalid_lora_adapter")
-    config = PeftConfig.from_pretrained(str(folder))
+    config_bytes, weight_bytes = _read_files(str(folder), where)
+    config = _parse_config(config_bytes, where)
     _check_config(config, where, max_lora_rank)
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
     modules = dict(decoder.model.named_modules())
     pairs: dict[str, list] = {}
-    with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as f:
-        for key in f.keys():
-            module, factor = _split_key(key, where)
-            inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
-            if inside is None or inside not in modules:
-                raise InvalidInput(f"module {module!r} is not a layer of the language model (adapters on the vision "
-                                   "tower, lm_head or embeddings are not supported)", item=where, code="invalid_lora_adapter")
-            if not isinstance(modules[inside], torch.nn.Linear):
-                raise InvalidInput(f"module {module!r} is a {type(modules[inside]).__name__}; LoRA is supported on "
-                                   "linear layers only", item=where, code="invalid_lora_adapter")
-            pairs.setdefault(inside, [None, None])[factor] = f.get_tensor(key)
+    try:
+        tensors = safetensors.torch.load(weight_bytes)
+    except Exception as exc:  # noqa: BLE001 - the library's own error on a broken file
+        raise InvalidInput(f"{ADAPTER_WEIGHTS} is not a readable safetensors file ({exc})", item=where,
+                           code="invalid_lora_adapter") from None
+    for key, tensor in tensors.items():
+        module, factor = _split_key(key, where)
+        inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
+        if inside is None or inside not in modules:
+            raise InvalidInput(f"module {module!r} is not a layer of the language model (adapters on the vision "
+                               "tower, lm_head or embeddings are not supported)", item=where, code="invalid_lora_adapter")
+        if not _is_linear(modules[inside]):
+            raise InvalidInput(f"module {module!r} is a {type(modules[inside]).__name__}; LoRA is supported on "
+                               "linear layers only", item=where, code="invalid_lora_adapter")
+        pairs.setdefault(inside, [None, None])[factor] = tensor
     _check_targets(config.target_modules, pairs, where)
     factors = {}
     for module, (a, b) in pairs.items():
@@ -92,7 +105,36 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
                                f"on a {linear.in_features}->{linear.out_features} linear", item=where,
                                code="invalid_lora_adapter")
         factors[module] = (a.t().float(), (b.t().float() * scaling))
-    return LoraWeights(name, factors)
+    fingerprint = hashlib.sha256(config_bytes + b"\0" + weight_bytes).hexdigest()
+    return LoraWeights(name, factors, fingerprint)
+
+
+def _read_files(folder: str, where: str) -> tuple[bytes, bytes]:
+    """The bytes of a PEFT save's config and weights, from a local folder or object storage."""
+    from raypipe.storage import join, open_filesystem, read_bytes
+
+    fs, root = open_filesystem(folder)
+    try:
+        return read_bytes(fs, join(root, "adapter_config.json")), read_bytes(fs, join(root, ADAPTER_WEIGHTS))
+    except (FileNotFoundError, OSError) as exc:
+        raise InvalidInput(f"{folder} has no adapter_config.json and {ADAPTER_WEIGHTS} (a PEFT LoRA save): {exc}",
+                           item=where, code="lora_adapter_not_found") from None
+
+
+def _parse_config(data: bytes, where: str):
+    from peft import PeftConfig
+
+    try:
+        fields = json.loads(data)
+        return PeftConfig.from_peft_type(**PeftConfig.check_kwargs(**fields))
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"adapter_config.json is not a PEFT config ({exc})", item=f"{where}.adapter_config",
+                           code="invalid_lora_adapter") from None
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    """A linear layer, plain or as the engine keeps it (oneDNN-packed, already LoRA-wrapped, quantized)."""
+    return isinstance(module, torch.nn.Linear) or (hasattr(module, "in_features") and hasattr(module, "out_features"))
 
 
 def _check_config(config, where: str, max_lora_rank: int) -> None:
@@ -176,25 +218,28 @@ class LoraRows:
 class LoraLinear(torch.nn.Module):
     """A base linear plus each row's adapter delta from the side-by-side slot tensors."""
 
-    def __init__(self, base: torch.nn.Linear, rows: LoraRows, num_slots: int, max_rank: int):
+    def __init__(self, base: torch.nn.Module, rows: LoraRows, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
         super().__init__()
         self.base = base
         self.rows = rows
         self.max_rank = max_rank
-        w = base.weight
-        self.register_buffer("lora_a", torch.zeros(base.in_features, num_slots * max_rank, dtype=w.dtype, device=w.device))
-        self.register_buffer("lora_b", torch.zeros(num_slots * max_rank, base.out_features, dtype=w.dtype, device=w.device))
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.register_buffer("lora_a", torch.zeros(self.in_features, num_slots * max_rank, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(num_slots * max_rank, self.out_features, dtype=dtype, device=device))
 
     @property
     def weight(self) -> torch.Tensor:  # transformers' code reads a projection's weight (dtype, device)
         return self.base.weight
 
-    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Slot `slot` holds `(a, b)`; None: zeros (the slot's adapter does not target this layer)."""
         first = slot * self.max_rank
         self.lora_a[:, first: first + self.max_rank] = 0
         self.lora_b[first: first + self.max_rank] = 0
-        self.lora_a[:, first: first + a.shape[1]] = a
-        self.lora_b[first: first + a.shape[1]] = b
+        if a is not None:
+            self.lora_a[:, first: first + a.shape[1]] = a
+            self.lora_b[first: first + a.shape[1]] = b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -210,18 +255,33 @@ class LoraLinear(torch.nn.Module):
         return torch.addmm(out.reshape(-1, out.shape[-1]), h, self.lora_b[columns]).view_as(out)
 
 
-def install(decoder, adapters: list[LoraWeights], max_loras: int, max_lora_rank: int) -> LoraRows:
-    """Wrap every linear of `decoder` that an adapter targets in a `LoraLinear`; adapter i takes slot i + 1."""
-    rows = LoraRows()
-    targeted = sorted({module for adapter in adapters for module in adapter.factors})
-    wrapped = {}
-    for name in targeted:
-        parent_name, _, child = name.rpartition(".")
-        parent = decoder.model.get_submodule(parent_name)
-        wrapped[name] = LoraLinear(getattr(parent, child), rows, max_loras + 1, max_lora_rank)
-        setattr(parent, child, wrapped[name])
-    for slot, adapter in enumerate(adapters, start=1):
-        for name, (a, b) in adapter.factors.items():
-            layer = wrapped[name]
-            layer.set_slot(slot, a.to(layer.lora_a), b.to(layer.lora_b))
-    return rows
+class LoraSlots:
+    """The model's adapter slots: `write` puts an adapter's factors into slot 1..max_loras of every layer,
+    wrapping in a `LoraLinear` first each linear no earlier adapter targeted, and zeroing the slot in the
+    wrapped layers this adapter does not target (a slot is reused by other adapters). It changes the model:
+    call it only where no forward runs (the engine's round boundary)."""
+
+    def __init__(self, decoder, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device: torch.device):
+        self.decoder, self.max_loras, self.max_lora_rank = decoder, max_loras, max_lora_rank
+        self.dtype, self.device = dtype, torch.device(device)
+        self.rows = LoraRows()
+        self.layers: dict[str, LoraLinear] = {}
+
+    def write(self, slot: int, adapter: LoraWeights) -> None:
+        if not 1 <= slot <= self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is outside 1..{self.max_loras}")
+        for name in adapter.factors:
+            if name not in self.layers:
+                parent_name, _, child = name.rpartition(".")
+                parent = self.decoder.model.get_submodule(parent_name)
+                self.layers[name] = LoraLinear(getattr(parent, child), self.rows, self.max_loras + 1,
+                                               self.max_lora_rank, self.dtype, self.device)
+                setattr(parent, child, self.layers[name])
+        for name, layer in self.layers.items():
+            a, b = adapter.factors.get(name, (None, None))
+            layer.set_slot(slot, None if a is None else a.to(layer.lora_a), None if b is None else b.to(layer.lora_b))
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the slot tensors so far (they grow as adapters target new layers)."""
+        return sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in self.layers.values())

@@ -1,4 +1,5 @@
-"""The Serve application: `Ingress` composed with `EncoderGroup`, `Decoder` and `ResponseStore` through handles.
+"""The Serve application: `Ingress` composed with `EncoderGroup`, `Decoder`, `ResponseStore` and `LoraRegistry`
+through handles.
 
 `build_app` is a Serve application builder, so the same graph starts from the CLI
 (`raypipe serve`), from `serve run deployments/config.yaml` (its `args:` are `AppArgs`), or from
@@ -23,6 +24,7 @@ from raypipe.serve.encoder_group import EncoderGroup
 from raypipe.serve.ingress import Ingress
 from raypipe.serve.kuberay import SERVE_CONFIG, load_serve_config
 from raypipe.serve.limits import ServeLimits
+from raypipe.serve.lora_registry import LoraRegistry
 from raypipe.serve.prefix_affinity import PrefixRouting
 from raypipe.serve.prefix_router import ROUTER_CLASS
 from raypipe.serve.response_store import ResponseStore
@@ -74,7 +76,7 @@ def build_app(args: AppArgs | dict | None = None) -> Application:
 
 
 def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Application:
-    """The four deployments bound into one application; `options` per deployment name (autoscaling, ...).
+    """The five deployments bound into one application; `options` per deployment name (autoscaling, ...).
 
     A Decoder whose engine spans `tensor_parallel_size` devices also gets a placement group of that
     many bundles (one GPU each where its replicas take `num_gpus`), derived here from the engine args
@@ -97,7 +99,8 @@ def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Applicatio
     decoder = decoder_deployment.bind(model=args.model, engine=args.engine)
     limits = ServeLimits(**args.limits)
     store = deployment(ResponseStore).bind(limits.max_stored_responses, limits.max_stored_response_bytes)
-    return deployment(Ingress).bind(encoder, decoder, store, model=args.model, served_model_name=args.served_model_name,
+    loras = deployment(LoraRegistry).bind()
+    return deployment(Ingress).bind(encoder, decoder, store, loras, model=args.model, served_model_name=args.served_model_name,
                                     api_key=args.api_key, limits=args.limits, resize_images=args.resize_images,
                                     video_pruning_rate=args.video_pruning_rate,
                                     prefix_key_blocks=routing.max_key_blocks if routed else 0,

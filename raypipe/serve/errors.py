@@ -20,7 +20,7 @@ from raypipe.serve.error_body import REPLICA_UNAVAILABLE, REPLICA_UNAVAILABLE_ME
 
 # InvalidInput codes that are not a plain 400.
 _STATUS_BY_CODE = {"invalid_api_key": 401, "model_not_found": 404, "previous_response_not_found": 404,
-                   "request_too_large": 413}
+                   "lora_not_found": 404, "lora_adapter_not_found": 404, "request_too_large": 413}
 
 
 # A process serving the request went away (Serve restarts it): the same request may succeed on retry.

@@ -23,7 +23,7 @@ import os
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -48,9 +48,12 @@ from raypipe.serve.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoraAdapterRequest,
 )
+from raypipe.serve.lora_registry import LoraRef
 from raypipe.serve.prefix_router import HASHES_KWARG
 from raypipe.serve.response_stream import ResponseTurn, new_id
 from raypipe.serve.resume import ResumableStream
@@ -59,11 +62,13 @@ from raypipe.serve.streaming import CompletionStream
 app = FastAPI(title="raypipe", redoc_url=None)
 install_handlers(app)
 install_schemas(app, [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeChatRequest,
-                      TokenizeCompletionRequest, DetokenizeRequest])
+                      TokenizeCompletionRequest, DetokenizeRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest])
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
+LOAD_LORA = "/v1/load_lora_adapter"
+UNLOAD_LORA = "/v1/unload_lora_adapter"
 
 
 def response_id(request, engine_id: str) -> str:
@@ -91,15 +96,17 @@ def _tokenize_model(body: bytes):
 @serve.ingress(app)
 class Ingress:
     # No defaults for what `AppArgs` carries: `raypipe.serve.app.compose` always passes them.
-    def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, store: DeploymentHandle, *, model: str,
+    def __init__(self, encoder: DeploymentHandle, decoder: DeploymentHandle, store: DeploymentHandle,
+                 loras: DeploymentHandle, *, model: str,
                  served_model_name: str | None, api_key: str | None, limits: dict, resize_images: bool,
                  video_pruning_rate: float, prefix_key_blocks: int, block_size: int, lora_names: tuple[str, ...],
                  decoder_capacity: int, health_timeout_s: float = 5.0):
         checkpoint = resolve_model(model)
         self.encoder, self.decoder, self.store = encoder, decoder, store  # store: /v1/responses conversations
+        self.loras = loras  # LoraRegistry: the adapters loaded while the app runs
         self.model_names = {served_model_name or str(model), str(model)}
         self.served_model_name = served_model_name or str(model)
-        self.lora_names = lora_names  # the engine's LoRA adapters: a request's `model` may name one
+        self.lora_names = lora_names  # the engine's LoRA adapters at start: a request's `model` may name one
         self.decoder_capacity = decoder_capacity  # a Decoder replica's max_ongoing_requests: bounds n's fan-out
         self.api_key = api_key or os.environ.get("RAYPIPE_API_KEY") or None
         self.limits = ServeLimits(**limits)
@@ -157,7 +164,7 @@ class Ingress:
 
     async def _chat_stream(self, chat: ChatCompletionRequest, arrival: float) -> CompletionStream:
         """A checked chat request's decoder streams, started (its first deltas in: a failure so far is a 4xx)."""
-        lora = self._check_model(chat.model)
+        lora = await self._resolve_model(chat.model)
         self.limits.check_fan_out(1, chat.n or 1, self.decoder_capacity)
         template_kwargs = chat.template_kwargs(bool(self.family.reasoning))
         thinking = self.family.thinks(template_kwargs)
@@ -169,7 +176,7 @@ class Ingress:
         deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n,
                                 self._prefix_key(prompt.prompt_token_ids, prompt.visual_layouts, lora,
                                                  chat.cache_salt), lora, chat.cache_salt)
-        stream = CompletionStream("chat", response_id(chat, request_id), lora or self.served_model_name,
+        stream = CompletionStream("chat", response_id(chat, request_id), self._model_name(lora),
                                   self.fingerprint, deltas, [prompt.num_prompt_tokens], arrival, chat.include_usage,
                                   self._logprob_token_text(chat), chat.tool_names(), thinking,
                                   chat.legacy_functions, continuous_usage=chat.continuous_usage,
@@ -198,14 +205,14 @@ class Ingress:
         try:
             self._authorize(request)
             completion = parse_request(await self._read_body(request), CompletionRequest)
-            lora = self._check_model(completion.model)
+            lora = await self._resolve_model(completion.model)
             prompts, echoes, params = await self._prepare_completion(completion)
             request_id = completion_id("cmpl")
             salt = completion.cache_salt
             deltas = [stream for p, prompt in enumerate(prompts) for stream in self._generate(
                 request_id if len(prompts) == 1 else f"{request_id}-{p}", prompt, [], params, completion.n,
                 self._prefix_key(prompt, [], lora, salt), lora, salt)]
-            stream = CompletionStream("text", response_id(completion, request_id), lora or self.served_model_name,
+            stream = CompletionStream("text", response_id(completion, request_id), self._model_name(lora),
                                       self.fingerprint, deltas, [len(prompt) for prompt in prompts], arrival,
                                       completion.include_usage, self._logprob_token_text(completion),
                                       continuous_usage=completion.continuous_usage, echo=echoes)
@@ -215,19 +222,19 @@ class Ingress:
             return self._error(COMPLETIONS, exc)
         return await self._respond(COMPLETIONS, stream, bool(completion.stream))
 
-    def _prefix_key(self, ids: list[int], layouts, lora: str | None, cache_salt: str | None) -> dict:
+    def _prefix_key(self, ids: list[int], layouts, lora: LoraRef | None, cache_salt: str | None) -> dict:
         """The decoder call's keyword argument the request router reads (none with routing off)."""
         if not self.prefix_key_blocks:
             return {}
         try:
-            hashes = prompt_block_hashes(ids, layouts, self.language, self.block_size, self.prefix_key_blocks, lora,
-                                         cache_salt)
+            hashes = prompt_block_hashes(ids, layouts, self.language, self.block_size, self.prefix_key_blocks,
+                                         lora and lora.routing_key, cache_salt)
         except StopIteration:  # fewer placeholder runs than visual items: the engine refuses it with a 400
             return {}
         return {HASHES_KWARG: tuple(hashes)}
 
     def _generate(self, request_id: str, prompt, visual_refs: list, params: SamplingParams, n: int | None,
-                  key: dict, lora: str | None, cache_salt: str | None) -> list:
+                  key: dict, lora: LoraRef | None, cache_salt: str | None) -> list:
         """One decoder stream per choice, resumed elsewhere if its replica dies (`serve.resume`): n independent sequences (the prefix cache shares the prompt's blocks
         once they are cached; choices admitted in the same round each compute it); choice i of a seeded request samples with seed + i, so it
         equals a request of its own with that seed."""
@@ -261,9 +268,10 @@ class Ingress:
         try:
             self._authorize(request)
             model_len = await self._model_len()
+            loaded = [ref.name for ref in await self.loras.all.remote()]
             body = models_body([model_card(self.served_model_name, model_len, self.created)]
                                + [model_card(name, model_len, self.created, self.served_model_name)
-                                  for name in self.lora_names])
+                                  for name in [*self.lora_names, *loaded]])
         except Exception as exc:  # noqa: BLE001
             return self._error("/v1/models", exc)
         self.metrics.requests.labels("/v1/models", "200").inc()
@@ -273,13 +281,57 @@ class Ingress:
     async def model(self, model_id: str, request: Request) -> Response:
         try:
             self._authorize(request)
-            lora = self._check_model(model_id)
-            body = model_card(lora or self.served_model_name, await self._model_len(), self.created,
+            lora = await self._resolve_model(model_id)
+            body = model_card(self._model_name(lora), await self._model_len(), self.created,
                               self.served_model_name if lora else None)
         except Exception as exc:  # noqa: BLE001
             return self._error("/v1/models/{id}", exc)
         self.metrics.requests.labels("/v1/models/{id}", "200").inc()
         return JSONResponse(body)
+
+    @app.post(LOAD_LORA, openapi_extra=request_body(LoadLoraAdapterRequest))
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route and answers: one Decoder replica reads and checks the adapter (a bad one is a 400 naming the
+        field, a path with no adapter a 404), then the registry makes it every replica's (`lora_registry.py`)."""
+        return await self._adapter_route(LOAD_LORA, request, LoadLoraAdapterRequest, self._load_lora)
+
+    @app.post(UNLOAD_LORA, openapi_extra=request_body(UnloadLoraAdapterRequest))
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route: new requests naming it are 404s from now on; those already running finish with it."""
+        return await self._adapter_route(UNLOAD_LORA, request, UnloadLoraAdapterRequest, self._unload_lora)
+
+    async def _adapter_route(self, endpoint: str, request: Request, model, act) -> Response:
+        """An adapter route's answer: vLLM's plain-text success message, or the error body."""
+        try:
+            self._authorize(request)
+            message = await act(parse_request(await self._read_body(request), model))
+        except Exception as exc:  # noqa: BLE001
+            return self._error(endpoint, exc)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        return PlainTextResponse(message)
+
+    async def _load_lora(self, asked: LoadLoraAdapterRequest) -> str:
+        name = asked.lora_name
+        if name in self.model_names or name in self.lora_names or await self.loras.get.remote(name) is not None:
+            raise InvalidInput(f"The lora adapter {name!r} has already been loaded"
+                               + (" (it names the base model)" if name in self.model_names else ""),
+                               item="lora_name", code="lora_already_loaded")
+        fingerprint = await self.decoder.load_lora.remote(name, asked.lora_path)
+        if isinstance(fingerprint, Exception):  # the replica's refusal, handed over as a value
+            raise fingerprint
+        if not await self.loras.add.remote(LoraRef(name, asked.lora_path, fingerprint)):
+            raise InvalidInput(f"The lora adapter {name!r} has already been loaded", item="lora_name",
+                               code="lora_already_loaded")
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def _unload_lora(self, asked: UnloadLoraAdapterRequest) -> str:
+        name = asked.lora_name
+        if name in self.lora_names:
+            raise InvalidInput(f"The lora adapter {name!r} was configured at start (engine.lora_modules) and cannot "
+                               "be unloaded", item="lora_name", code="lora_not_unloadable")
+        if not await self.loras.remove.remote(name):
+            raise InvalidInput(f"The lora adapter {name!r} cannot be found.", item="lora_name", code="lora_not_found")
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeChatRequest))
     async def tokenize(self, request: Request) -> Response:
@@ -291,7 +343,7 @@ class Ingress:
             body = await self._read_body(request)
             asked = parse_request(body, _tokenize_model(body))
             if asked.model is not None:
-                self._check_model(asked.model)
+                await self._resolve_model(asked.model)
             if isinstance(asked, TokenizeChatRequest):
                 ids = (await self._build_prompt(asked, asked.template_kwargs(bool(self.family.reasoning)))
                        ).prompt_token_ids
@@ -311,7 +363,7 @@ class Ingress:
             self._authorize(request)
             asked = parse_request(await self._read_body(request), DetokenizeRequest)
             if asked.model is not None:
-                self._check_model(asked.model)
+                await self._resolve_model(asked.model)
             vocab = len(self.tokenizer)
             for i, token in enumerate(asked.tokens):
                 if not 0 <= token < vocab:
@@ -376,15 +428,23 @@ class Ingress:
                 raise InvalidInput(f"request body exceeds the {limit}-byte limit", code="request_too_large")
         return bytes(body)
 
-    def _check_model(self, model: str) -> str | None:
-        """The LoRA adapter `model` names, None for the base model; any other name is a 404 naming it."""
+    async def _resolve_model(self, model: str) -> LoraRef | None:
+        """The LoRA adapter `model` names (configured at start, or loaded since: asked of the registry), None for the
+        base model; any other name is a 404 naming it."""
         if model in self.model_names:
             return None
         if model in self.lora_names:
-            return model
+            return LoraRef(model)
+        loaded = await self.loras.get.remote(model)
+        if loaded is not None:
+            return loaded
         raise InvalidInput(f"model {model!r} does not exist; this server serves {self.served_model_name!r}"
-                           + (f" and the LoRA adapters {list(self.lora_names)}" if self.lora_names else ""),
+                           + (f" and the LoRA adapters {list(self.lora_names)}" if self.lora_names else "")
+                           + " (and those loaded with /v1/load_lora_adapter: GET /v1/models lists them)",
                            item="model", code="model_not_found")
+
+    def _model_name(self, lora: LoraRef | None) -> str:
+        return lora.name if lora is not None else self.served_model_name
 
     async def _prepare(self, chat: ChatCompletionRequest, template_kwargs: dict | None):
         prompt = await self._build_prompt(chat, template_kwargs)

@@ -568,3 +568,17 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int] = Field(min_length=1)
+
+
+class LoadLoraAdapterRequest(_Strict):
+    """vLLM's `POST /v1/load_lora_adapter`: serve the PEFT LoRA save at `lora_path` (a folder every Decoder replica
+    can read, or `s3://`) as model `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """vLLM's `POST /v1/unload_lora_adapter` (by name; vLLM's `lora_int_id` has no meaning here)."""
+
+    lora_name: str = Field(min_length=1)
