@@ -134,7 +134,8 @@ FP8_128 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
                                r"\(weight_scale_inv\): this rank's output features 0:32 of 64"),
     (FP8_128, (256, 256), 1, 4, r"a 128x128 scale block of 128 input features .* 0:64 of 256"),
     (FP8_128, (256, 512), 0, 4, None),  # 128 rows a rank: on block boundaries
-    (FP8_128, (300, 512), 1, 2, r"a 128x128 .* input features 0:150 of 300"),  # a partial last block cannot help a cut inside
+    # a partial last block (300 = 2 x 128 + 44) does not make a cut inside a block possible
+    (FP8_128, (300, 512), 1, 2, r"a 128x128 .* input features 0:150 of 300"),
     (w4a16("group", 64), (64, 128), 1, 2, r"a group of 64 input features \(one scale\) of 64 input features"
                                           r" \(weight_scale\): this rank's input features 0:32 of 64"),
     (w4a16("group", 64), (256, 64), 1, 2, None),
@@ -151,8 +152,8 @@ def test_a_split_inside_a_block_group_or_packed_word_is_refused_naming_the_sizes
     if refused is None:
         assert split().in_features * (world_size if dim else 1) == in_features
     else:
-        with pytest.raises(ValueError, match=rf"^layers\.0\.mlp\.down_proj: tensor_parallel_size {world_size} would cut "
-                                             + refused):
+        prefix = rf"^layers\.0\.mlp\.down_proj: tensor_parallel_size {world_size} would cut "
+        with pytest.raises(ValueError, match=prefix + refused):
             split()
 
 

@@ -92,7 +92,8 @@ def preset_checkpoint(name: str, path: str | os.PathLike | None = None) -> pathl
     (`raypipe.models.quantized.presets`) is written from its base preset's checkpoint."""
     if name in _QUANTIZED:
         base, fmt = _QUANTIZED[name]
-        target = pathlib.Path(path) if path is not None else default_cache_dir() / f"{name}-{PRESET_VERSION}-{QUANTIZED_VERSION}"
+        target = pathlib.Path(path) if path is not None else \
+            default_cache_dir() / f"{name}-{PRESET_VERSION}-{QUANTIZED_VERSION}"
         return write_once(target, lambda folder: write_quantized(preset_checkpoint(base), folder, fmt))
     family = _BY_PRESET[name]
     target = pathlib.Path(path) if path is not None else \

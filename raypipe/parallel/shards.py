@@ -33,8 +33,11 @@ other style in a plan (`colwise_gather_output` of Qwen3.5's linear attention, th
 expert styles of Step3 and Qwen3-VL-MoE) is refused with its name, so a family is sharded exactly
 or not at all.
 
-Each tensor is read through `safe_open(...).get_slice`: only this rank's rows or columns leave the
-file. Layers outside the plan (embeddings, norms, lm_head) are read whole on every rank.
+Each tensor is read through `safe_open(...).get_slice`: only this rank's rows or columns are kept.
+Layers outside the plan (embeddings, norms, lm_head) are read whole on every rank. A quantized layer
+(`models/quantized`, swapped in before the shard prepares the model) splits itself (`split`,
+`read_part`): its format knows which entries of its scales, zero points and packed words belong to a
+range of features, and refuses a range that would cut one of them.
 """
 
 from __future__ import annotations
@@ -276,10 +279,9 @@ class DeltaNetHeads:
         net.num_k_heads, net.num_v_heads = net.num_k_heads // n, net.num_v_heads // n
         net.key_dim, net.value_dim = net.key_dim // n, net.value_dim // n
         net.conv_dim = net.key_dim * 2 + net.value_dim
-        for child, dim, features in (("in_proj_qkv", 0, self._qkv_rows()), ("in_proj_z", 0, [self._rows(self.value_dim)]),
-                                     ("in_proj_b", 0, [self._rows(self.value_heads)]),
-                                     ("in_proj_a", 0, [self._rows(self.value_heads)]),
-                                     ("out_proj", 1, [self._rows(self.value_dim)])):
+        heads, values = [self._rows(self.value_heads)], [self._rows(self.value_dim)]
+        for child, dim, features in (("in_proj_qkv", 0, self._qkv_rows()), ("in_proj_z", 0, values),
+                                     ("in_proj_b", 0, heads), ("in_proj_a", 0, heads), ("out_proj", 1, values)):
             setattr(net, child, local_linear(f"{name}.{child}", getattr(net, child), dim, features))
         net.conv1d = torch.nn.Conv1d(net.conv_dim, net.conv_dim, net.conv_kernel_size, groups=net.conv_dim,
                                      padding=net.conv_kernel_size - 1, bias=False, dtype=dtype)

@@ -42,7 +42,8 @@ def quantized_presets() -> dict[str, tuple[str, str]]:
     return {f"{base}-{fmt}": (base, fmt) for base in BASES for fmt in FORMATS}
 
 
-def write_quantized(base: pathlib.Path, folder: pathlib.Path, fmt: str, fp8_block: tuple[int, int] | None = None) -> None:
+def write_quantized(base: pathlib.Path, folder: pathlib.Path, fmt: str,
+                    fp8_block: tuple[int, int] | None = None) -> None:
     """`base`'s checkpoint with its language model quantized in `fmt`, written to `folder` (`fp8` with
     `fp8_block`, else a square block that `two_rank_size` picks)."""
     import torch
