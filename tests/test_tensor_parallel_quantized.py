@@ -4,7 +4,10 @@ boundaries; a tensor_parallel_size that would cut one is refused at start, namin
 
 - A rank's layers, loaded through the shard as the group loads them, dequantize to exactly its rows
   (column-parallel) or columns (row-parallel) of one device's dequantized weights, from about half of the
-  stored bytes (no Ray: the shard's reads alone, every format, both presets).
+  stored bytes (no Ray: the shard's reads alone, every format, both presets); asymmetric int4's zero
+  points, packed along the rows, likewise (a layer compressed by compressed-tensors in the test).
+- A split inside a scale block, a group or a packed word is refused naming the layer and the sizes, at
+  the layer and at a real group start.
 - A decode group of two ranks gives one device's greedy tokens, K=1 and K=8, requests with images joining a
   running batch, for each format on `tiny` and for FP8 and W4A16 on `tiny-qwen3.5` (gated delta net: its
   fused q | k | v projection split in three runs), and each rank's own process holds about half of the
@@ -166,3 +169,33 @@ def test_a_group_whose_degree_cuts_a_scale_block_is_refused_at_start(tmp_path):
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj: tensor_parallel_size 2 would cut a "
                                          r"128x128 scale block of 128 output features"):
         LLMEngine(tmp_path, config, runner_factory=runner_factory(config))
+
+
+@pytest.mark.parametrize("dim, rank", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_asymmetric_int4_zero_points_packed_along_rows_split_with_their_words(dim, rank):
+    """Asymmetric pack-quantized int4 (AutoAWQ's layout once compressed-tensors converts it) packs its zero
+    points eight rows to an int32 word: a rank's rows start on a word, its columns on a group. The layer is
+    compressed by compressed-tensors itself from random weights; each rank's part dequantizes to its slice."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    config = w4a16("group", 16)
+    config["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    out_features, in_features = 32, 64
+    whole = layer_of(config, in_features, out_features)
+    assert "weight_zero_point" in whole.stored
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
+    grouped = weight.unflatten(-1, (-1, 16))
+    scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), whole.scheme.weights)
+    stored = whole.compressor.compress({"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point},
+                                       whole.scheme)
+    assert stored["weight_zero_point"].shape == (out_features // 8, in_features // 16)  # packed along rows
+    whole.load_state_dict(stored, strict=False)
+    size = (out_features, in_features)[dim] // 2
+    cut = slice(rank * size, (rank + 1) * size)
+    part = whole.split("layers.0.mlp.down_proj", dim, [cut], 2)
+    part.load_state_dict({name: part.read_part(name, tensor) for name, tensor in stored.items()}, strict=False)
+    full = whole.dequantize(torch.float32)
+    assert torch.equal(part.dequantize(torch.float32), full[cut] if dim == 0 else full[:, cut])
+    with pytest.raises(ValueError, match=r"packed into 1 int32 word\(s\) of 8 output features \(weight_zero_point\): "
+                                         r"this rank's output features 0:12 of 24"):
+        layer_of(config, in_features, 24).split("layers.0.mlp.down_proj", 0, [slice(0, 12)], 2)
