@@ -302,11 +302,15 @@ class DeltaNetHeads:
 
 def sharded_parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of parameter storage this process holds in the decoder layers (what the plan shards) and in the
-    rest (embeddings, final norm, lm_head; tied ones counted once). Buffers count as parameters: weights packed
-    for oneDNN (`models/packed_linear.py`, without a storage of their own) and quantized layers' stored
-    tensors (`models/quantized/`)."""
+    rest (embeddings, final norm, lm_head; tied ones counted once). Weights packed for oneDNN
+    (`models/packed_linear.py`, buffers without a storage of their own) and a quantized layer's stored tensors
+    (`models/quantized/`: buffers named in its `stored`) count as parameters; other buffers do not."""
+    tensors = [*model.named_parameters(remove_duplicate=False),
+               *((name, buffer) for name, buffer in model.named_buffers() if buffer.is_mkldnn),
+               *((f"{name}.{stored}", getattr(module, stored)) for name, module in model.named_modules()
+                 for stored in getattr(module, "stored", ()))]
     storages = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+    for name, tensor in tensors:
         if tensor.is_mkldnn:
             storages[id(tensor)] = (tensor.nbytes, ".layers." in f".{name}")
         else:
