@@ -115,7 +115,3 @@ def test_fp8_partial_blocks_dequantize_as_transformers_does_with_the_block_size(
     expected = _dequantize_fp8_weight(layer.weight, layer.weight_scale_inv, [128, 128], torch.float32)
     assert torch.equal(layer.dequantize(torch.float32), expected)
 
-
-def test_tensor_parallelism_over_a_quantized_checkpoint_is_refused_at_load():
-    with pytest.raises(ValueError, match="tensor parallelism over a quantized checkpoint"):
-        language_adapter(preset_checkpoint("tiny-fp8")).load_model(torch.device("cpu"), torch.float32, shard=object())

@@ -38,8 +38,8 @@ def load_tensors(folder: str | pathlib.Path, prefixes: tuple[str, ...], *, dtype
     Checkpoints in the wild use different layouts for the same module (`visual.*` in the original
     Qwen release, `model.visual.*` in newer transformers saves); callers pass every layout they accept.
     With `shard` (a tensor-parallel rank's weight shard, `raypipe.parallel.shards`), each tensor is
-    read through `shard.read(name, f.get_slice(key))`: only this rank's slice leaves the file (and tensors it
-    does not hold at all, `shard.holds(name)` false, are not read).
+    read through `shard.read(name, f.get_slice(key))` and only this rank's slice is kept (tensors it does not
+    hold at all, `shard.holds(name)` false, are not read).
     """
     out: dict[str, torch.Tensor] = {}
     for path in safetensors_files(folder):
@@ -52,11 +52,20 @@ def load_tensors(folder: str | pathlib.Path, prefixes: tuple[str, ...], *, dtype
                     continue
                 if name in out:
                     raise ValueError(f"{path}: {key!r} duplicates a tensor already read under another layout")
-                tensor = f.get_tensor(key) if shard is None else shard.read(name, f.get_slice(key))
+                tensor = f.get_tensor(key) if shard is None else _own(shard.read(name, f.get_slice(key)))
                 out[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     if not out:
         raise ValueError(f"{folder}: no tensors under any of {prefixes}")
     return out
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in storage of its own size: safetensors' torch slices are views of the whole tensor it read, so a
+    rank keeping the view (no dtype cast copies it: quantized tensors, a checkpoint already in the compute dtype)
+    would hold every rank's part."""
+    if tensor.untyped_storage().nbytes() > tensor.nbytes:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
 
 
 def strip_prefix(key: str, prefixes: tuple[str, ...], exclude: tuple[str, ...]) -> str | None:

@@ -20,7 +20,7 @@ from raypipe.models.checkpoint import read_config
 from raypipe.models.family import ModelFamily
 from raypipe.models.hub import is_hub_id, snapshot_folder
 from raypipe.models.presets import PRESET_VERSION, default_cache_dir, write_once
-from raypipe.models.quantized.presets import quantized_presets, write_quantized
+from raypipe.models.quantized.presets import VERSION as QUANTIZED_VERSION, quantized_presets, write_quantized
 
 FAMILIES: tuple[ModelFamily, ...] = (qwen2_5_vl.FAMILY, minicpmv4_6.FAMILY, step3.FAMILY, llava_onevision.FAMILY,
                                      qwen3_vl.FAMILY, qwen3_vl.MOE_FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY)
@@ -92,7 +92,8 @@ def preset_checkpoint(name: str, path: str | os.PathLike | None = None) -> pathl
     (`raypipe.models.quantized.presets`) is written from its base preset's checkpoint."""
     if name in _QUANTIZED:
         base, fmt = _QUANTIZED[name]
-        target = pathlib.Path(path) if path is not None else default_cache_dir() / f"{name}-{PRESET_VERSION}"
+        target = pathlib.Path(path) if path is not None else \
+            default_cache_dir() / f"{name}-{PRESET_VERSION}-{QUANTIZED_VERSION}"
         return write_once(target, lambda folder: write_quantized(preset_checkpoint(base), folder, fmt))
     family = _BY_PRESET[name]
     target = pathlib.Path(path) if path is not None else \

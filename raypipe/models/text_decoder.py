@@ -46,14 +46,12 @@ class TextDecoder(torch.nn.Module):
 
         A quantized checkpoint (`quantization_config`, `raypipe.models.quantized`) gets stored-weight
         layers in place of the linears it quantizes; their tensors are loaded as stored (the other
-        tensors are cast to `dtype` by the load)."""
+        tensors are cast to `dtype` by the load); with `shard`, they are swapped first and the shard splits
+        them (each on its stored tensors' block, group and packing boundaries, or a `ValueError`)."""
         from transformers.initialization import no_init_weights
 
         text_config = adapter.text_config
         plan = quantization_plan(read_config(adapter.checkpoint))
-        if plan is not None and shard is not None:
-            raise ValueError(f"{adapter.checkpoint}: tensor parallelism over a quantized checkpoint "
-                             f"({plan.description}) is not supported yet")
         with no_init_weights():  # weights come from the checkpoint; skip the random init
             model = text_model_class._from_config(text_config, dtype=dtype)
             lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)

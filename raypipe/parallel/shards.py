@@ -33,8 +33,11 @@ other style in a plan (`colwise_gather_output` of Qwen3.5's linear attention, th
 expert styles of Step3 and Qwen3-VL-MoE) is refused with its name, so a family is sharded exactly
 or not at all.
 
-Each tensor is read through `safe_open(...).get_slice`: only this rank's rows or columns leave the
-file. Layers outside the plan (embeddings, norms, lm_head) are read whole on every rank.
+Each tensor is read through `safe_open(...).get_slice`: only this rank's rows or columns are kept.
+Layers outside the plan (embeddings, norms, lm_head) are read whole on every rank. A quantized layer
+(`models/quantized`, swapped in before the shard prepares the model) splits itself (`split`,
+`read_part`): its format knows which entries of its scales, zero points and packed words belong to a
+range of features, and refuses a range that would cut one of them.
 """
 
 from __future__ import annotations
@@ -110,7 +113,8 @@ class WeightShard:
         self.rank, self.world_size, self.collectives = rank, world_size, collectives
         self.styles = [(re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$"), style)
                        for pattern, style in tp_plan(text_config).items()]
-        self.delta_net = DeltaNetHeads(text_config, rank, world_size, collectives)
+        self.delta_net = DeltaNetHeads(text_config, rank, world_size)
+        self.quantized: dict[str, torch.nn.Module] = {}  # module name -> this rank's quantized layer (`local_linear`)
         self.experts = ExpertSplit(text_config, rank, world_size, collectives)
         for name in ("num_attention_heads", "num_key_value_heads", *self.delta_net.head_counts):
             heads = getattr(text_config, name)
@@ -135,7 +139,7 @@ class WeightShard:
         """Swap every planned Linear for an empty one of this rank's shape (filled by the load that follows)."""
         for name, module in list(model.named_modules()):
             if self.delta_net.owns(name):
-                self.delta_net.prepare(module)
+                self.delta_net.prepare(name, module, self.local_linear)
                 continue
             if self.experts.owns(name):
                 self.experts.prepare(module)
@@ -143,18 +147,25 @@ class WeightShard:
             style = self.style(name)
             if style not in ("colwise", "rowwise"):
                 continue
-            if type(module) is not torch.nn.Linear:
-                raise ValueError(f"{name} is a {type(module).__name__}; the {style!r} style shards torch.nn.Linear only")
+            dim = 0 if style == "colwise" else 1
+            features = self._part((module.out_features, module.in_features)[dim], name)
             parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            bias, dtype = module.bias is not None, module.weight.dtype
-            if style == "colwise":
-                local = ColumnParallelLinear(module.in_features, self._part(module.out_features, name), bias=bias,
-                                             dtype=dtype)
-            else:
-                local = RowParallelLinear(self._part(module.in_features, name), module.out_features, bias, dtype,
-                                          self.collectives)
-            setattr(parent, child, local)
+            setattr(model.get_submodule(parent_name), child, self.local_linear(name, module, dim, [features]))
+
+    def local_linear(self, name: str, module: torch.nn.Module, dim: int, features: list[slice]) -> torch.nn.Module:
+        """An empty Linear for this rank's `features` (slices of the whole layer's) of `module`'s output (`dim` 0,
+        column-parallel) or input features (`dim` 1, row-parallel). A quantized layer (`models/quantized`, one with
+        `split`) splits itself: its stored tensors' blocks, groups and packed words decide where it may be cut."""
+        if hasattr(module, "split"):
+            local = module.split(name, dim, features, self.world_size, self.collectives.all_reduce if dim else None)
+            self.quantized[name] = local
+            return local
+        if type(module) is not torch.nn.Linear:
+            raise ValueError(f"{name} is a {type(module).__name__}; tensor parallelism shards torch.nn.Linear only")
+        size, bias, dtype = sum(cut.stop - cut.start for cut in features), module.bias is not None, module.weight.dtype
+        if dim == 0:
+            return ColumnParallelLinear(module.in_features, size, bias=bias, dtype=dtype)
+        return RowParallelLinear(size, module.out_features, bias, dtype, self.collectives)
 
     def holds(self, name: str) -> bool:
         """Whether this rank reads tensor `name` at all (not another rank's expert stored apart)."""
@@ -163,6 +174,8 @@ class WeightShard:
     def read(self, name: str, tensor_slice) -> torch.Tensor:
         """Tensor `name` (a state-dict key of the text model) from a safetensors slice: this rank's part."""
         module, _, param = name.rpartition(".")
+        if module in self.quantized:
+            return self.quantized[module].read_part(param, tensor_slice)
         if self.experts.owns(module):
             return self.experts.read(tensor_slice)
         owner = module if self.delta_net.owns(module) else module.rpartition(".")[0]
@@ -178,10 +191,11 @@ class WeightShard:
             return tensor_slice[:, self.rank * size: (self.rank + 1) * size]
         return tensor_slice[:]
 
-    def _part(self, features: int, name: str) -> int:
+    def _part(self, features: int, name: str) -> slice:
         if features % self.world_size:
             raise ValueError(f"{name}: {features} features do not split over {self.world_size} ranks")
-        return features // self.world_size
+        size = features // self.world_size
+        return slice(self.rank * size, (self.rank + 1) * size)
 
 
 def _num_experts(text_config) -> int:
@@ -233,8 +247,8 @@ class DeltaNetHeads:
 
     head_counts = ("linear_num_key_heads", "linear_num_value_heads")
 
-    def __init__(self, text_config, rank: int, world_size: int, collectives):
-        self.rank, self.world_size, self.collectives = rank, world_size, collectives
+    def __init__(self, text_config, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
         self.on = "linear_attention" in (getattr(text_config, "layer_types", None) or ())
         if not self.on:
             self.head_counts = ()
@@ -257,21 +271,22 @@ class DeltaNetHeads:
         return [q, slice(self.key_dim + k.start, self.key_dim + k.stop),
                 slice(2 * self.key_dim + v.start, 2 * self.key_dim + v.stop)]
 
-    def prepare(self, net: torch.nn.Module) -> None:
+    def prepare(self, name: str, net: torch.nn.Module, local_linear) -> None:
+        """`net`'s projections become this rank's (`local_linear`, `WeightShard`'s), its conv and per-head
+        parameters this rank's channels and heads."""
         n = self.world_size
-        hidden, dtype = net.hidden_size, net.in_proj_qkv.weight.dtype
+        dtype = net.conv1d.weight.dtype
         net.num_k_heads, net.num_v_heads = net.num_k_heads // n, net.num_v_heads // n
         net.key_dim, net.value_dim = net.key_dim // n, net.value_dim // n
         net.conv_dim = net.key_dim * 2 + net.value_dim
-        net.in_proj_qkv = ColumnParallelLinear(hidden, net.conv_dim, bias=False, dtype=dtype)
-        net.in_proj_z = ColumnParallelLinear(hidden, net.value_dim, bias=False, dtype=dtype)
-        net.in_proj_b = ColumnParallelLinear(hidden, net.num_v_heads, bias=False, dtype=dtype)
-        net.in_proj_a = ColumnParallelLinear(hidden, net.num_v_heads, bias=False, dtype=dtype)
+        heads, values = [self._rows(self.value_heads)], [self._rows(self.value_dim)]
+        for child, dim, features in (("in_proj_qkv", 0, self._qkv_rows()), ("in_proj_z", 0, values),
+                                     ("in_proj_b", 0, heads), ("in_proj_a", 0, heads), ("out_proj", 1, values)):
+            setattr(net, child, local_linear(f"{name}.{child}", getattr(net, child), dim, features))
         net.conv1d = torch.nn.Conv1d(net.conv_dim, net.conv_dim, net.conv_kernel_size, groups=net.conv_dim,
                                      padding=net.conv_kernel_size - 1, bias=False, dtype=dtype)
         net.dt_bias = torch.nn.Parameter(torch.empty(net.num_v_heads, dtype=net.dt_bias.dtype))
         net.A_log = torch.nn.Parameter(torch.empty(net.num_v_heads, dtype=net.A_log.dtype))
-        net.out_proj = RowParallelLinear(net.value_dim, hidden, False, dtype, self.collectives)
 
     def read(self, child: str, param: str, tensor_slice) -> torch.Tensor:
         if child in ("in_proj_qkv", "conv1d"):
@@ -288,13 +303,18 @@ class DeltaNetHeads:
 def sharded_parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of parameter storage this process holds in the decoder layers (what the plan shards) and in the
     rest (embeddings, final norm, lm_head; tied ones counted once). Weights packed for oneDNN
-    (`models/packed_linear.py`, buffers without a storage of their own) count as parameters."""
+    (`models/packed_linear.py`, buffers without a storage of their own) and a quantized layer's stored tensors
+    (`models/quantized/`: buffers named in its `stored`) count as parameters; other buffers do not."""
+    tensors = [*model.named_parameters(remove_duplicate=False),
+               *((name, buffer) for name, buffer in model.named_buffers() if buffer.is_mkldnn),
+               *((f"{name}.{stored}", getattr(module, stored)) for name, module in model.named_modules()
+                 for stored in getattr(module, "stored", ()))]
     storages = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        storage = param.untyped_storage()
-        storages[storage.data_ptr()] = (storage.nbytes(), ".layers." in f".{name}")
-    for name, buffer in model.named_buffers():
-        if buffer.is_mkldnn:
-            storages[id(buffer)] = (buffer.nbytes, ".layers." in f".{name}")
+    for name, tensor in tensors:
+        if tensor.is_mkldnn:
+            storages[id(tensor)] = (tensor.nbytes, ".layers." in f".{name}")
+        else:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = (storage.nbytes(), ".layers." in f".{name}")
     layers = sum(size for size, in_layers in storages.values() if in_layers)
     return {"decoder_layers": layers, "other": sum(size for size, _ in storages.values()) - layers}

@@ -9,9 +9,11 @@ as transformers computes with `CompressedTensorsConfig(dequantize=True)`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from raypipe.models.quantized.stored_linear import StoredWeightLinear
+from raypipe.models.quantized.stored_linear import ONE, StoredWeightLinear, Unit
 
 
 class CompressedTensorsLinear(StoredWeightLinear):
@@ -23,6 +25,51 @@ class CompressedTensorsLinear(StoredWeightLinear):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         stored = {name: getattr(self, name) for name in self.stored}
         return self.compressor.decompress(stored, self.scheme)["weight"].to(dtype)
+
+    def units(self, name: str) -> tuple[Unit | None, Unit | None]:
+        args = self.scheme.weights
+        if name == "weight":
+            return ONE, ONE
+        if name == "weight_packed":  # int`bits` values packed densely along each row, 32 / bits to a word
+            return ONE, _packed(args.num_bits)
+        if name in ("weight_scale", "weight_zero_point"):
+            rows, cols = _scale_units(args)
+            if name == "weight_zero_point" and "weight_packed" in self.stored and rows is not None:
+                rows = _packed(args.num_bits)  # pack-quantized packs per-channel / group zero points along dim 0
+            return rows, cols
+        return None, None  # `weight_shape` (`read_part` writes this rank's), global scales: whole
+
+    def like(self, in_features: int, out_features: int) -> "CompressedTensorsLinear":
+        return CompressedTensorsLinear(in_features, out_features, self.scheme, self.compressor, self.bias is not None,
+                                       self.bias_dtype)
+
+    def read_part(self, name: str, tensor_slice) -> torch.Tensor:
+        if name != "weight_shape":
+            return super().read_part(name, tensor_slice)
+        shape = tensor_slice[:].clone()  # the whole layer's (out, in): the unpacking needs this rank's
+        dim = self.part[0]
+        shape[dim] = (self.out_features, self.in_features)[dim]
+        return shape
+
+
+def _packed(bits: int) -> Unit:
+    """A run of values that fills whole int32 words in compressed-tensors' dense packing (value i at bit i x bits)."""
+    common = math.gcd(32, bits)
+    return Unit(32 // common, bits // common, f"a run of int{bits} values packed into {bits // common} int32 word(s)")
+
+
+def _scale_units(args) -> tuple[Unit | None, Unit | None]:
+    """How a scale (or zero point) of `args`' strategy follows the weight's output and input features."""
+    strategy = getattr(args.strategy, "value", args.strategy)
+    if strategy == "channel":
+        return ONE, None
+    if strategy in ("group", "tensor_group"):
+        return ONE, Unit(args.group_size, 1, f"a group of {args.group_size} input features (one scale)")
+    if strategy == "block":
+        rows, cols = args.block_structure
+        block = f"a {rows}x{cols} scale block"
+        return Unit(rows, 1, block), Unit(cols, 1, block)
+    return None, None  # one scale for the whole tensor
 
 
 # The formats whose compressor rebuilds a dense weight from a linear's stored tensors.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from raypipe.models.quantized.stored_linear import StoredWeightLinear
+from raypipe.models.quantized.stored_linear import ONE, StoredWeightLinear, Unit
 
 
 class Fp8BlockLinear(StoredWeightLinear):
@@ -29,6 +29,17 @@ class Fp8BlockLinear(StoredWeightLinear):
         if self.in_features % cols:  # the partial last block of columns
             weight[:, whole * cols:].mul_(scale[:, whole:])
         return weight.to(dtype)
+
+    def units(self, name: str) -> tuple[Unit | None, Unit | None]:
+        if name == "weight":
+            return ONE, ONE
+        rows, cols = self.block
+        block = f"a {rows}x{cols} scale block"
+        return Unit(rows, 1, block), Unit(cols, 1, block)
+
+    def like(self, in_features: int, out_features: int) -> "Fp8BlockLinear":
+        return Fp8BlockLinear(in_features, out_features, self.block, self.bias is not None, self.bias_dtype)
+
 
 class Fp8BlockPlan:
     """Which linears an `fp8` config quantizes (all but `modules_to_not_convert`, matched by transformers'

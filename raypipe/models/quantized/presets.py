@@ -1,15 +1,22 @@
 """Quantized presets: a random preset's language model quantized by the formats' own libraries.
 
 `<preset>-<format>` (`tiny-fp8`, `tiny-qwen3.5-w4a16`, ...) is the preset's checkpoint with every
-language-model linear but lm_head quantized (the vision tower stays as it is, as in Qwen's and
-llmcompressor's releases), from the bf16 weights:
-- `fp8`: block-wise e4m3 by transformers' own `Fp8Quantize` (what `FineGrainedFP8Config` writes),
-  `weight_block_size` [128, 128]; a weight smaller than a block is zero-padded to whole blocks for
-  the quantizer and cut back, so its scales are those of the partial blocks (ceil(size / 128) per dim).
+language-model linear but lm_head and a gated delta net's `in_proj_a` / `in_proj_b` quantized (the
+vision tower stays as it is, as in Qwen's and llmcompressor's releases; `in_proj_a` / `in_proj_b`
+have one output row per value head, too few for a block per rank, and llmcompressor's Qwen3.5
+recipe leaves the whole linear attention unquantized), from the bf16 weights:
+- `fp8`: block-wise e4m3 by transformers' own `Fp8Quantize` (what `FineGrainedFP8Config` writes);
 - `fp8-dynamic`, `w8a8`, `w4a16`: compressed-tensors' preset schemes (`FP8_DYNAMIC`, `W8A8`, `W4A16`),
   scales from each weight's min/max by compressed-tensors' `calculate_qparams`, compressed and
-  described in `config.json` by its `ModelCompressor` (llmcompressor's save path). W4A16's group is
-  the largest of at most 128 columns that divides every quantized layer's input width.
+  described in `config.json` by its `ModelCompressor` (llmcompressor's save path).
+
+Block and group sizes are at most 128 (real checkpoints' size) and small enough that every preset splits
+over two tensor-parallel ranks, which cut nothing on a block or group boundary (`two_rank_size`):
+FP8's square block divides half of every quantized width (and of a gated delta net's key and value
+widths, which its fused projection is split by); W4A16's group divides half of every input width.
+`fp8_block` writes another block (a checkpoint that a tensor-parallel group must refuse, in tests): a
+weight smaller than it is zero-padded to whole blocks for the quantizer and cut back, so its scales
+are those of the partial blocks (ceil(size / block) per dim).
 """
 
 from __future__ import annotations
@@ -21,9 +28,12 @@ import shutil
 
 FORMATS = ("fp8", "fp8-dynamic", "w8a8", "w4a16")
 BASES = ("tiny", "tiny-qwen3.5", "small", "small-qwen3.5")
-FP8_BLOCK = [128, 128]
-# What stays unquantized, in transformers' module names: the output head and the vision tower.
-NOT_QUANTIZED = ["lm_head", "model.visual"]
+VERSION = "q2"  # part of a quantized preset's cache folder name: bump when what they hold changes
+LARGEST_BLOCK = 128
+TP_READY = 2  # the tensor_parallel_size every preset's blocks and groups split over
+# What stays unquantized, in transformers' module names: the output head, the vision tower, a gated delta
+# net's per-head projections.
+NOT_QUANTIZED = ["lm_head", "model.visual", "linear_attn.in_proj_a", "linear_attn.in_proj_b"]
 _COMPRESSED_TENSORS_SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "w8a8": "W8A8", "w4a16": "W4A16"}
 
 
@@ -32,19 +42,38 @@ def quantized_presets() -> dict[str, tuple[str, str]]:
     return {f"{base}-{fmt}": (base, fmt) for base in BASES for fmt in FORMATS}
 
 
-def write_quantized(base: pathlib.Path, folder: pathlib.Path, fmt: str) -> None:
-    """`base`'s checkpoint with its language model quantized in `fmt`, written to `folder`."""
+def write_quantized(base: pathlib.Path, folder: pathlib.Path, fmt: str,
+                    fp8_block: tuple[int, int] | None = None) -> None:
+    """`base`'s checkpoint with its language model quantized in `fmt`, written to `folder` (`fp8` with
+    `fp8_block`, else a square block that `two_rank_size` picks)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.bfloat16).eval()
     if fmt == "fp8":
-        _write_fp8(model, folder)
+        linears = [m for _, m in _quantized_linears(model)]
+        delta_net = _delta_net_widths(model.config.get_text_config())
+        size = two_rank_size([m.out_features for m in linears] + [m.in_features for m in linears] + delta_net)
+        _write_fp8(model, folder, list(fp8_block or (size, size)))
     else:
         _write_compressed_tensors(model, folder, _COMPRESSED_TENSORS_SCHEMES[fmt])
     for extra in base.iterdir():  # tokenizer, processors, generation config, preset marker
         if not (folder / extra.name).exists():
             shutil.copy(extra, folder / extra.name)
+
+
+def two_rank_size(widths: list[int]) -> int:
+    """The largest block or group of at most `LARGEST_BLOCK` features that divides each width's share on one of
+    `TP_READY` ranks."""
+    return math.gcd(LARGEST_BLOCK, *(width // TP_READY for width in widths))
+
+
+def _delta_net_widths(text_config) -> list[int]:
+    """A gated delta net's key and value widths (its fused q | k | v projection is split within each), if any."""
+    if "linear_attention" not in (getattr(text_config, "layer_types", None) or ()):
+        return []
+    c = text_config
+    return [c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim]
 
 
 def _quantized_linears(model):
@@ -55,15 +84,15 @@ def _quantized_linears(model):
             if isinstance(module, torch.nn.Linear) and should_convert_module(name, NOT_QUANTIZED)]
 
 
-def _write_fp8(model, folder: pathlib.Path) -> None:
+def _write_fp8(model, folder: pathlib.Path, block: list[int]) -> None:
     import torch
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
-    config = FineGrainedFP8Config(weight_block_size=FP8_BLOCK, modules_to_not_convert=NOT_QUANTIZED)
+    config = FineGrainedFP8Config(weight_block_size=block, modules_to_not_convert=NOT_QUANTIZED)
     quantize = Fp8Quantize(FineGrainedFP8HfQuantizer(config))
-    rows, cols = FP8_BLOCK
+    rows, cols = block
     for _, linear in _quantized_linears(model):
         out_features, in_features = linear.weight.shape
         padded = torch.nn.functional.pad(linear.weight.detach(), (0, -in_features % cols, 0, -out_features % rows))
@@ -91,8 +120,8 @@ def _write_compressed_tensors(model, folder: pathlib.Path, preset: str) -> None:
     scheme = preset_name_to_scheme(preset, ["Linear"])
     linears = _quantized_linears(model)
     if scheme.weights.strategy == QuantizationStrategy.GROUP:
-        scheme.weights.group_size = math.gcd(scheme.weights.group_size, *(m.in_features for _, m in linears))
-    ignore = NOT_QUANTIZED[:1] + [f"re:{NOT_QUANTIZED[1]}.*"]
+        scheme.weights.group_size = two_rank_size([m.in_features for _, m in linears])
+    ignore = ["lm_head", "re:model.visual.*", r"re:.*linear_attn\.in_proj_[ab]$"]
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore))
     for _, linear in linears:
         args, weight = linear.quantization_scheme.weights, linear.weight.detach()
