@@ -38,6 +38,7 @@ AUTOSCALING = {
     "EncoderGroup": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 0.25},  # encoding is brief
     "Decoder": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2},
     "ResponseStore": {"min_replicas": 1, "max_replicas": 1},
+    "LoraRegistry": {"min_replicas": 1, "max_replicas": 1},
 }
 # downscale_delay_s 10: a replica that takes long to start on a busy machine is not cancelled by a lull
 FAST = {"upscale_delay_s": 2, "downscale_delay_s": 10, "look_back_period_s": 2, "metrics_interval_s": 0.5}
