@@ -27,6 +27,7 @@ from raypipe.decode.engine import LLMEngine
 from raypipe.errors import InvalidInput
 from raypipe.models import lora
 from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
+from raypipe.testing.lora_adapters import write_adapters
 from tests import decode_reference as ref
 
 MAX_NEW = 12
@@ -40,22 +41,6 @@ ADAPTERS = {  # name -> LoraConfig fields
 }
 # (prompt of decode_reference.REQUESTS, adapter): text, one image, three images, several adapters per prompt
 ROWS = [(0, "red"), (1, None), (2, "green"), (3, "blue"), (0, None), (1, "red"), (3, "green")]
-
-
-def write_adapters(ckpt, folder, adapters: dict[str, dict]) -> dict:
-    """PEFT saves of `adapters` (name -> LoraConfig fields) under `folder`; name -> its folder."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_pretrained(ckpt)
-    # init_lora_weights=False: B random too (PEFT's default B = 0 would leave the model unchanged)
-    configs = {name: LoraConfig(init_lora_weights=False, **fields) for name, fields in adapters.items()}
-    first, *rest = configs
-    model = get_peft_model(model, configs[first], adapter_name=first)
-    for name in rest:
-        model.add_adapter(name, configs[name])
-    model.save_pretrained(folder)  # each adapter in a folder of its name
-    return {name: folder / name for name in adapters}
 
 
 class Served:

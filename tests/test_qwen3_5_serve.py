@@ -19,7 +19,8 @@ import pytest
 from raypipe.models.registry import preset_checkpoint
 from tests import qwen3_vl_reference as ref
 from tests.conftest import random_images
-from tests.test_lora import ADAPTERS, write_adapters
+from raypipe.testing.lora_adapters import write_adapters
+from tests.test_lora import ADAPTERS
 from tests.test_reasoning_parser import vllm_qwen3
 from tests.test_serve_api import data_url, png_bytes
 

@@ -15,23 +15,16 @@ one round's block mask and to compile, and the largest difference between the tw
 
 from __future__ import annotations
 
-import statistics
 import time
 
 ROWS, TABLE_TOKENS, BLOCK_SIZE, ROUND_STEPS = 32, 320, 16, 8
 
 
 def median_ms(fn, calls: int = 50, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean milliseconds per call of `calls` calls, after a warm-up."""
-    for _ in range(5):
-        fn()
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(runs)
+    """Median over `repeats` samples of the mean milliseconds per call of `calls` calls, after a warm-up."""
+    from raypipe.bench.common import median_seconds
+
+    return median_seconds(lambda: [fn() for _ in range(calls)], repeats, warmup=5) / calls * 1e3
 
 
 def main(args) -> int:

@@ -28,25 +28,6 @@ COUNTS = (1, 4, 16)
 TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|out_proj)"
 
 
-def write_adapters(checkpoint, folder, count: int) -> dict[str, str]:
-    """`count` random rank-`RANK` PEFT saves of `checkpoint`; name -> folder."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint)
-    # init_lora_weights=False: random B as well (PEFT's default B = 0 would be the base model)
-    configs = {f"bench{i}": LoraConfig(r=RANK, lora_alpha=2 * RANK, init_lora_weights=False, target_modules=TARGETS)
-               for i in range(count)}
-    first, *rest = configs
-    model = get_peft_model(model, configs[first], adapter_name=first)
-    for name in rest:
-        model.add_adapter(name, configs[name])
-    model.save_pretrained(folder)
-    return {name: str(folder / name) for name in configs}
-
-
 def tok_s(engine, prompts, loras, max_tokens: int) -> float:
     """Tokens/s decoding every prompt at once, prompt i under adapter `loras[i]`."""
     from raypipe import SamplingParams
@@ -79,6 +60,7 @@ def main(args) -> int:
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
     from raypipe.models.registry import language_adapter, resolve_model
+    from raypipe.testing.lora_adapters import write_adapters
 
     name = args.model or "small"
     checkpoint = resolve_model(name)
@@ -91,7 +73,9 @@ def main(args) -> int:
     rows, fresh = [], iter(range(1, 10**6))  # a new prompt seed for every run: no run reuses another's prefix
     try:
         with tempfile.TemporaryDirectory() as folder:
-            adapters = write_adapters(checkpoint, pathlib.Path(folder), max(counts))
+            fields = dict(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS)
+            adapters = {name: str(path) for name, path in write_adapters(
+                checkpoint, pathlib.Path(folder), {f"bench{i}": fields for i in range(max(counts))}).items()}
             file_bytes = sum(f.stat().st_size for f in pathlib.Path(adapters["bench0"]).iterdir())
             for n in counts:
                 engine = LLMEngine(checkpoint, dataclasses.replace(
