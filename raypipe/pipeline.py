@@ -24,15 +24,26 @@ from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
 from raypipe.encode.coordinator import Coordinator
 from raypipe.encode.pool import EncoderPool, WorkerOptions
+from raypipe.encode.tower_lora import TowerLora, read_tower_loras
 from raypipe.errors import InvalidInput, RaypipeError
 from raypipe.inputs.images import ImageLimits
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.base import VisionAdapter
 from raypipe.models.prompt import PreparedPrompt, VideoOptions, build_prompt, load_visuals
-from raypipe.models.registry import language_adapter, model_for_actors, resolve_model, vision_adapter
+from raypipe.models.registry import family_of, language_adapter, model_for_actors, resolve_model, vision_adapter
 from raypipe.parallel import runner_factory
 from raypipe.parallel.group import engine_actor_placement
 from raypipe.runtime.ray_cluster import connect_ray, decode_threads, default_encoder_gpus
+
+
+def tower_loras(lora_modules: dict[str, str], checkpoint: pathlib.Path, coordinator: Coordinator) -> dict[str, TowerLora]:
+    """The adapters of `lora_modules` that target the vision tower, read and checked against an encoder's tower
+    now (a bad one stops the start, naming its module), by name (Pipeline and Serve's EncoderGroup)."""
+    found = read_tower_loras(lora_modules, family_of(checkpoint)) if lora_modules else {}
+    if found:
+        worker = coordinator.pool.workers[0]
+        _unwrap_ray(lambda: ray.get([worker.check_tower_lora.remote(lora) for lora in found.values()]))
+    return found
 
 
 def start_encoders(config: ModelConfig, checkpoint: pathlib.Path, adapter: VisionAdapter) -> Coordinator:
@@ -60,6 +71,8 @@ class Pipeline:
         self._placement = None  # the decode group's placement group (tensor_parallel_size > 1)
         self._engine_lock = threading.Lock()  # concurrent first calls must start one engine
         self._tokenizer = None
+        # adapters of `engine_config.lora_modules` on the vision tower: their requests' images are encoded with them
+        self.tower_loras = tower_loras(self.engine_config.lora_modules, checkpoint, coordinator)
         self._owns_ray = owns_ray
         self._closed = False
 
@@ -169,7 +182,8 @@ class Pipeline:
 
     def _generate_window(self, engine, prompts: list[PreparedPrompt], params: list[SamplingParams],
                          loras: list[str | None]) -> list[RequestOutput]:
-        encoded = self.coordinator.submit([image for p in prompts for image in p.visuals])
+        encoded = self.coordinator.submit([image for p in prompts for image in p.visuals],
+                                          [self.tower_loras.get(name) for p, name in zip(prompts, loras) for _ in p.visuals])
         calls, start = [], 0
         for prompt, sp, name in zip(prompts, params, loras):
             refs = [e.ref for e in encoded[start: start + len(prompt.visuals)]]
@@ -190,7 +204,8 @@ class Pipeline:
         engine = self._engine_actor()
         await self._engine_ready
         await _unwrap_async(engine.check_request.remote(prompt.without_pixels(), params, lora))
-        encoded = await asyncio.to_thread(self.coordinator.submit, prompt.visuals)
+        encoded = await asyncio.to_thread(self.coordinator.submit, prompt.visuals,
+                                          [self.tower_loras.get(lora)] * len(prompt.visuals))
         request_id = uuid.uuid4().hex
         stream = engine.generate_stream.options(num_returns="streaming").remote(
             request_id, prompt.without_pixels(), [e.ref for e in encoded], params, lora)

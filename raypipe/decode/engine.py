@@ -71,7 +71,7 @@ from raypipe.errors import CapacityError, EngineClosed, InvalidInput, QueueFull
 from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.lora import read_adapter
 from raypipe.models.prompt import PreparedPrompt
-from raypipe.models.registry import language_adapter
+from raypipe.models.registry import family_of, language_adapter
 from raypipe.runtime.device import pick_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,8 @@ class LLMEngine:
         self.loras.unload(name)
 
     def _read_lora(self, name: str, path: str, where: str):
-        return read_adapter(name, path, self.runner.model, self.config.max_lora_rank, where)
+        return read_adapter(name, path, self.runner.model, self.config.max_lora_rank, where,
+                            family_of(self.adapter.checkpoint))
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next round boundary and free its row; unknown ids are ignored."""

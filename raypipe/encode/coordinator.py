@@ -26,6 +26,7 @@ from raypipe.encode.calibration import CalibratedCosts
 from raypipe.encode.dispatch import dispatch
 from raypipe.encode.plan import Plan, UnitId, place, plan
 from raypipe.encode.pool import EncoderPool
+from raypipe.encode.tower_lora import TowerLora, cache_key
 from raypipe.inputs.media import DecodedVisual
 from raypipe.models.base import VisionAdapter, check_cost_model
 
@@ -89,10 +90,15 @@ class Coordinator:
         """Per-image embedding tensors in input order (fetches them into this process)."""
         return ray.get([encoded.ref for encoded in self.submit(images)])
 
-    def submit(self, images: Sequence[DecodedVisual]) -> list[EncodedVisual]:
+    def submit(self, images: Sequence[DecodedVisual], loras: Sequence[TowerLora | None] = ()) -> list[EncodedVisual]:
+        """`loras[i]`: the LoRA adapter image i is encoded with, where its request's adapter targets the tower
+        (none given: the base tower for all); an item's content hash then names the adapter too."""
+        loras = list(loras) or [None] * len(images)
         items = [self.adapter.make_item(image) for image in images]
+        items = [item if lora is None else dataclasses.replace(item, content_hash=cache_key(item.content_hash, lora))
+                 for item, lora in zip(items, loras)]
         self.pixel_bytes_received += sum(image.pixels.nbytes for image in images)
-        work = plan(items, self.adapter, self.cache, split_units=self.split_units)
+        work = plan(items, self.adapter, self.cache, split_units=self.split_units, loras=loras)
         unit_cost = self._unit_costs(work)
         ready = self.pool.wait_ready() if work.todo else list(range(len(self.pool)))
         with self._lock:  # concurrent calls see each other's work in flight

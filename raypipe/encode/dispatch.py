@@ -27,7 +27,8 @@ def dispatch(plan: Plan, shards: list[list[UnitId]], workers: list, pool: Encode
 
     def launch(worker, shard: list[UnitId]) -> ray.ObjectRef:
         payload = ray.put([plan.unit(uid) for uid in shard])  # exactly this worker's shard, once
-        out = worker.encode.options(num_returns=len(shard) + 1).remote(payload)
+        loras = [plan.todo_loras[uid.item] for uid in shard]  # each unit's tower adapter (refs, not factors)
+        out = worker.encode.options(num_returns=len(shard) + 1).remote(payload, loras if any(loras) else None)
         refs.update(zip(shard, out[:-1]))
         return out[-1]
 

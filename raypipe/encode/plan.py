@@ -15,6 +15,7 @@ import ray
 
 from raypipe.encode.cache import EmbeddingCache
 from raypipe.encode.partition import partition
+from raypipe.encode.tower_lora import TowerLora
 from raypipe.models.base import VisionAdapter, VisionItem
 
 
@@ -31,6 +32,7 @@ class Plan:
     items: list[VisionItem]  # one per input image
     hits: dict[str, ray.ObjectRef]  # cached embeddings, by content hash
     todo: list[VisionItem]  # unique cache misses, in order of first occurrence
+    todo_loras: list[TowerLora | None]  # the tower adapter each todo item is encoded with
     todo_inputs: list[list[int]]  # the input indices each todo item serves
     units: list[list[VisionItem]]  # each todo item's units, in concatenation order
     atoms: list[list[UnitId]]  # what the balancer places: single units, or an item's units together
@@ -44,10 +46,15 @@ class Plan:
         return [UnitId(item, index) for index in range(len(self.units[item]))]
 
 
-def plan(items: list[VisionItem], adapter: VisionAdapter, cache: EmbeddingCache, *, split_units: bool) -> Plan:
-    """Cache lookup by content hash (duplicates inside the batch encoded once), then units and their costs."""
+def plan(items: list[VisionItem], adapter: VisionAdapter, cache: EmbeddingCache, *, split_units: bool,
+         loras: Sequence[TowerLora | None] = ()) -> Plan:
+    """Cache lookup by content hash (duplicates inside the batch encoded once), then units and their costs.
+    `loras[i]`: the tower adapter of item i (none given: the base tower's), already in its content hash
+    (`tower_lora.cache_key`)."""
+    loras = list(loras) or [None] * len(items)
     hits: dict[str, ray.ObjectRef] = {}
     todo: list[VisionItem] = []
+    todo_loras: list[TowerLora | None] = []
     todo_index: dict[str, int] = {}
     todo_inputs: list[list[int]] = []
     for index, item in enumerate(items):
@@ -61,13 +68,14 @@ def plan(items: list[VisionItem], adapter: VisionAdapter, cache: EmbeddingCache,
             else:
                 todo_index[key] = len(todo)
                 todo.append(item)
+                todo_loras.append(loras[index])
                 todo_inputs.append([index])
     # Units: an image; a MiniCPM-V overview and slices; Step3's crops and global view.
     units = [adapter.units(item) for item in todo]
     ids = [[UnitId(t, u) for u in range(len(item_units))] for t, item_units in enumerate(units)]
     atoms = [[uid] for item_ids in ids for uid in item_ids] if split_units else ids
     flat = [uid for item_ids in ids for uid in item_ids]
-    return Plan(items, hits, todo, todo_inputs, units, atoms,
+    return Plan(items, hits, todo, todo_loras, todo_inputs, units, atoms,
                 patches={uid: adapter.cost(units[uid.item][uid.index], "patches") for uid in flat},
                 prior={uid: adapter.cost(units[uid.item][uid.index], "attention") for uid in flat})
 

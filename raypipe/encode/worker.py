@@ -13,6 +13,9 @@ graphs per budget). Otherwise it is encoded eagerly in forwards of at most `MAX_
 patches each, so activation memory follows that bound, not the shard's size (units themselves are
 bounded: images by the processor's pixel limit, video chunks by their size).
 
+Units of a request served with a LoRA adapter on the tower arrive with it (`tower_lora.py`): they run in
+eager forwards of their own, the adapter applied for those forwards only.
+
 An item encoded as several units (slices, crops, tiles, video chunks) is joined here too (`join`),
 on a thread of its own: the process has torch loaded already (a task would start a fresh worker
 process when Ray has none idle, seconds of imports on a request's path), and a join never waits
@@ -30,6 +33,7 @@ import torch
 
 from raypipe.encode.budget_forwards import BudgetedForwards
 from raypipe.encode.budgets import TokenBudgets
+from raypipe.encode.tower_lora import TowerAdapters, TowerLora
 from raypipe.models.base import VisionItem
 from raypipe.models.registry import vision_adapter
 from raypipe.runtime.device import pick_device, resolve_dtype
@@ -51,6 +55,7 @@ class EncoderWorker:
         self.adapter = vision_adapter(checkpoint)
         self.tower = self.adapter.load_tower(self.device, self.dtype)
         self.budgeted = BudgetedForwards.for_tower(self.tower, budgets)  # None: eager forwards
+        self.tower_loras: TowerAdapters | None = None  # made when a unit first brings a tower adapter
         self.items_encoded = 0
         self.items_joined = 0
         self._join_count_lock = threading.Lock()  # joins run on JOIN_THREADS threads
@@ -66,17 +71,43 @@ class EncoderWorker:
         return {"pid": os.getpid(), "device": str(self.device), "dtype": str(self.dtype),
                 "threads": torch.get_num_threads(), "node": ray.get_runtime_context().get_node_id(),
                 "items_encoded": self.items_encoded, "items_joined": self.items_joined,
+                "tower_loras_fetched": self.tower_loras.fetched if self.tower_loras else 0,
                 "budgets": self.budgeted.stats if self.budgeted else None}
 
-    def encode(self, items: list[VisionItem]):
-        """Returns `(*embeddings, receipt)`: call with `num_returns=len(items) + 1`."""
+    def encode(self, items: list[VisionItem], loras: list[TowerLora | None] | None = None):
+        """Returns `(*embeddings, receipt)`: call with `num_returns=len(items) + 1`. `loras[i]`: the tower adapter
+        item i is encoded with (None: the base tower); the items of each adapter run in forwards of their own."""
         start = time.perf_counter()
-        embeddings = (self.budgeted.encode(items) if self.budgeted else
-                      [e for group in self._forward_groups(items) for e in self.tower.encode(group)])
+        loras = loras or [None] * len(items)
+        embeddings: list[torch.Tensor | None] = [None] * len(items)
+        by_adapter: dict[str | None, list[int]] = {}  # fingerprint -> its items, in order of first use
+        for i, lora in enumerate(loras):
+            by_adapter.setdefault(lora and lora.fingerprint, []).append(i)
+        for picked in by_adapter.values():
+            for i, embedding in zip(picked, self._encode([items[i] for i in picked], loras[picked[0]])):
+                embeddings[i] = embedding
         self.items_encoded += len(items)
         receipt = {"pid": os.getpid(), "items": len(items), "seconds": time.perf_counter() - start,
                    "device": self.device_kind}
         return (*embeddings, receipt)
+
+    def _encode(self, items: list[VisionItem], lora: TowerLora | None) -> list[torch.Tensor]:
+        if lora is None:
+            return self.budgeted.encode(items) if self.budgeted else self._eager(items)
+        with self._tower_adapters().applied(lora):  # eager: budgeted forwards compiled / captured the base weights
+            return self._eager(items)
+
+    def _eager(self, items: list[VisionItem]) -> list[torch.Tensor]:
+        return [e for group in self._forward_groups(items) for e in self.tower.encode(group)]
+
+    def check_tower_lora(self, lora: TowerLora) -> None:
+        """Fetch `lora` and check it against this tower (`InvalidInput` naming the module that does not fit)."""
+        self._tower_adapters().factors(lora)
+
+    def _tower_adapters(self) -> TowerAdapters:
+        if self.tower_loras is None:  # only families with `lora_tower_prefixes` get here: their towers keep `model`
+            self.tower_loras = TowerAdapters(self.tower.model, self.device, self.dtype)
+        return self.tower_loras
 
     @ray.method(concurrency_group="join", num_returns=2)
     def join(self, item: VisionItem, *parts: torch.Tensor):

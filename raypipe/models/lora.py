@@ -1,5 +1,9 @@
 """LoRA adapters (PEFT checkpoints) on the language model, several of them served in one batch.
 
+A save is split where it is read: `read_adapter` takes the language model's part (the decode engine's), and
+`read_tower_adapter` the vision tower's, for a family whose encoders apply tower adapters
+(`ModelFamily.lora_tower_prefixes`; `encode/tower_lora.py` applies them there, one adapter per forward).
+
 A PEFT LoRA adapter adds `scaling * B(A(x))` to chosen linear layers (`scaling` is alpha / r, or
 alpha / sqrt(r) with `use_rslora`). To serve rows of different adapters, and rows of none, in one
 forward, every linear that some adapter targets keeps all adapters' factors side by side in fixed-shape
@@ -20,8 +24,8 @@ a forward is set per thread (`LoraRows.using`): the engine runs a prefill and a 
 threads at once. An adapter is read from a local folder or `s3://` (`raypipe.storage`) and fingerprinted
 by the bytes read. Anything PEFT would apply that this does not is refused at
 load with `InvalidInput` naming the config field or the module: DoRA, `modules_to_save`, biases,
-per-module rank or alpha patterns, embeddings, and modules outside the language model (the vision tower,
-lm_head).
+per-module rank or alpha patterns, embeddings, lm_head, and the vision tower of a family whose encoders
+take no tower adapters.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 
 from raypipe.errors import InvalidInput
 from raypipe.models.checkpoint import strip_prefix
+from raypipe.models.family import ModelFamily
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_KEY_PREFIX = "base_model.model."  # every module of a PEFT save sits under the wrapped model
@@ -66,47 +71,114 @@ class LoraWeights:
 
 
 def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: int,
-                 where: str | None = None) -> LoraWeights:
-    """Adapter `name` from a PEFT folder (local or `s3://`), checked against `decoder` (a `TextDecoder`): every
-    tensor must belong to one of its linear layers and every listed target must match one. Errors name
-    `where` (default `lora_modules.<name>`) and the field."""
+                 where: str | None = None, family: ModelFamily | None = None) -> LoraWeights:
+    """The language-model part of adapter `name` from a PEFT folder (local or `s3://`), checked against `decoder`
+    (a `TextDecoder`): every tensor must belong to one of its linear layers, or to the vision tower where
+    `family`'s encoders apply tower adapters (`ModelFamily.lora_tower_prefixes`: those modules are the encoder's
+    part, `read_tower_adapter`), and every listed target must match one. Errors name `where` (default
+    `lora_modules.<name>`) and the field."""
     where = where or f"lora_modules.{name}"
     if not hasattr(decoder, "key_prefixes"):  # loaded by a family's own loader (Step3), not TextDecoder's
         raise InvalidInput(f"{type(decoder).__name__} does not take LoRA adapters", item=where,
                            code="invalid_lora_adapter")
-    config_bytes, weight_bytes = _read_files(str(folder), where)
+    save = _read_save(str(folder), where, max_lora_rank)
+    tower_prefixes = family.lora_tower_prefixes if family else ()
+    modules = dict(decoder.model.named_modules())
+    pairs, tower = {}, []
+    for module, pair in save.pairs.items():
+        inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
+        if inside is None and strip_prefix(module, tower_prefixes, ()) is not None:
+            tower.append(module)  # the encoder's part
+            continue
+        if inside is None or inside not in modules:
+            kind = family.model_type if family else type(decoder).__name__
+            raise InvalidInput(f"module {module!r} is not a layer of {kind}'s language model (adapters on lm_head "
+                               "or embeddings are not supported; on the vision tower, for Qwen2.5-VL only)",
+                               item=where, code="invalid_lora_adapter")
+        pairs[inside] = pair
+    _check_targets(save.config.target_modules, [*pairs, *tower], where)
+    return LoraWeights(name, _fitted(pairs, modules, save.scaling, where), save.fingerprint)
+
+
+def read_tower_adapter(name: str, folder: str | pathlib.Path, family: ModelFamily,
+                       where: str | None = None) -> LoraWeights | None:
+    """The vision-tower part of adapter `name`, its modules named inside the tower (`family.lora_tower_prefixes`
+    stripped), or None when it targets no tower module (the engine's `read_adapter` refuses tower modules of a
+    family without such prefixes). Shapes are checked where the tower is (`check_tower_factors`)."""
+    where = where or f"lora_modules.{name}"
+    save = _read_save(str(folder), where, max_lora_rank=None)
+    factors = {}
+    for module, (a, b) in save.pairs.items():
+        inside = strip_prefix(module, family.lora_tower_prefixes, ())
+        if inside is not None:
+            factors[inside] = (_factor(a, module, "A", where).t().float(),
+                               _factor(b, module, "B", where).t().float() * save.scaling)
+    return LoraWeights(name, factors, save.fingerprint) if factors else None
+
+
+def check_tower_factors(adapter: LoraWeights, tower: torch.nn.Module, where: str) -> None:
+    """Every module of a tower adapter is a linear layer of `tower` with the factors' shapes."""
+    _fitted(adapter.factors, dict(tower.named_modules()), 1.0, where, transposed=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Save:
+    """A PEFT save as read: its config, the scaling of its B factors, `[A, B]` per module (its name in the whole
+    model, as PEFT saved it) and the fingerprint of the bytes read."""
+
+    config: object
+    scaling: float
+    pairs: dict[str, list]
+    fingerprint: str
+
+
+def _read_save(folder: str, where: str, max_lora_rank: int | None) -> _Save:
+    config_bytes, weight_bytes = _read_files(folder, where)
     config = _parse_config(config_bytes, where)
     _check_config(config, where, max_lora_rank)
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
-    modules = dict(decoder.model.named_modules())
-    pairs: dict[str, list] = {}
     try:
         tensors = safetensors.torch.load(weight_bytes)
     except Exception as exc:  # noqa: BLE001 - the library's own error on a broken file
         raise InvalidInput(f"{ADAPTER_WEIGHTS} is not a readable safetensors file ({exc})", item=where,
                            code="invalid_lora_adapter") from None
+    pairs: dict[str, list] = {}
     for key, tensor in tensors.items():
         module, factor = _split_key(key, where)
-        inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
-        if inside is None or inside not in modules:
-            raise InvalidInput(f"module {module!r} is not a layer of the language model (adapters on the vision "
-                               "tower, lm_head or embeddings are not supported)", item=where, code="invalid_lora_adapter")
-        if not _is_linear(modules[inside]):
-            raise InvalidInput(f"module {module!r} is a {type(modules[inside]).__name__}; LoRA is supported on "
-                               "linear layers only", item=where, code="invalid_lora_adapter")
-        pairs.setdefault(inside, [None, None])[factor] = tensor
-    _check_targets(config.target_modules, pairs, where)
+        pairs.setdefault(module, [None, None])[factor] = tensor
+    fingerprint = hashlib.sha256(config_bytes + b"\0" + weight_bytes).hexdigest()
+    return _Save(config, scaling, pairs, fingerprint)
+
+
+def _factor(t: torch.Tensor | None, module: str, which: str, where: str) -> torch.Tensor:
+    """A LoRA factor of a linear layer (a convolution's are not 2-D)."""
+    if t is None or t.dim() != 2:
+        raise InvalidInput(f"module {module!r}: lora_{which} is {_shape(t)}; LoRA is supported on linear layers only",
+                           item=where, code="invalid_lora_adapter")
+    return t
+
+
+def _fitted(pairs: dict, modules: dict, scaling: float, where: str, transposed: bool = False) -> dict:
+    """`(A (in, r), B scaled (r, out))` per module, each checked to be a linear of `modules` its factors fit
+    (PEFT's saved `lora_A (r, in)`, `lora_B (out, r)`; already `(in, r)`, `(r, out)` when `transposed`)."""
     factors = {}
     for module, (a, b) in pairs.items():
-        linear = modules[module]
-        if a is None or b is None or a.shape != (config.r, linear.in_features) \
-                or b.shape != (linear.out_features, config.r):
-            raise InvalidInput(f"module {module!r}: lora_A/lora_B shapes {_shape(a)}/{_shape(b)} do not fit r={config.r} "
-                               f"on a {linear.in_features}->{linear.out_features} linear", item=where,
+        linear = modules.get(module)
+        if linear is None:
+            raise InvalidInput(f"module {module!r} is not a layer of the vision tower", item=where,
                                code="invalid_lora_adapter")
-        factors[module] = (a.t().float(), (b.t().float() * scaling))
-    fingerprint = hashlib.sha256(config_bytes + b"\0" + weight_bytes).hexdigest()
-    return LoraWeights(name, factors, fingerprint)
+        if not _is_linear(linear):
+            raise InvalidInput(f"module {module!r} is a {type(linear).__name__}; LoRA is supported on "
+                               "linear layers only", item=where, code="invalid_lora_adapter")
+        if a is not None and b is not None and not transposed:
+            a, b = a.t(), b.t()
+        if a is None or b is None or a.shape[0] != linear.in_features or b.shape[1] != linear.out_features \
+                or a.shape[1] != b.shape[0]:
+            raise InvalidInput(f"module {module!r}: lora_A/lora_B shapes {_shape(a)}/{_shape(b)} (as (in, r)/(r, out)) "
+                               f"do not fit a {linear.in_features}->{linear.out_features} linear", item=where,
+                               code="invalid_lora_adapter")
+        factors[module] = (a.float(), b.float() * scaling)
+    return factors
 
 
 def _read_files(folder: str, where: str) -> tuple[bytes, bytes]:
@@ -137,7 +209,9 @@ def _is_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) or (hasattr(module, "in_features") and hasattr(module, "out_features"))
 
 
-def _check_config(config, where: str, max_lora_rank: int) -> None:
+def _check_config(config, where: str, max_lora_rank: int | None) -> None:
+    """PEFT's variants beyond plain LoRA on linears are refused; so is a rank above the engine's slots (None: the
+    encoder's part, which takes no slots)."""
     if config.peft_type != "LORA":  # PeftType is a str enum
         raise InvalidInput(f"peft_type is {config.peft_type}; only LORA adapters are served", item=f"{where}.peft_type",
                            code="invalid_lora_adapter")
@@ -148,7 +222,7 @@ def _check_config(config, where: str, max_lora_rank: int) -> None:
     if config.bias != "none":
         raise InvalidInput(f"bias={config.bias!r} is not supported (only 'none')", item=f"{where}.bias",
                            code="invalid_lora_adapter")
-    if not 1 <= config.r <= max_lora_rank:
+    if max_lora_rank is not None and not 1 <= config.r <= max_lora_rank:
         raise InvalidInput(f"r={config.r} exceeds EngineConfig.max_lora_rank={max_lora_rank}", item=f"{where}.r",
                            code="invalid_lora_adapter")
 
@@ -162,11 +236,11 @@ def _split_key(key: str, where: str) -> tuple[str, int]:
                        "adapters and saved modules are not supported)", item=where, code="invalid_lora_adapter")
 
 
-def _check_targets(targets, modules: dict, where: str) -> None:
+def _check_targets(targets, modules: list[str], where: str) -> None:
     """Each name of a target list must match a module the adapter holds (PEFT's rule: the name, or its
     last dotted parts); a regex target must have matched something."""
     if not modules:
-        raise InvalidInput(f"target_modules {targets!r} matches no layer of the language model",
+        raise InvalidInput(f"target_modules {targets!r} matches no layer of the model",
                            item=f"{where}.target_modules", code="invalid_lora_adapter")
     if isinstance(targets, str):
         return

@@ -1,0 +1,163 @@
+"""LoRA adapters on Qwen2.5-VL's vision tower (`encode/tower_lora.py`), through the product's path, against PEFT.
+
+Adapters are written by PEFT on the `tiny` preset (random non-zero factors): one on every linear of the tower's
+blocks and its merger, one on a few tower linears and the language model's attention together (rsLoRA), one on
+the language model alone. One `Pipeline.generate` batch (two encoder actors, the decode actor) mixes rows of
+each with base rows, the same image under several adapters among them; every row's greedy tokens equal
+`generate()` of `PeftModel.from_pretrained` (unmerged) given the request's pixels, so PEFT's own tower runs
+the adapter. Neither the embedding cache nor the prefix cache hands an image's rows encoded under one tower
+adapter to a request under another adapter or the base model, and what cannot be applied is refused naming the
+module (and the family).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+from raypipe import Pipeline, SamplingParams
+from raypipe.errors import InvalidInput
+from raypipe.models import lora
+from raypipe.models.registry import family_of, language_adapter, preset_checkpoint, vision_adapter
+from raypipe.testing.lora_adapters import write_adapters
+from tests import decode_reference as ref
+
+MAX_NEW = 10
+TOWER = r".*visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(gate_proj|up_proj|down_proj))|merger\.mlp\.(0|2))"
+ADAPTERS = {  # name -> LoraConfig fields (names no module path contains: PEFT picks tensors by substring)
+    "tower": dict(r=4, lora_alpha=8, target_modules=TOWER),
+    "mixed": dict(r=8, lora_alpha=6, use_rslora=True,
+                  target_modules=r".*(visual\.blocks\.\d+\.attn\.qkv|visual\.merger\.mlp\.2|language_model.*\.(q_proj|v_proj))"),
+    "text": dict(r=2, lora_alpha=4, target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"),
+}
+# (prompt of decode_reference.REQUESTS, adapter): the image of prompt 1 under four towers' identities in one batch
+ROWS = [(1, "tower"), (2, None), (3, "mixed"), (1, "text"), (2, "tower"), (0, "tower"), (1, None), (1, "mixed"),
+        (3, "text")]
+CACHE_SEEDS = (100, 200)  # images no other request of this module shows
+
+
+class Reference:
+    """PEFT's greedy tokens, the tower running the adapter on the request's own pixels."""
+
+    def __init__(self, ckpt, folders):
+        from peft import PeftModel
+
+        hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+        self.processor = AutoImageProcessor.from_pretrained(ckpt)
+        self.tokenizer, self.vision = language_adapter(ckpt).tokenizer, vision_adapter(ckpt)
+        self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        first, *rest = ADAPTERS
+        self.peft = PeftModel.from_pretrained(hf, folders[first], adapter_name=first).eval()
+        for name in rest:
+            self.peft.load_adapter(folders[name], adapter_name=name)
+
+    def generate(self, i: int, name: str | None, seed: int = 0) -> list[int]:
+        prompt = ref.prepare(i, self.tokenizer, self.vision, seed)
+        ids = torch.tensor([prompt.prompt_token_ids])
+        kwargs = {}
+        if prompt.visuals:
+            processed = self.processor(images=[v.pixels for v in prompt.visuals], return_tensors="pt")
+            assert processed["image_grid_thw"].tolist() == [list(g) for g in prompt.visual_grids]
+            kwargs = dict(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
+                          mm_token_type_ids=(ids == self.peft.config.image_token_id).int())
+        if name is None:
+            active = self.peft.disable_adapter()
+        else:
+            self.peft.set_adapter(name)
+            active = contextlib.nullcontext()
+        with active, torch.no_grad():
+            out = self.peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                     do_sample=False, **kwargs)
+        tokens = out[0, ids.shape[1]:].tolist()
+        return tokens[: tokens.index(self.eos) + 1] if self.eos in tokens else tokens
+
+
+@pytest.fixture(scope="module")
+def served(ray_local, tmp_path_factory):
+    ckpt = preset_checkpoint("tiny")
+    folders = write_adapters(ckpt, tmp_path_factory.mktemp("tower-lora"), ADAPTERS)
+    reference = Reference(ckpt, folders)
+    pipe = Pipeline.from_pretrained(ckpt, num_encoders=2, lora_modules={n: str(f) for n, f in folders.items()},
+                                    max_num_seqs=8, max_model_len=512, block_size=8)
+    try:
+        yield pipe, reference, folders
+    finally:
+        pipe.shutdown()
+
+
+def test_tower_adapters_are_read_as_the_encoders_part(served):
+    pipe, _, _ = served
+    assert sorted(pipe.tower_loras) == ["mixed", "tower"]  # "text" targets no tower module
+
+
+def test_mixed_batch_equals_peft_generate_with_the_adapter_on_the_tower(served):
+    pipe, reference, _ = served
+    expected = [reference.generate(i, name) for i, name in ROWS]
+    base = {i: reference.generate(i, None) for i, _ in ROWS}
+    # the tower adapters change every image row's tokens; on a text-only prompt the tower part does nothing
+    assert all(expected[n] != base[i] for n, (i, name) in enumerate(ROWS) if name and i != 0)
+    assert expected[ROWS.index((0, "tower"))] == base[0]
+    outs = pipe.generate([ref.request(i) for i, _ in ROWS], SamplingParams(max_tokens=MAX_NEW),
+                         lora=[name for _, name in ROWS])
+    assert [o.token_ids for o in outs] == expected
+    assert pipe.coordinator.last_report.cache_hits == 0
+
+
+def test_no_cache_hands_one_adapters_image_rows_to_another(served):
+    """Same image: under A then A, a hit in both caches; A then B, and base then A, no hit in either (the base
+    tower's rows do serve a language-only adapter's request, whose prefix-cache blocks are its own). A prefix hit
+    counts when it reaches past the image's first placeholder (the text before it is shared by other prompts)."""
+    pipe, reference, _ = served
+
+    def run(seed: int, name: str | None) -> tuple[int, bool]:
+        """(embedding-cache hits, whether prefix-cache hits reached the image's rows)."""
+        out, = pipe.generate([ref.request(3, seed)], SamplingParams(max_tokens=MAX_NEW), lora=name)
+        assert out.token_ids == reference.generate(3, name, seed), (seed, name)
+        prompt = ref.prepare(3, reference.tokenizer, reference.vision, seed)
+        image_start = prompt.prompt_token_ids.index(reference.peft.config.image_token_id)
+        return pipe.coordinator.last_report.cache_hits, out.num_cached_tokens > image_start
+
+    first, second = CACHE_SEEDS
+    assert run(first, "tower") == (0, False)
+    assert run(first, "tower") == (1, True)  # A then A
+    assert run(first, "mixed") == (0, False)  # A then B
+    assert run(second, None) == (0, False)
+    assert run(second, "tower") == (0, False)  # base then A
+    assert run(second, "text") == (1, False)  # the base tower's rows; prefix blocks under "text" only
+    assert run(second, "text") == (1, True)
+
+
+def test_what_the_encoders_cannot_apply_is_refused_naming_the_module(served, tmp_path):
+    pipe, _, folders = served
+    ckpt = preset_checkpoint("tiny")
+    family = family_of(ckpt)
+    tower = vision_adapter(ckpt).load_tower(torch.device("cpu"), torch.float32).model
+    read = lora.read_tower_adapter("tower", folders["tower"], family)
+    lora.check_tower_factors(read, tower, "lora_modules.tower")
+    assert set(read.factors) >= {"blocks.0.attn.qkv", "merger.mlp.0", "merger.mlp.2"}
+    renamed = dataclasses.replace(read, factors={"blocks.9.attn.qkv": read.factors["blocks.0.attn.qkv"]})
+    with pytest.raises(InvalidInput, match=r"blocks\.9\.attn\.qkv.*not a layer of the vision tower"):
+        lora.check_tower_factors(renamed, tower, "lora_modules.tower")
+    conv = write_adapters(ckpt, tmp_path / "conv", {"conv": dict(r=2, lora_alpha=4, target_modules=r".*patch_embed\.proj")})
+    with pytest.raises(InvalidInput, match=r"patch_embed\.proj.*linear layers only") as refused:
+        lora.read_tower_adapter("conv", conv["conv"], family)
+    assert refused.value.item == "lora_modules.conv"
+    # the engine reads the language part: a tower module is the encoder's part where the family has one
+    decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
+    assert lora.read_adapter("tower", folders["tower"], decoder, 16, family=family).factors == {}
+    assert set(lora.read_adapter("mixed", folders["mixed"], decoder, 16, family=family).factors) == {
+        f"layers.{n}.self_attn.{p}" for n in range(decoder.model.config.num_hidden_layers) for p in ("q_proj", "v_proj")}
+
+
+def test_a_tower_adapter_of_a_family_whose_encoders_take_none_is_refused_naming_module_and_family(tmp_path):
+    ckpt = preset_checkpoint("tiny-qwen3.5")
+    folder = write_adapters(ckpt, tmp_path, {"tower": dict(r=2, lora_alpha=4, target_modules=r".*visual\.blocks\.0\.attn\.qkv")})
+    decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
+    with pytest.raises(InvalidInput, match=r"model\.visual\.blocks\.0\.attn\.qkv.*qwen3_5") as refused:
+        lora.read_adapter("tower", folder["tower"], decoder, 16, family=family_of(ckpt))
+    assert refused.value.item == "lora_modules.tower"
+    assert lora.read_tower_adapter("tower", folder["tower"], family_of(ckpt)) is None
