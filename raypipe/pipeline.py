@@ -36,13 +36,15 @@ from raypipe.parallel.group import engine_actor_placement
 from raypipe.runtime.ray_cluster import connect_ray, decode_threads, default_encoder_gpus
 
 
-def tower_loras(lora_modules: dict[str, str], checkpoint: pathlib.Path, coordinator: Coordinator) -> dict[str, TowerLora]:
+def tower_loras(lora_modules: dict[str, str], checkpoint: pathlib.Path, coordinator: Coordinator,
+                where: str | None = None) -> dict[str, TowerLora]:
     """The adapters of `lora_modules` that target the vision tower, read and checked against an encoder's tower
-    now (a bad one stops the start, naming its module), by name (Pipeline and Serve's EncoderGroup)."""
-    found = read_tower_loras(lora_modules, family_of(checkpoint)) if lora_modules else {}
+    now (a bad one stops the start, naming its module and `where`'s field), by name (Pipeline and Serve's
+    EncoderGroup)."""
+    found = read_tower_loras(lora_modules, family_of(checkpoint), where) if lora_modules else {}
     if found:
         worker = coordinator.pool.workers[0]
-        _unwrap_ray(lambda: ray.get([worker.check_tower_lora.remote(lora) for lora in found.values()]))
+        _unwrap_ray(lambda: ray.get([worker.check_tower_lora.remote(lora, where) for lora in found.values()]))
     return found
 
 

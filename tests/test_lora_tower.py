@@ -161,3 +161,48 @@ def test_a_tower_adapter_of_a_family_whose_encoders_take_none_is_refused_naming_
         lora.read_adapter("tower", folder["tower"], decoder, 16, family=family_of(ckpt))
     assert refused.value.item == "lora_modules.tower"
     assert lora.read_tower_adapter("tower", folder["tower"], family_of(ckpt)) is None
+
+
+# --- the OpenAI endpoint: `model` names the adapter; one configured at start, one loaded while the app runs ------
+
+KEY = "tower-lora-key"
+
+
+@pytest.fixture(scope="module")
+def server(serve_app, served):
+    import openai
+
+    from raypipe.serve.app import build_app
+
+    _, _, folders = served
+    url = serve_app(build_app({"model": "tiny", "num_encoders": 1, "batch_window_s": 0.02, "api_key": KEY,
+                               "engine": {"max_model_len": 512, "max_num_seqs": 4,
+                                          "lora_modules": {"tower": str(folders["tower"])}}}), "raypipe-tower-lora")
+    return url, openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def test_the_endpoint_encodes_with_the_adapter_configured_or_loaded_at_run_time(served, server):
+    import httpx
+
+    from tests.test_serve_api import data_url, png_bytes
+
+    _, reference, folders = served
+    url, client = server
+    text, _ = ref.REQUESTS[3]
+    [image] = ref.request(3, seed=300)[0]["content"][0:1]
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(image["image"]))}},
+                                             {"type": "text", "text": text}]}]
+
+    def answer(model: str) -> str:
+        return client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_NEW,
+                                              temperature=0).choices[0].message.content
+
+    def peft(name: str | None) -> str:
+        return reference.tokenizer.decode(reference.generate(3, name, seed=300), skip_special_tokens=True)
+
+    assert peft("tower") != peft(None)
+    assert answer("tower") == peft("tower") and answer("tiny") == peft(None)
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"lora_name": "later", "lora_path": str(folders["mixed"])}, timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    assert answer("later") == peft("mixed")

@@ -72,7 +72,7 @@ def reference_round(engine, conversations: list[list[dict]], turn: int) -> list:
     vision = vision_adapter(engine.adapter.checkpoint)
     prompts = [build_prompt(messages, engine.tokenizer, vision) for messages in conversations]
     encoder = serve.get_deployment_handle("EncoderGroup", app_name="raypipe-routing")
-    embeds = [encoder.encode.remote(prompt.visuals).result() for prompt in prompts]
+    embeds = [encoder.encode.remote(prompt.visuals, None).result() for prompt in prompts]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
     async def run():

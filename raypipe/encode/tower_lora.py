@@ -42,12 +42,14 @@ class TowerLora:
     factors: ray.ObjectRef  # a `LoraWeights` of tower module names
 
 
-def read_tower_loras(lora_modules: dict[str, str], family: ModelFamily) -> dict[str, TowerLora]:
+def read_tower_loras(lora_modules: dict[str, str], family: ModelFamily, where: str | None = None
+                     ) -> dict[str, TowerLora]:
     """The adapters of `lora_modules` (name -> folder) that target `family`'s tower, their factors put in the
-    object store; adapters on the language model alone are not in it."""
+    object store; adapters on the language model alone are not in it. Errors name `where` (default
+    `lora_modules.<name>`)."""
     found = {}
     for name, folder in lora_modules.items():
-        weights = read_tower_adapter(name, folder, family)
+        weights = read_tower_adapter(name, folder, family, where)
         if weights is not None:
             found[name] = TowerLora(name, weights.fingerprint, ray.put(weights))
     return found
@@ -66,11 +68,12 @@ class TowerAdapters:
         self._kept: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self.fetched = 0
 
-    def factors(self, lora: TowerLora) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Its factors on this device, fetched and checked against this tower the first time."""
+    def factors(self, lora: TowerLora, where: str | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Its factors on this device, fetched and checked against this tower the first time (errors name `where`,
+        default `lora_modules.<name>`)."""
         if lora.fingerprint not in self._kept:
             weights: LoraWeights = ray.get(lora.factors)
-            check_tower_factors(weights, self.tower, f"lora_modules.{lora.name}")
+            check_tower_factors(weights, self.tower, where or f"lora_modules.{lora.name}")
             self._kept[lora.fingerprint] = {module: (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
                                             for module, (a, b) in weights.factors.items()}
             self.fetched += 1

@@ -100,9 +100,9 @@ class EncoderWorker:
     def _eager(self, items: list[VisionItem]) -> list[torch.Tensor]:
         return [e for group in self._forward_groups(items) for e in self.tower.encode(group)]
 
-    def check_tower_lora(self, lora: TowerLora) -> None:
-        """Fetch `lora` and check it against this tower (`InvalidInput` naming the module that does not fit)."""
-        self._tower_adapters().factors(lora)
+    def check_tower_lora(self, lora: TowerLora, where: str | None = None) -> None:
+        """Fetch `lora` and check it against this tower (`InvalidInput` naming `where` and the module that does not fit)."""
+        self._tower_adapters().factors(lora, where)
 
     def _tower_adapters(self) -> TowerAdapters:
         if self.tower_loras is None:  # only families with `lora_tower_prefixes` get here: their towers keep `model`

@@ -89,9 +89,9 @@ def compose(args: AppArgs | dict | None, options: dict[str, dict]) -> Applicatio
     routing = PrefixRouting(**args.routing)
     options = {**options, Decoder.name: decoder_options(options.get(Decoder.name, {}), routing)}
     routed = (options[Decoder.name].get("request_router_config") or {}).get("request_router_class") == ROUTER_CLASS
-    encoder = deployment(EncoderGroup).bind(args.as_model_config(), batch_window_s=args.batch_window_s,
-                                            max_batch_images=args.max_batch_images)
     engine = EngineConfig(**args.engine)
+    encoder = deployment(EncoderGroup).bind(args.as_model_config(), batch_window_s=args.batch_window_s,
+                                            max_batch_images=args.max_batch_images, lora_modules=engine.lora_modules)
     decoder_opts = options[Decoder.name]
     gpus = decoder_opts.get("ray_actor_options", {}).get("num_gpus", 0)
     group = placement_options(engine.tensor_parallel_size, gpus)

@@ -6,6 +6,11 @@ load balancer spreads the images of many concurrent requests over the workers at
 sending each request's one or two images to whichever worker is first. The embeddings stay in the
 object store: callers get `ObjectRef`s, which they hand on to the decoder.
 
+A request served with a LoRA adapter that targets the vision tower has its images encoded with it
+(`encode/tower_lora.py`): adapters configured at start are read here when the group starts; one loaded while
+the app runs is read (from its `lora_path`, which must be readable here too) when `/v1/load_lora_adapter` checks
+it, or on its first request at a replica that has not read it, and kept least recently used first.
+
 Serve calls `check_health` every `health_check_period_s`; it pings the workers and replaces dead
 ones, so the group repairs itself with no request in flight. Pings run on each worker's own health
 thread: a busy worker is alive, not dead.
@@ -14,23 +19,31 @@ thread: a busy worker is alive, not dead.
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import ray
 from ray import serve
 
 from raypipe.config import ModelConfig
+from raypipe.encode.tower_lora import TOWER_LORAS_KEPT, TowerLora
+from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual
 from raypipe.models.registry import resolve_model, vision_adapter
-from raypipe.pipeline import start_encoders
+from raypipe.pipeline import start_encoders, tower_loras
+from raypipe.serve.lora_registry import LoraRef
 
 
 @serve.deployment  # options (replicas, resources, health checks) live in deployments/config.yaml
 class EncoderGroup:
     # No defaults for what `AppArgs` carries: `raypipe.serve.app.compose` always passes them.
-    def __init__(self, config: ModelConfig, *, batch_window_s: float, max_batch_images: int):
-        checkpoint = resolve_model(config.model)
-        self.coordinator = start_encoders(config, checkpoint, vision_adapter(checkpoint))
+    def __init__(self, config: ModelConfig, *, batch_window_s: float, max_batch_images: int,
+                 lora_modules: dict[str, str]):
+        self.checkpoint = resolve_model(config.model)
+        self.coordinator = start_encoders(config, self.checkpoint, vision_adapter(self.checkpoint))
         self.pool = self.coordinator.pool
+        self.tower_loras = tower_loras(lora_modules, self.checkpoint, self.coordinator)  # configured at start
+        # adapters loaded while the app runs: (name, fingerprint) -> tower part (None: it targets no tower module)
+        self.runtime_loras: collections.OrderedDict[tuple[str, str], TowerLora | None] = collections.OrderedDict()
         self.encode.set_max_batch_size(max_batch_images)
         self.encode.set_batch_wait_timeout_s(batch_window_s)
         self.batching = {"batches": 0, "requests": 0, "images": 0, "max_requests_per_batch": 0}
@@ -38,18 +51,61 @@ class EncoderGroup:
     # Two batches may encode at once: the coordinator balances the second against the first's
     # work still in flight, so a lone image lands on an idle worker instead of queueing.
     @serve.batch(batch_size_fn=lambda calls: sum(len(images) for images in calls), max_concurrent_batches=2)
-    async def encode(self, calls: list[list[DecodedVisual]]) -> list[list[ray.ObjectRef]]:
-        """Per call, one embedding `ObjectRef` per image (in order). Batch size counts images, not calls."""
-        flat = [image for images in calls for image in images]
+    async def encode(self, calls: list[list[DecodedVisual]], loras: list[LoraRef | None]
+                     ) -> list[list[ray.ObjectRef] | InvalidInput]:
+        """Per call, one embedding `ObjectRef` per image (in order), its images encoded with the tower part of its
+        LoRA adapter `loras[i]` if it has one; an adapter that cannot be read fails its own call only (handed over
+        as a value). Batch size counts images, not calls."""
+        towers = [await self._tower_part(lora) for lora in loras]
+        kept = [i for i, tower in enumerate(towers) if not isinstance(tower, InvalidInput)]
+        flat = [image for i in kept for image in calls[i]]
         # submit() blocks on ray.wait; a thread keeps this replica's event loop free to queue the next batch.
-        encoded = await asyncio.to_thread(self.coordinator.submit, flat)
+        encoded = await asyncio.to_thread(self.coordinator.submit, flat,
+                                          [towers[i] for i in kept for _ in calls[i]])
         self._count_batch(calls)
-        refs, start = [], 0
+        refs, start = list(towers), 0
+        for i in kept:
+            refs[i] = [item.ref for item in encoded[start:start + len(calls[i])]]
+            start += len(calls[i])
         for images in calls:
-            refs.append([item.ref for item in encoded[start:start + len(images)]])
-            start += len(images)
             images.clear()  # drop the pixels now: the batching machinery may keep this list until the next batch
         return refs
+
+    async def check_lora(self, name: str, path: str) -> str | None | InvalidInput:
+        """Read adapter `name`'s tower part from `path` and check it against a worker's tower (`/v1/load_lora_adapter`):
+        its fingerprint, None when it targets no tower module, or the refusal (as a value)."""
+        try:
+            found = await asyncio.to_thread(tower_loras, {name: path}, self.checkpoint, self.coordinator, "lora_path")
+        except InvalidInput as refused:
+            return refused
+        if not found:
+            return None
+        self._keep(name, found[name].fingerprint, found[name])
+        return found[name].fingerprint
+
+    async def _tower_part(self, lora: LoraRef | None) -> TowerLora | None | InvalidInput:
+        if lora is None:
+            return None
+        if lora.fingerprint is None:  # configured at start
+            return self.tower_loras.get(lora.name)
+        key = (lora.name, lora.fingerprint)
+        if key not in self.runtime_loras:
+            fingerprint = await self.check_lora(lora.name, lora.path)
+            if isinstance(fingerprint, InvalidInput):
+                return fingerprint
+            if fingerprint is None:
+                self._keep(lora.name, lora.fingerprint, None)
+            elif fingerprint != lora.fingerprint:
+                return InvalidInput(f"the LoRA adapter {lora.name!r} at {lora.path} changed since it was loaded; load "
+                                    "it again", item="model", code="invalid_lora_adapter")
+        self.runtime_loras.move_to_end(key)
+        return self.runtime_loras[key]
+
+    def _keep(self, name: str, fingerprint: str, tower: TowerLora | None) -> None:
+        self.runtime_loras[name, fingerprint] = tower
+        self.runtime_loras.move_to_end((name, fingerprint))
+        while len(self.runtime_loras) > TOWER_LORAS_KEPT:  # a dropped one is read again from its path
+            self.runtime_loras.popitem(last=False)
 
     def _count_batch(self, calls: list) -> None:
         with_images = sum(1 for images in calls if images)

@@ -170,7 +170,9 @@ class Ingress:
         thinking = self.family.thinks(template_kwargs)
         prompt, params = await self._prepare(chat, template_kwargs)
         params = dataclasses.replace(params, structured=reasoning.constrain_answer(params.structured, thinking))
-        visual_refs = await self.encoder.encode.remote(prompt.visuals) if prompt.visuals else []
+        visual_refs = await self.encoder.encode.remote(prompt.visuals, lora) if prompt.visuals else []
+        if isinstance(visual_refs, InvalidInput):  # its adapter's tower part could not be read
+            raise visual_refs
         request_id = completion_id()
         # The decoder needs token ids and geometry, not pixels: don't ship the images twice.
         deltas = self._generate(request_id, prompt.without_pixels(), visual_refs, params, chat.n,
@@ -316,9 +318,14 @@ class Ingress:
             raise InvalidInput(f"The lora adapter {name!r} has already been loaded"
                                + (" (it names the base model)" if name in self.model_names else ""),
                                item="lora_name", code="lora_already_loaded")
+        tower = await self.encoder.check_lora.remote(name, asked.lora_path)  # its vision-tower part, if any
         fingerprint = await self.decoder.load_lora.remote(name, asked.lora_path)
-        if isinstance(fingerprint, Exception):  # the replica's refusal, handed over as a value
-            raise fingerprint
+        for refused in (tower, fingerprint):
+            if isinstance(refused, Exception):  # a replica's refusal, handed over as a value
+                raise refused
+        if tower is not None and tower != fingerprint:
+            raise InvalidInput(f"the files at {asked.lora_path} changed while the adapter {name!r} was loaded; load it "
+                               "again", item="lora_path", code="invalid_lora_adapter")
         if not await self.loras.add.remote(LoraRef(name, asked.lora_path, fingerprint)):
             raise InvalidInput(f"The lora adapter {name!r} has already been loaded", item="lora_name",
                                code="lora_already_loaded")
