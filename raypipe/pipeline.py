@@ -24,7 +24,7 @@ from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
 from raypipe.encode.coordinator import Coordinator
 from raypipe.encode.pool import EncoderPool, WorkerOptions
-from raypipe.encode.tower_lora import TowerLora, read_tower_loras
+from raypipe.encode.tower_lora import TowerLora, TowerLoras
 from raypipe.errors import InvalidInput, RaypipeError
 from raypipe.inputs.images import ImageLimits
 from raypipe.inputs.sampling import SamplingParams
@@ -36,16 +36,17 @@ from raypipe.parallel.group import engine_actor_placement
 from raypipe.runtime.ray_cluster import connect_ray, decode_threads, default_encoder_gpus
 
 
-def tower_loras(lora_modules: dict[str, str], checkpoint: pathlib.Path, coordinator: Coordinator,
-                where: str | None = None) -> dict[str, TowerLora]:
-    """The adapters of `lora_modules` that target the vision tower, read and checked against an encoder's tower
-    now (a bad one stops the start, naming its module and `where`'s field), by name (Pipeline and Serve's
-    EncoderGroup)."""
-    found = read_tower_loras(lora_modules, family_of(checkpoint), where) if lora_modules else {}
-    if found:
+def tower_loras(lora_modules: dict[str, str], checkpoint: pathlib.Path, coordinator: Coordinator) -> TowerLoras:
+    """The coordinator's tower adapters (Pipeline and Serve's EncoderGroup): those of `lora_modules` that target the
+    vision tower read now and checked against an encoder's tower (a bad one stops the start, naming its module)."""
+
+    def check(lora: TowerLora, where: str | None) -> None:
         worker = coordinator.pool.workers[0]
-        _unwrap_ray(lambda: ray.get([worker.check_tower_lora.remote(lora, where) for lora in found.values()]))
-    return found
+        _unwrap_ray(lambda: ray.get(worker.check_tower_lora.remote(lora, where)))
+
+    loras = TowerLoras(family_of(checkpoint), check)
+    loras.configure(lora_modules)
+    return loras
 
 
 def start_encoders(config: ModelConfig, checkpoint: pathlib.Path, adapter: VisionAdapter) -> Coordinator:
@@ -185,7 +186,7 @@ class Pipeline:
     def _generate_window(self, engine, prompts: list[PreparedPrompt], params: list[SamplingParams],
                          loras: list[str | None]) -> list[RequestOutput]:
         encoded = self.coordinator.submit([image for p in prompts for image in p.visuals],
-                                          [self.tower_loras.get(name) for p, name in zip(prompts, loras) for _ in p.visuals])
+                                          [self.tower_loras.for_request(name) for p, name in zip(prompts, loras) for _ in p.visuals])
         calls, start = [], 0
         for prompt, sp, name in zip(prompts, params, loras):
             refs = [e.ref for e in encoded[start: start + len(prompt.visuals)]]
@@ -207,7 +208,7 @@ class Pipeline:
         await self._engine_ready
         await _unwrap_async(engine.check_request.remote(prompt.without_pixels(), params, lora))
         encoded = await asyncio.to_thread(self.coordinator.submit, prompt.visuals,
-                                          [self.tower_loras.get(lora)] * len(prompt.visuals))
+                                          [self.tower_loras.for_request(lora)] * len(prompt.visuals))
         request_id = uuid.uuid4().hex
         stream = engine.generate_stream.options(num_returns="streaming").remote(
             request_id, prompt.without_pixels(), [e.ref for e in encoded], params, lora)

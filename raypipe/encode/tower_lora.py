@@ -4,8 +4,8 @@ An adapter that targets tower linears (Qwen2.5-VL's blocks and merger) changes t
 of a request served with it, so the encoders must run those units with the adapter, and nothing keyed by the
 image alone may hand that embedding to another adapter's request or the base model's.
 
-- The caller reads the adapter's tower part once (`read_tower_loras`: `models/lora.py`) and puts its factors in
-  the object store: a unit carries a `TowerLora` (name, fingerprint, the factors' ref). Any encoder replica can
+- The coordinator's side reads the adapter's tower part once (`TowerLoras`, `models/lora.py`) and puts its
+  factors in the object store: a unit carries a `TowerLora` (name, fingerprint, the factors' ref). Any encoder replica can
   then apply it, on any node, with no shared file system and no second read whose bytes could differ; a
   replica fetches the factors once and keeps them by fingerprint (`TowerAdapters`). The adapter's identity
   is its fingerprint (the bytes it was read from), the same one the decode engine keys it by.
@@ -23,14 +23,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import threading
+from collections.abc import Callable
 
 import ray
 import torch
 
+from raypipe.errors import InvalidInput
 from raypipe.models.family import ModelFamily
 from raypipe.models.lora import LoraWeights, check_tower_factors, read_tower_adapter
 
-TOWER_LORAS_KEPT = 8  # adapters a worker keeps on its device (each is small next to the tower)
+TOWER_LORAS_KEPT = 8  # adapters loaded at run time a coordinator keeps read, and a worker on its device
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,17 +45,65 @@ class TowerLora:
     factors: ray.ObjectRef  # a `LoraWeights` of tower module names
 
 
-def read_tower_loras(lora_modules: dict[str, str], family: ModelFamily, where: str | None = None
-                     ) -> dict[str, TowerLora]:
-    """The adapters of `lora_modules` (name -> folder) that target `family`'s tower, their factors put in the
-    object store; adapters on the language model alone are not in it. Errors name `where` (default
-    `lora_modules.<name>`)."""
-    found = {}
-    for name, folder in lora_modules.items():
-        weights = read_tower_adapter(name, folder, family, where)
-        if weights is not None:
-            found[name] = TowerLora(name, weights.fingerprint, ray.put(weights))
-    return found
+class TowerLoras:
+    """The tower adapters a coordinator's requests may name: those configured at start, by name, and those loaded
+    while it runs, by name and fingerprint (the `TOWER_LORAS_KEPT` most recently used; a dropped one is read again
+    from its path). Each is read here once, its factors put in the object store, and checked against an encoder's
+    tower by `check(lora, where)` before any request uses it."""
+
+    def __init__(self, family: ModelFamily, check: Callable[[TowerLora, str | None], None]):
+        self.family, self._check = family, check
+        self.configured: dict[str, TowerLora] = {}
+        self._loaded: collections.OrderedDict[tuple[str, str], TowerLora | None] = collections.OrderedDict()
+        self._lock = threading.Lock()  # a Serve replica reads adapters on several threads
+
+    def configure(self, lora_modules: dict[str, str]) -> None:
+        """Read the adapters of `lora_modules` (name -> folder); those on the language model alone are not kept."""
+        found = {name: self.read(name, folder) for name, folder in lora_modules.items()}
+        self.configured = {name: lora for name, lora in found.items() if lora is not None}
+
+    def read(self, name: str, folder: str, where: str | None = None) -> TowerLora | None:
+        """Adapter `name`'s tower part, read, put in the object store and checked (None: it targets no tower
+        module); errors name `where` (default `lora_modules.<name>`)."""
+        weights = read_tower_adapter(name, folder, self.family, where)
+        if weights is None:
+            return None
+        lora = TowerLora(name, weights.fingerprint, ray.put(weights))
+        self._check(lora, where)
+        return lora
+
+    def load(self, name: str, path: str) -> str | None:
+        """A run-time load (`/v1/load_lora_adapter`): the tower part's fingerprint, None when there is none."""
+        lora = self.read(name, path, "lora_path")
+        if lora is not None:
+            self._keep((name, lora.fingerprint), lora)
+        return lora and lora.fingerprint
+
+    def for_request(self, name: str, path: str | None = None, fingerprint: str | None = None) -> TowerLora | None:
+        """The tower part of the adapter a request names: configured at start (no fingerprint), or loaded at run
+        time from `path` with `fingerprint` (read now if this coordinator has not kept it; refused if the files
+        there changed since)."""
+        if fingerprint is None:
+            return self.configured.get(name)
+        key = (name, fingerprint)
+        with self._lock:
+            kept = key in self._loaded
+        if not kept:
+            lora = self.read(name, path, "lora_path")
+            if lora is not None and lora.fingerprint != fingerprint:
+                raise InvalidInput(f"the LoRA adapter {name!r} at {path} changed since it was loaded; load it again",
+                                   item="model", code="invalid_lora_adapter")
+            self._keep(key, lora)
+        with self._lock:
+            self._loaded.move_to_end(key)
+            return self._loaded[key]
+
+    def _keep(self, key: tuple[str, str], lora: TowerLora | None) -> None:
+        with self._lock:
+            self._loaded[key] = lora
+            self._loaded.move_to_end(key)
+            while len(self._loaded) > TOWER_LORAS_KEPT:
+                self._loaded.popitem(last=False)
 
 
 def cache_key(content_hash: str, lora: TowerLora | None) -> str:

@@ -19,13 +19,11 @@ thread: a busy worker is alive, not dead.
 from __future__ import annotations
 
 import asyncio
-import collections
 
 import ray
 from ray import serve
 
 from raypipe.config import ModelConfig
-from raypipe.encode.tower_lora import TOWER_LORAS_KEPT, TowerLora
 from raypipe.errors import InvalidInput
 from raypipe.inputs.media import DecodedVisual
 from raypipe.models.registry import resolve_model, vision_adapter
@@ -41,9 +39,7 @@ class EncoderGroup:
         self.checkpoint = resolve_model(config.model)
         self.coordinator = start_encoders(config, self.checkpoint, vision_adapter(self.checkpoint))
         self.pool = self.coordinator.pool
-        self.tower_loras = tower_loras(lora_modules, self.checkpoint, self.coordinator)  # configured at start
-        # adapters loaded while the app runs: (name, fingerprint) -> tower part (None: it targets no tower module)
-        self.runtime_loras: collections.OrderedDict[tuple[str, str], TowerLora | None] = collections.OrderedDict()
+        self.tower_loras = tower_loras(lora_modules, self.checkpoint, self.coordinator)
         self.encode.set_max_batch_size(max_batch_images)
         self.encode.set_batch_wait_timeout_s(batch_window_s)
         self.batching = {"batches": 0, "requests": 0, "images": 0, "max_requests_per_batch": 0}
@@ -75,37 +71,18 @@ class EncoderGroup:
         """Read adapter `name`'s tower part from `path` and check it against a worker's tower (`/v1/load_lora_adapter`):
         its fingerprint, None when it targets no tower module, or the refusal (as a value)."""
         try:
-            found = await asyncio.to_thread(tower_loras, {name: path}, self.checkpoint, self.coordinator, "lora_path")
+            return await asyncio.to_thread(self.tower_loras.load, name, path)
         except InvalidInput as refused:
             return refused
-        if not found:
-            return None
-        self._keep(name, found[name].fingerprint, found[name])
-        return found[name].fingerprint
 
-    async def _tower_part(self, lora: LoraRef | None) -> TowerLora | None | InvalidInput:
-        if lora is None:
-            return None
-        if lora.fingerprint is None:  # configured at start
-            return self.tower_loras.get(lora.name)
-        key = (lora.name, lora.fingerprint)
-        if key not in self.runtime_loras:
-            fingerprint = await self.check_lora(lora.name, lora.path)
-            if isinstance(fingerprint, InvalidInput):
-                return fingerprint
-            if fingerprint is None:
-                self._keep(lora.name, lora.fingerprint, None)
-            elif fingerprint != lora.fingerprint:
-                return InvalidInput(f"the LoRA adapter {lora.name!r} at {lora.path} changed since it was loaded; load "
-                                    "it again", item="model", code="invalid_lora_adapter")
-        self.runtime_loras.move_to_end(key)
-        return self.runtime_loras[key]
-
-    def _keep(self, name: str, fingerprint: str, tower: TowerLora | None) -> None:
-        self.runtime_loras[name, fingerprint] = tower
-        self.runtime_loras.move_to_end((name, fingerprint))
-        while len(self.runtime_loras) > TOWER_LORAS_KEPT:  # a dropped one is read again from its path
-            self.runtime_loras.popitem(last=False)
+    async def _tower_part(self, lora: LoraRef | None):
+        """The tower part (a `TowerLora`) of the adapter a call names, None, or the refusal (as a value)."""
+        if lora is None or lora.fingerprint is None:  # the base model, or an adapter configured at start
+            return lora and self.tower_loras.for_request(lora.name)
+        try:
+            return await asyncio.to_thread(self.tower_loras.for_request, lora.name, lora.path, lora.fingerprint)
+        except InvalidInput as refused:
+            return refused
 
     def _count_batch(self, calls: list) -> None:
         with_images = sum(1 for images in calls if images)
