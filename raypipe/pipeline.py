@@ -185,8 +185,9 @@ class Pipeline:
 
     def _generate_window(self, engine, prompts: list[PreparedPrompt], params: list[SamplingParams],
                          loras: list[str | None]) -> list[RequestOutput]:
+        towers = [self.tower_loras.for_request(name) for name in loras]  # each request's adapter on the tower
         encoded = self.coordinator.submit([image for p in prompts for image in p.visuals],
-                                          [self.tower_loras.for_request(name) for p, name in zip(prompts, loras) for _ in p.visuals])
+                                          [tower for p, tower in zip(prompts, towers) for _ in p.visuals])
         calls, start = [], 0
         for prompt, sp, name in zip(prompts, params, loras):
             refs = [e.ref for e in encoded[start: start + len(prompt.visuals)]]

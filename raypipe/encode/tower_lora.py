@@ -5,9 +5,9 @@ of a request served with it, so the encoders must run those units with the adapt
 image alone may hand that embedding to another adapter's request or the base model's.
 
 - The coordinator's side reads the adapter's tower part once (`TowerLoras`, `models/lora.py`) and puts its
-  factors in the object store: a unit carries a `TowerLora` (name, fingerprint, the factors' ref). Any encoder replica can
-  then apply it, on any node, with no shared file system and no second read whose bytes could differ; a
-  replica fetches the factors once and keeps them by fingerprint (`TowerAdapters`). The adapter's identity
+  factors in the object store: a unit carries a `TowerLora` (name, fingerprint, the factors' ref). Any encoder
+  replica can then apply it, on any node, without reading the folder itself; a replica fetches the factors once
+  and keeps them by fingerprint (`TowerAdapters`). The adapter's identity
   is its fingerprint (the bytes it was read from), the same one the decode engine keys it by.
 - A worker runs each adapter's units in forwards of their own, with `scaling * B(A(x))` added to each
   targeted linear's output (forward hooks, PEFT's unmerged math) for that forward only: units of different

@@ -101,7 +101,8 @@ class EncoderWorker:
         return [e for group in self._forward_groups(items) for e in self.tower.encode(group)]
 
     def check_tower_lora(self, lora: TowerLora, where: str | None = None) -> None:
-        """Fetch `lora` and check it against this tower (`InvalidInput` naming `where` and the module that does not fit)."""
+        """Fetch `lora` and check it against this tower (`InvalidInput` naming `where` and the module that does not
+        fit)."""
         self._tower_adapters().factors(lora, where)
 
     def _tower_adapters(self) -> TowerAdapters:

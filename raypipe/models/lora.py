@@ -97,7 +97,7 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
                                item=where, code="invalid_lora_adapter")
         pairs[inside] = pair
     _check_targets(save.config.target_modules, [*pairs, *tower], where)
-    return LoraWeights(name, _fitted(pairs, modules, save.scaling, where), save.fingerprint)
+    return LoraWeights(name, _fitted(pairs, modules, save.scaling, where, rank=save.config.r), save.fingerprint)
 
 
 def read_tower_adapter(name: str, folder: str | pathlib.Path, family: ModelFamily,
@@ -158,9 +158,11 @@ def _factor(t: torch.Tensor | None, module: str, which: str, where: str) -> torc
     return t
 
 
-def _fitted(pairs: dict, modules: dict, scaling: float, where: str, transposed: bool = False) -> dict:
-    """`(A (in, r), B scaled (r, out))` per module, each checked to be a linear of `modules` its factors fit
-    (PEFT's saved `lora_A (r, in)`, `lora_B (out, r)`; already `(in, r)`, `(r, out)` when `transposed`)."""
+def _fitted(pairs: dict, modules: dict, scaling: float, where: str, rank: int | None = None,
+            transposed: bool = False) -> dict:
+    """`(A (in, r), B scaled (r, out))` per module, each checked to be a linear of `modules` its factors fit, of rank
+    `rank` where given (PEFT's saved `lora_A (r, in)`, `lora_B (out, r)`; already `(in, r)`, `(r, out)` when
+    `transposed`)."""
     factors = {}
     for module, (a, b) in pairs.items():
         linear = modules.get(module)
@@ -170,13 +172,13 @@ def _fitted(pairs: dict, modules: dict, scaling: float, where: str, transposed: 
         if not _is_linear(linear):
             raise InvalidInput(f"module {module!r} is a {type(linear).__name__}; LoRA is supported on "
                                "linear layers only", item=where, code="invalid_lora_adapter")
-        if a is not None and b is not None and not transposed:
-            a, b = a.t(), b.t()
+        if not transposed:
+            a, b = _factor(a, module, "A", where).t(), _factor(b, module, "B", where).t()
         if a is None or b is None or a.shape[0] != linear.in_features or b.shape[1] != linear.out_features \
-                or a.shape[1] != b.shape[0]:
+                or a.shape[1] != b.shape[0] or a.shape[1] != (rank or a.shape[1]):
             raise InvalidInput(f"module {module!r}: lora_A/lora_B shapes {_shape(a)}/{_shape(b)} (as (in, r)/(r, out)) "
-                               f"do not fit a {linear.in_features}->{linear.out_features} linear", item=where,
-                               code="invalid_lora_adapter")
+                               f"do not fit a {linear.in_features}->{linear.out_features} linear"
+                               + (f" at r={rank}" if rank else ""), item=where, code="invalid_lora_adapter")
         factors[module] = (a.float(), b.float() * scaling)
     return factors
 
