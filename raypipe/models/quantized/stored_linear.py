@@ -44,6 +44,7 @@ class StoredWeightLinear(torch.nn.Module):
             self.register_buffer(name, None)
         self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.part: tuple[int, list[slice]] | None = None  # a rank's (dim, the whole layer's features it keeps)
+        self.whole = (in_features, out_features)  # the layer a rank's part was split from
         self.reduce = None  # a row-parallel rank's sum of the ranks' partial outputs
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -61,7 +62,14 @@ class StoredWeightLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce is None:
             return torch.nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
-        out = self.reduce(torch.nn.functional.linear(x, self.dequantize(x.dtype)))
+        return self.finish(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's own product (a LoRA delta joins it before `finish`, `models/lora.py`)."""
+        return torch.nn.functional.linear(x, self.dequantize(x.dtype))
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:
+        out = self.reduce(partial)
         return out + self.bias if self.bias is not None else out  # the bias once, after the sum
 
     def split(self, name: str, dim: int, features: list[slice], world_size: int, reduce=None) -> "StoredWeightLinear":
@@ -82,7 +90,7 @@ class StoredWeightLinear(torch.nn.Module):
                         f"tensor_parallel_size whose share of {total} is a multiple of {unit.features}")
         size = sum(cut.stop - cut.start for cut in features)
         local = self.like(size, self.out_features) if dim else self.like(self.in_features, size)
-        local.part, local.reduce = (dim, features), reduce
+        local.part, local.whole, local.reduce = (dim, features), self.whole, reduce
         return local
 
     def read_part(self, name: str, tensor_slice) -> torch.Tensor:
