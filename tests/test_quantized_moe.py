@@ -12,8 +12,6 @@ the engine's process must be about half of bf16's.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from safetensors import safe_open
@@ -26,7 +24,7 @@ from raypipe.models.quantized.fp8_block import Fp8BlockExperts, dequantize_block
 from raypipe.models.registry import preset_checkpoint, vision_adapter
 from tests import qwen3_vl_reference as ref
 from tests.conftest import random_images
-from tests.decode_reference import engine_pool
+from tests.decode_reference import engine_pool, staggered
 
 PRESET = "tiny-qwen3-vl-moe-fp8"
 MAX_NEW = 12
@@ -115,11 +113,9 @@ def test_greedy_tokens_equal_transformers_with_images(moe):
     processor = ref.hf_processor(ckpt)
     cases = [case(ckpt, hf, processor, sizes, seed) for seed, sizes in enumerate(PROMPTS)]
     assert len({tuple(c[2]) for c in cases}) > 1  # the prompts lead to different tokens
-    for k in (1, 8):
-        for i, (prompt, features, expected) in enumerate(cases):
-            out = asyncio.run(engines(k).generate_output(f"moe-{k}-{i}", prompt, features,
-                                                         SamplingParams(max_tokens=MAX_NEW)))
-            assert out.token_ids == expected, f"K={k}, prompt {i}"
+    for k in (1, 8):  # staggered: requests join a running batch (prefills beside the decode loop)
+        outs = staggered(engines(k), cases, [SamplingParams(max_tokens=MAX_NEW)] * len(cases), f"moe-{k}")
+        assert [out.token_ids for out in outs] == [c[2] for c in cases], f"K={k}"
 
 
 def test_the_experts_hold_about_half_of_their_bf16_bytes(moe):

@@ -9,6 +9,8 @@ block from the grid, which agrees wherever a size is at most one block or a mult
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from raypipe.models.quantized.stored_linear import ONE, StoredWeightLinear, Unit, load_stored
@@ -63,7 +65,7 @@ class Fp8BlockExperts(torch.nn.Module):
         self.stored = tuple(n for weight in EXPERT_WEIGHTS for n in (weight, f"{weight}_scale_inv"))
         for name in self.stored:  # filled by the checkpoint, as stored
             self.register_buffer(name, None)
-        for name in EXPERT_WEIGHTS:  # the module's weights become plain attributes, set for each forward
+        for name in EXPERT_WEIGHTS:  # the module's weights become a per-call copy's plain attributes (`forward`)
             delattr(experts, name)
         self.experts = experts
 
@@ -74,14 +76,13 @@ class Fp8BlockExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
+        # A copy per call holds this call's weights: the engine's prefill thread and its decode loop may run the
+        # same layer at once. Its tensors die with it.
+        run = copy.copy(self.experts)
         for name in EXPERT_WEIGHTS:
-            setattr(self.experts, name, dequantize_blocks(getattr(self, name), getattr(self, f"{name}_scale_inv"),
-                                                          self.block, hidden_states.dtype))
-        try:
-            return self.experts(hidden_states, top_k_index, top_k_weights)
-        finally:
-            for name in EXPERT_WEIGHTS:
-                setattr(self.experts, name, None)
+            setattr(run, name, dequantize_blocks(getattr(self, name), getattr(self, f"{name}_scale_inv"), self.block,
+                                                 hidden_states.dtype))
+        return run(hidden_states, top_k_index, top_k_weights)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
