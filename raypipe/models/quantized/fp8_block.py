@@ -5,6 +5,10 @@ The layout is the one transformers' `FineGrainedFP8Config` and Qwen's -FP8 relea
 ceil(out / block_out) x ceil(in / block_in) of them, the last row and column of blocks partial where a
 size is not a multiple of the block (vLLM reads them so; transformers' CPU dequantization derives the
 block from the grid, which agrees wherever a size is at most one block or a multiple of it).
+
+A mixture-of-experts layer's fused experts (transformers' `*.experts` module: `gate_up_proj`, `down_proj`
+of (experts, out, in)) are quantized the way transformers' `FP8Experts` holds them, one block grid per
+expert in `gate_up_proj_scale_inv` / `down_proj_scale_inv` (`Fp8BlockExperts`).
 """
 
 from __future__ import annotations
