@@ -240,10 +240,14 @@ class ExpertSplit:
         return apart is None or self.first <= int(apart.group(1)) < self.first + self.count
 
     def prepare(self, experts: torch.nn.Module) -> None:
-        for name, param in list(experts.named_parameters(recurse=False)):
-            setattr(experts, name, torch.nn.Parameter(torch.empty((self.count, *param.shape[1:]), dtype=param.dtype)))
-        experts.num_experts = self.count
-        experts._is_expert_parallel = True  # transformers' kernels skip the sentinel index `num_experts`
+        if hasattr(experts, "keep_experts"):  # quantized (`models/quantized`): its stored tensors are read as they are
+            experts.keep_experts(self.count)
+        else:
+            for name, param in list(experts.named_parameters(recurse=False)):
+                setattr(experts, name, torch.nn.Parameter(torch.empty((self.count, *param.shape[1:]),
+                                                                      dtype=param.dtype)))
+            experts.num_experts = self.count
+            experts._is_expert_parallel = True  # transformers' kernels skip the sentinel index `num_experts`
         experts.register_forward_pre_hook(self._local_indices)
         experts.register_forward_hook(self._sum_over_ranks)
 
@@ -256,6 +260,7 @@ class ExpertSplit:
         return self.collectives.all_reduce(output)
 
     def read(self, tensor_slice) -> torch.Tensor:
+        """This rank's experts of a fused tensor (a quantized one's block scales too: one grid per expert)."""
         return tensor_slice[self.first: self.first + self.count]
 
 

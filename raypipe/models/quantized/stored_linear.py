@@ -110,15 +110,21 @@ class StoredWeightLinear(torch.nn.Module):
         if self.bias is not None:  # cast to the layer's dtype, as any parameter (before the buffers exist)
             super()._load_from_state_dict({k: v for k, v in state_dict.items() if k == prefix + "bias"}, prefix,
                                           local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        # The stored tensors are taken as they are (dtype and all): a cast would change the dequantized weight.
-        for name in self.stored:
-            if prefix + name in state_dict:
-                setattr(self, name, state_dict[prefix + name])
-            else:
-                missing_keys.append(prefix + name)
-        known = {prefix + name for name in (*self.stored, "bias")}
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in known
-                               and "." not in k[len(prefix):])
+        load_stored(self, state_dict, prefix, missing_keys, unexpected_keys, also=("bias",))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, stored={self.stored}"
+
+
+def load_stored(module: torch.nn.Module, state_dict: dict, prefix: str, missing_keys: list, unexpected_keys: list,
+                also: tuple[str, ...] = ()) -> None:
+    """Set `module`'s stored tensors (`module.stored`) from a state dict as they are, dtype and all (a cast would
+    change the dequantized weight); report missing ones and unexpected keys of its own (beyond `also`)."""
+    for name in module.stored:
+        if prefix + name in state_dict:
+            setattr(module, name, state_dict[prefix + name])
+        else:
+            missing_keys.append(prefix + name)
+    known = {prefix + name for name in (*module.stored, *also)}
+    unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in known
+                           and "." not in k[len(prefix):])
