@@ -139,9 +139,10 @@ def serve_app(ray_local):
         serve.delete(name)
 
 
-def over_first_workers(pipeline, n: int, cost_model: str | None = None):
+def over_first_workers(pipeline, n: int, cost_model: str | None = None, cache_bytes: int | None = None):
     """A `Pipeline` over the first `n` encoder workers of `pipeline`, with its own coordinator (`cost_model`,
-    default `pipeline`'s) and embedding cache and the same adapter: a module checking 1, 2 and 3 workers
+    default `pipeline`'s) and embedding cache (of `cache_bytes`, default `pipeline`'s budget) and the same
+    adapter: a module checking 1, 2 and 3 workers
     starts three workers once, not six (each costs seconds). Not shut down on its own: the workers are
     `pipeline`'s."""
     from raypipe import Pipeline
@@ -150,7 +151,8 @@ def over_first_workers(pipeline, n: int, cost_model: str | None = None):
 
     full = pipeline.coordinator
     coordinator = Coordinator(full.adapter, EncoderPool(full.pool.workers[:n], full.pool.options),
-                              cost_model=cost_model or full.cost_model, cache_bytes=full.cache.max_bytes)
+                              cost_model=cost_model or full.cost_model,
+                              cache_bytes=full.cache.max_bytes if cache_bytes is None else cache_bytes)
     return Pipeline(pipeline.checkpoint, coordinator, pipeline.image_limits, owns_ray=False,
                     engine_config=pipeline.engine_config, decode_gpus=pipeline.decode_gpus, video=pipeline.video)
 

@@ -10,7 +10,7 @@ import torch
 
 from raypipe import InvalidInput, Pipeline
 from raypipe.inputs.images import load_image, load_images
-from tests.conftest import random_images, reference_embeddings
+from tests.conftest import over_first_workers, random_images, reference_embeddings
 
 
 def two_workers(tiny_ckpt) -> Pipeline:
@@ -27,7 +27,8 @@ def pipe(ray_local, tiny_ckpt):
 @pytest.fixture(scope="module")
 def shared(ray_local, tiny_ckpt):
     """One pool for the tests that leave it as they found it (no worker killed, no setting changed; their
-    images are their own, so no test hits another's cache entries): a pool's start is ~15 s of CI."""
+    images are their own, so no test hits another's cache entries; tests needing another coordinator setting
+    get their own coordinator over its workers, `over_first_workers`): a pool's start is ~15 s of CI."""
     with two_workers(tiny_ckpt) as p:
         yield p
 
@@ -71,14 +72,14 @@ def test_duplicates_in_one_batch_encoded_once(shared):
     assert torch.equal(out[0], out[1]) and torch.equal(out[1], out[2])
 
 
-def test_cache_respects_byte_budget(ray_local, tiny_ckpt):
-    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=1, cache_bytes=30_000) as p:
-        images = random_images([(224, 224)] * 4, seed=4)  # 64 tokens x 64 x 4 B = 16 KiB each
-        p.encode(images)
-        cache = p.coordinator.cache
-        assert cache.bytes <= 30_000 and len(cache) == 1 and cache.evictions == 3
-        p.encode(images[-1:])
-        assert cache.hits == 1
+def test_cache_respects_byte_budget(shared):
+    p = over_first_workers(shared, 1, cache_bytes=30_000)  # its own coordinator and cache, the pool's worker
+    images = random_images([(224, 224)] * 4, seed=4)  # 64 tokens x 64 x 4 B = 16 KiB each
+    p.encode(images)
+    cache = p.coordinator.cache
+    assert cache.bytes <= 30_000 and len(cache) == 1 and cache.evictions == 3
+    p.encode(images[-1:])
+    assert cache.hits == 1
 
 
 def test_dead_worker_before_call_is_retried(pipe, hf_model, tiny_ckpt):
@@ -194,9 +195,9 @@ def test_loading_replacement_gets_no_shard(pipe, hf_model, tiny_ckpt):
     assert elapsed < 3.0  # not stalled behind the replacement's start-up (~4 s: process, imports, weights)
 
 
-def test_calibrated_cost_model_is_fitted_from_worker_receipts(pipe, hf_model, tiny_ckpt):
+def test_calibrated_cost_model_is_fitted_from_worker_receipts(shared, hf_model, tiny_ckpt):
+    pipe = over_first_workers(shared, 2, cost_model="calibrated")  # a new coordinator: no receipts yet
     coordinator = pipe.coordinator
-    coordinator.cost_model = "calibrated"
     first = random_images([(56, 56), (280, 280), (112, 224), (84, 84)], seed=5)
     pipe.encode(first)  # before any receipt: the attention model (the prior) balances
     fit = pipe.stats()["encoder"]["cost_fit"]["cpu"]

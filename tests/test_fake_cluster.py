@@ -2,11 +2,12 @@
 
 Serve: one cycle of `raypipe bench cluster` (see raypipe/bench/cluster.py): deploy the GPU-cluster
 Serve config with the tiny preset on a head with no GPUs, push concurrent traffic until Serve has
-added replicas and the autoscaler nodes, then trickle traffic until both went back down. Every
+added replicas and the autoscaler nodes (`--quick`: the Decoder's, 2 -> 3 GPU nodes), then trickle traffic
+until both went back down. Every
 request is counted; none may fail.
 
 Batch: one run of `raypipe bench cluster-batch` (raypipe/bench/cluster_batch.py): an embed job
-whose encoder pool (1 to 3 actors, a GPU each) grows onto the GPU nodes its demand brings up.
+whose encoder pool (1 to 2 actors with `--quick`, a GPU each) grows onto the GPU nodes its demand brings up.
 
 Each runs in a subprocess, so its Ray driver joins its own fake cluster without disturbing the
 session's local Ray. That subprocess inherits RAY_AUTH_MODE=token from this one once any test has
@@ -26,8 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from raypipe.bench.cluster import BASE_GPU_NODES, MAX_GPU_NODES
-from raypipe.bench.cluster_batch import ENCODERS
+from raypipe.bench.cluster import BASE_GPU_NODES, QUICK_AUTOSCALING, max_gpu_nodes
+from raypipe.bench.cluster_batch import QUICK_ENCODERS
 from raypipe.testing.fake_cluster import AUTH_MODE, FakeCluster
 from tests.conftest import reference_embeddings
 
@@ -41,7 +42,7 @@ def test_serve_scales_gpu_nodes_up_and_down_without_failed_requests(tmp_path):
     print(json.dumps(cycle))  # the measured times, with -s
     # the head has no GPUs: every GPU node counted here was started by the autoscaler
     assert cycle["gpu_nodes_after_deploy"] == BASE_GPU_NODES >= 1
-    assert cycle["max_gpu_nodes"] == MAX_GPU_NODES > BASE_GPU_NODES
+    assert cycle["max_gpu_nodes"] == max_gpu_nodes(QUICK_AUTOSCALING) > BASE_GPU_NODES  # the Decoder's 2nd
     assert cycle["gpu_nodes_after_scale_down"] == BASE_GPU_NODES
     assert cycle["requests_during_scale_up"] > 0 and cycle["requests_during_scale_down"] > 0
     assert cycle["failed_during_scale_up"] == 0 and cycle["failed_during_scale_down"] == 0, cycle["errors"]
@@ -104,7 +105,8 @@ def test_batch_encoder_pool_grows_onto_new_gpu_nodes_and_writes_each_input_once(
     # Encoder actors alive at the same time on distinct GPU nodes, each started by the autoscaler
     # (the head has none): the pool grew past its minimum of 1 onto new nodes, within its maximum.
     assert cycle["max_encoder_nodes_at_once"] >= 2 and len(cycle["encoder_nodes"]) >= 2
-    assert cycle["max_encoders_alive"] <= ENCODERS[1] and cycle["max_gpu_nodes"] <= 3
+    assert cycle["encoders"] == list(QUICK_ENCODERS)
+    assert cycle["max_encoders_alive"] <= QUICK_ENCODERS[1] and cycle["max_gpu_nodes"] <= 3  # the node type's max
     assert cycle["first_gpu_node_s"] < cycle["second_encoder_s"] < cycle["job_s"]
     assert cycle["scale_down_s"] is not None, "the GPU nodes outlived the job"
 

@@ -171,15 +171,13 @@ def test_adapters_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
 
 
 def test_engine_start_refuses_what_it_cannot_serve(tmp_path):
-    """At start: fewer CPU-kept adapters than slots, tensor parallel, and a bad adapter (the engine does not start); the
+    """At start: fewer CPU-kept adapters than slots, and a bad adapter (the engine does not start); the
     compiled decode step, asked for, is declined with its reason and decode steps run eager."""
     ckpt = preset_checkpoint("tiny")
     good = write_adapters(ckpt, tmp_path, {"good": dict(r=4, lora_alpha=8, target_modules=["q_proj"],
                                                         exclude_modules=r".*visual.*")})["good"]
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineConfig(max_loras=4, max_cpu_loras=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(lora_modules={"a": str(good)}, tensor_parallel_size=2)
     with pytest.raises(InvalidInput) as refused:
         LLMEngine(ckpt, EngineConfig(max_model_len=256, lora_modules={"bad": str(_edited(good, tmp_path / "dora",
                                                                                           use_dora=True))}))

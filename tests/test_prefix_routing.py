@@ -13,8 +13,9 @@ import torch
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest, ReplicaID
 
+from raypipe.serve.lora_registry import LoraRef
 from raypipe.serve.prefix_affinity import PrefixAffinity, PrefixRouting
-from raypipe.serve.prefix_router import HASHES_KWARG, PrefixAffinityRouter
+from raypipe.serve.prefix_router import HASHES_KWARG, LORA_KWARG, PrefixAffinityRouter
 
 DEPLOYMENT = DeploymentID(name="Decoder", app_name="test")
 
@@ -70,15 +71,18 @@ class StandIn:
         return self.queue_len
 
 
-def request(hashes: list[bytes]) -> PendingRequest:
+def request(hashes: list[bytes], lora: LoraRef | None = None) -> PendingRequest:
+    """A pending `Decoder.generate` call as the Ingress makes it (hashes and adapter by keyword)."""
     metadata = RequestMetadata(request_id="r", internal_request_id="i", call_method="generate")
-    return PendingRequest(args=["r", None, [], None], kwargs={HASHES_KWARG: tuple(hashes)}, metadata=metadata)
+    return PendingRequest(args=["r", None, [], None], kwargs={LORA_KWARG: lora, "cache_salt": None,
+                                                              HASHES_KWARG: tuple(hashes)}, metadata=metadata)
 
 
-def router_with(replicas: list[StandIn], threshold: int = 4) -> PrefixAffinityRouter:
+def router_with(replicas: list[StandIn], threshold: int = 4, adapters: int = 64) -> PrefixAffinityRouter:
     router = PrefixAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA,
                                   use_replica_queue_len_cache=True)
-    router.initialize_state(min_match_ratio=0.5, overload_threshold=threshold, max_tracked_blocks=1000)
+    router.initialize_state(min_match_ratio=0.5, overload_threshold=threshold, max_tracked_blocks=1000,
+                            max_tracked_adapters=adapters)
     router.update_replicas(replicas)
     return router
 
@@ -200,3 +204,42 @@ def test_a_prompt_that_branches_off_another_has_no_affinity():
     assert rule.choose(head, {"A": 0, "B": 0}) == "A"  # the whole key held: an identical prefix
     rule.record("A", head)  # a prompt that ends inside another keeps what followed there
     assert rule.matched("A", second) == 0
+
+
+def test_an_adapters_new_requests_go_where_it_was_sent_unless_that_replica_is_overloaded():
+    """Issue 46 item 5 (Serve's model multiplexing rule): a LoRA adapter's requests that share no prefix with
+    anything sent go to the replica that was sent the adapter (it holds it read, in a slot), not to a random
+    one that would read it again; after the prefix holder, before Serve's two choices."""
+    async def run():
+        a, b, c = StandIn("A"), StandIn("B"), StandIn("C")
+        router = router_with([a, b, c], adapters=2)
+        legal, support = LoraRef("legal", "/a/legal", "f" * 64), LoraRef("support")
+        # Never sent: no holder, the fallback only (the chosen replica reads it).
+        assert len(await router.choose_replicas(router._replicas_list, request(chain("x", 4), legal))) == 1
+        router.on_request_routed(request(chain("x", 4), legal), b.replica_id, None)
+        ranks = names(await router.choose_replicas(router._replicas_list, request(chain("y", 4), legal)))
+        assert ranks[0] == ["B"] and len(ranks) == 2 and len(set(ranks[1])) == 2
+        # Keyed by the weights' fingerprint: other weights loaded under the same name have no holder.
+        relabelled = LoraRef("legal", "/a/legal-v2", "e" * 64)
+        assert len(await router.choose_replicas(router._replicas_list, request(chain("y", 4), relabelled))) == 1
+        # The base model and another adapter do not follow it.
+        assert len(await router.choose_replicas(router._replicas_list, request(chain("y", 4)))) == 1
+        assert len(await router.choose_replicas(router._replicas_list, request(chain("y", 4), support))) == 1
+        # A conversation's prefix holder first, then the adapter's holders: Serve takes a rank's shortest queue.
+        router.on_request_routed(request(chain("conv", 4), legal), a.replica_id, None)
+        ranks = names(await router.choose_replicas(router._replicas_list, request(chain("conv", 8), legal)))
+        assert ranks[0] == ["A"] and sorted(ranks[1]) == ["A", "B"] and len(ranks) == 3
+        # B 5 requests above the shortest queue (threshold 4): only A holds it usefully.
+        router.on_new_queue_len_info(b.replica_id, 5)
+        assert names(await router.choose_replicas(router._replicas_list, request(chain("z", 4), legal)))[0] == ["A"]
+        # Each replica remembers its 2 most recent adapters: a third sent to A forgets legal there.
+        router.on_request_routed(request(chain("s", 4), support), a.replica_id, None)
+        router.on_request_routed(request(chain("t", 4), LoraRef("third")), a.replica_id, None)
+        router.on_new_queue_len_info(b.replica_id, 0)
+        assert names(await router.choose_replicas(router._replicas_list, request(chain("z", 4), legal)))[0] == ["B"]
+        # A replica that leaves is forgotten.
+        router.update_replicas([a, c])
+        assert b.replica_id not in router.adapters.adapters
+        assert len(await router.choose_replicas(router._replicas_list, request(chain("z", 4), legal))) == 1
+
+    asyncio.run(run())

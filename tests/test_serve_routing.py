@@ -132,6 +132,34 @@ def test_turns_stay_on_their_replica_with_one_replicas_outputs_and_hit_rate(serv
     assert sum(queries.values()) == sum(r[1] for row in served for r in row)
 
 
+def test_an_adapters_new_conversations_go_to_the_replica_it_was_sent_to(server, tiny_ckpt, tmp_path):
+    """Issue 46 item 5 (Serve's model multiplexing rule): an adapter loaded while the app runs is read by the
+    replica its first request lands on; its later requests, sharing no prefix with anything, go there too instead
+    of by queue length (which spread the 8 first turns above over both replicas) and a second read."""
+    from raypipe.testing.lora_adapters import write_adapters
+    from tests.test_lora import ADAPTERS
+
+    [adapter] = write_adapters(tiny_ckpt, tmp_path, {"red": ADAPTERS["red"]}).values()
+    admin = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    admin.post("/load_lora_adapter", body={"lora_name": "red", "lora_path": str(adapter)}, cast_to=httpx.Response)
+
+    def requests() -> dict[str, float]:
+        return per_replica(httpx.get(f"{server}/metrics", timeout=30).text, "raypipe_decoder_requests_total")
+
+    async def under_red(prompts: list[str]):
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120) as client:
+            await asyncio.gather(*(client.chat.completions.create(model="red", messages=user(p), temperature=0,
+                                                                  max_tokens=MAX_TOKENS) for p in prompts))
+
+    before = requests()
+    asyncio.run(under_red(["Say something about red."]))
+    first = requests()
+    [holder] = [r for r in first if first[r] != before.get(r, 0)]
+    asyncio.run(under_red([f"Topic {c}: {'why ' * c}is the sky blue?" for c in range(CONVERSATIONS)]))
+    after = requests()
+    assert {r: after[r] - first.get(r, 0) for r in after} == {r: CONVERSATIONS if r == holder else 0 for r in after}
+
+
 def test_streams_on_a_killed_decoder_replica_finish_on_the_other_with_one_replicas_tokens(server, one_replica):
     """Issue 43 item 7. Last in the module: it SIGKILLs one of the two Decoder replicas while 10 greedy streams run
     (Serve restarts it). Every stream finishes whole; its tokens (as `token_id:<id>` logprob entries) and text are

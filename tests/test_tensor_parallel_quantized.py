@@ -12,6 +12,9 @@ boundaries; a tensor_parallel_size that would cut one is refused at start, namin
   running batch, for each format on `tiny` and for FP8 and W4A16 on `tiny-qwen3.5` (gated delta net: its
   fused q | k | v projection split in three runs), and each rank's own process holds about half of the
   decoder layers' bytes. One group per case (a rank actor costs seconds to start).
+- FP8 Qwen3-VL-MoE (`tiny-qwen3-vl-moe-fp8`, one more case of the above): each rank holds half of every
+  layer's experts whole, their block scales with them (a scale grid is per expert, so no split of experts
+  can cut a block): a rank's stored expert tensors are exactly its experts' of one device's, half the bytes.
 """
 
 from __future__ import annotations
@@ -26,22 +29,25 @@ from raypipe import SamplingParams
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.models.checkpoint import read_config
+from raypipe.models.quantized.fp8_block import Fp8BlockExperts
 from raypipe.models.quantized.presets import write_quantized
 from raypipe.models.quantized.quant_config import quantization_plan
 from raypipe.models.quantized.stored_linear import StoredWeightLinear
 from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
 from raypipe.parallel import runner_factory
 from raypipe.parallel.shards import WeightShard, sharded_parameter_bytes
-from tests import decode_reference as ref
+from tests import decode_reference as ref, qwen3_vl_reference
+from tests.test_quantized_moe import PRESET as MOE_PRESET, PROMPTS as MOE_PROMPTS, case as moe_case
 from tests.test_tensor_parallel import on_both
 
 MAX_NEW = 12
 REQUESTS = (0, 1, 2, 3)  # decode_reference.REQUESTS: no image, one, three, one more
 CASES = [("tiny", fmt) for fmt in ("fp8", "fp8-dynamic", "w8a8", "w4a16")] + \
-        [("tiny-qwen3.5", fmt) for fmt in ("fp8", "w4a16")]
+        [("tiny-qwen3.5", fmt) for fmt in ("fp8", "w4a16")] + [("tiny-qwen3-vl-moe", "fp8")]
 IDS = [f"{base}-{fmt}" for base, fmt in CASES]
 # One rank's decoder-layer bytes over one device's: norms, per-channel scales of row-parallel layers,
-# `weight_shape`s and the unquantized gated-delta-net parts (conv, per-head gates) are whole or split too.
+# `weight_shape`s and the unquantized gated-delta-net parts (conv, per-head gates) are whole or split too, an
+# MoE layer's router stays whole.
 HALF = (0.5, 0.54)
 NO_REDUCE = types.SimpleNamespace(all_reduce=None)  # the shard's collectives, for loads that run no forward
 
@@ -91,10 +97,14 @@ def group(request, ray_local, hf_models):
         config = EngineConfig(max_num_seqs=4, max_model_len=512, num_threads=1, tensor_parallel_size=tp)
         made.append(LLMEngine(ckpt, config, runner_factory=runner_factory(config)))
     vision, tokenizer = vision_adapter(ckpt), made[0].tokenizer
-    cases = []
-    for i in REQUESTS:
-        prompt = ref.prepare(i, tokenizer, vision)
-        cases.append((prompt.without_pixels(), ref.embeddings(hf_models[base], ckpt, prompt)))
+    if f"{base}-{fmt}" == MOE_PRESET:  # Qwen3-VL's image rows carry deepstack levels: the processor's features
+        processor = qwen3_vl_reference.hf_processor(ckpt)
+        cases = [moe_case(ckpt, hf_models[base], processor, sizes, seed) for seed, sizes in enumerate(MOE_PROMPTS)]
+    else:
+        cases = []
+        for i in REQUESTS:
+            prompt = ref.prepare(i, tokenizer, vision)
+            cases.append((prompt.without_pixels(), ref.embeddings(hf_models[base], ckpt, prompt)))
     yield made, cases
     for engine in made:
         engine.shutdown()
@@ -115,6 +125,24 @@ def test_each_rank_holds_half_of_the_decoder_layers(group):
     layers = [r["parameter_bytes"]["decoder_layers"] for r in ranks]
     one_device = sharded_parameter_bytes(single.runner.model)["decoder_layers"]
     assert layers[0] == layers[1] and HALF[0] <= layers[0] / one_device < HALF[1], (layers, one_device)
+
+
+def test_each_rank_reads_its_whole_experts_with_their_scales():
+    ckpt = preset_checkpoint(MOE_PRESET)
+    whole = [m for m in language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32).modules()
+             if isinstance(m, Fp8BlockExperts)]
+    count = whole[0].gate_up_proj.shape[0] // 2
+    stored_bytes = []
+    for rank in (0, 1):
+        parts = [m for m in rank_decoder(ckpt, rank).modules() if isinstance(m, Fp8BlockExperts)]
+        assert len(parts) == len(whole)
+        for part, full in zip(parts, whole):
+            assert part.experts.num_experts == count
+            for name in part.stored:
+                assert torch.equal(getattr(part, name), getattr(full, name)[rank * count: (rank + 1) * count]), name
+        stored_bytes.append(sum(held_bytes(m) for m in parts))
+    one_device = sum(held_bytes(m) for m in whole)
+    assert stored_bytes[0] == stored_bytes[1] == one_device // 2
 
 
 def layer_of(config: dict, in_features: int, out_features: int):

@@ -11,6 +11,9 @@ with replica targets and delays scaled down to fit a 2-core machine and a few mi
 3. low load (one client pausing after each answer): Serve removes replicas, the autoscaler
    removes the idle nodes.
 
+`--quick` (one run; the CI test's cycle) keeps one EncoderGroup replica and scales the Decoder alone:
+2 -> 3 -> 2 GPU nodes instead of 2 -> 4 -> 2.
+
 Every request goes through the official `openai` client (no retries) to 127.0.0.1 and is counted
 as ok or failed; failed requests must stay at zero through scale-up and scale-down. Fake GPU
 nodes declare no CPUs and coordinators get a CPU share, so CPU-side replicas (Ingress,
@@ -47,11 +50,18 @@ FAST = {"upscale_delay_s": 2, "downscale_delay_s": 10, "look_back_period_s": 2, 
 # quarter of each request), so it never scaled down; a loaded machine's slow decode hid that.
 LIGHT_PAUSE_S = 1.0
 BASE_GPU_NODES = 2  # one encoder worker + one decoder
-MAX_GPU_NODES = 4  # two of each
+# `--quick` (the test's cycle) scales the Decoder alone, 2 -> 3 GPU nodes: the same Serve and autoscaler path at
+# one node and two replica starts (an EncoderGroup's coordinator and worker) less, ~30% of the cycle on 2 cores.
+QUICK_AUTOSCALING = {**AUTOSCALING, "EncoderGroup": {**AUTOSCALING["EncoderGroup"], "max_replicas": 1}}
 
 
-def test_serve_config(model: str, port: int) -> dict:
-    """config.yaml's GPU-cluster form, on loopback, one encoder per group, test-sized autoscaling."""
+def max_gpu_nodes(autoscaling: dict) -> int:
+    """GPU nodes with every deployment at its maximum: one per EncoderGroup worker (1 per group) and Decoder."""
+    return sum(autoscaling[name]["max_replicas"] for name in ("EncoderGroup", "Decoder"))
+
+
+def test_serve_config(model: str, port: int, autoscaling: dict = AUTOSCALING) -> dict:
+    """config.yaml's GPU-cluster form, on loopback, one encoder per group, test-sized `autoscaling`."""
     from raypipe.serve.kuberay import gpu_serve_config, load_serve_config
 
     config = gpu_serve_config(load_serve_config(), model=model)
@@ -59,7 +69,7 @@ def test_serve_config(model: str, port: int) -> dict:
     [app] = config["applications"]
     app["args"].update(num_encoders=1, batch_window_s=0.002)
     for deployment in app["deployments"]:
-        deployment["autoscaling_config"].update(AUTOSCALING[deployment["name"]], **FAST)
+        deployment["autoscaling_config"].update(autoscaling[deployment["name"]], **FAST)
         if deployment["name"] == "EncoderGroup":
             # A coordinator needs a CPU share to be kept off the CPU-less GPU nodes (see above): a
             # zero-resource replica placed there would keep an otherwise idle node alive.
@@ -156,8 +166,10 @@ class Load:
         await client.close()
 
 
-def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 300.0, log=print) -> dict:
-    """One deploy / scale-up / scale-down cycle on a fresh fake cluster; times in seconds."""
+def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 300.0, autoscaling: dict = AUTOSCALING,
+              log=print) -> dict:
+    """One deploy / scale-up / scale-down cycle on a fresh fake cluster, the deployments sized by `autoscaling`;
+    times in seconds."""
     import ray
     from ray.serve._private import api as serve_api
     from ray.serve.schema import ServeDeploySchema
@@ -166,7 +178,8 @@ def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 3
 
     model = str(resolve_model("tiny"))  # written once here; every fake node shares this machine's disk
     port = free_port()
-    config = ServeDeploySchema.model_validate(test_serve_config(model, port))
+    config = ServeDeploySchema.model_validate(test_serve_config(model, port, autoscaling))
+    most_nodes = max_gpu_nodes(autoscaling)
     result = {"clients": clients, "max_tokens": max_tokens}
     with FakeCluster(GPU_NODE_TYPE, head_resources={"CPU": 2}) as cluster:
         ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
@@ -179,7 +192,7 @@ def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 3
             client.deploy_apps(config)
             result["first_gpu_node_s"] = timeline.wait_for(lambda n, r: n >= 1, start, phase_timeout_s,
                                                            "no GPU node came up after deploying")
-            result["cold_start_s"] = timeline.wait_for(lambda n, r: _all_at(r, "min_replicas", running=True), start,
+            result["cold_start_s"] = timeline.wait_for(lambda n, r: _all_at(r, autoscaling, "min_replicas", running=True), start,
                                                        phase_timeout_s, "the app did not get its minimum replicas")
             result["gpu_nodes_after_deploy"] = timeline.latest()[0]
             log(f"deployed: {result['gpu_nodes_after_deploy']} GPU nodes (first after {result['first_gpu_node_s']:.1f} s), "
@@ -187,7 +200,7 @@ def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 3
 
             load = Load(f"http://127.0.0.1:{port}/v1", chat_body(model, max_tokens)).start()
             load.set_clients(clients)
-            result["scale_up_s"] = timeline.wait_for(lambda n, r: n >= MAX_GPU_NODES and _all_at(r, "max_replicas"),
+            result["scale_up_s"] = timeline.wait_for(lambda n, r: n >= most_nodes and _all_at(r, autoscaling, "max_replicas"),
                                                      time.monotonic(), phase_timeout_s, "not scaled up")
             result["max_gpu_nodes"] = max(n for _, n, _ in timeline.samples)
             result["requests_during_scale_up"], result["failed_during_scale_up"] = load.ok, load.failed
@@ -195,7 +208,7 @@ def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 3
 
             load.set_clients(1, pause_s=LIGHT_PAUSE_S)  # light traffic goes on while replicas and nodes go away
             before_ok, before_failed = load.ok, load.failed
-            result["scale_down_s"] = timeline.wait_for(lambda n, r: n <= BASE_GPU_NODES and _all_at(r, "min_replicas"),
+            result["scale_down_s"] = timeline.wait_for(lambda n, r: n <= BASE_GPU_NODES and _all_at(r, autoscaling, "min_replicas"),
                                                        time.monotonic(), phase_timeout_s, "not scaled down")
             load.stop()
             result["requests_during_scale_down"] = load.ok - before_ok
@@ -211,19 +224,20 @@ def run_cycle(clients: int = 6, max_tokens: int = 24, phase_timeout_s: float = 3
     return result
 
 
-def _all_at(replicas: dict, bound: str, running: bool = False) -> bool:
+def _all_at(replicas: dict, autoscaling: dict, bound: str, running: bool = False) -> bool:
     """Every deployment has `bound` replicas: running ones, or (default) running + starting.
 
     Scale-up counts starting replicas: on a busy 2-core machine a new EncoderGroup's model load can
     take minutes after Serve added it and the autoscaler gave its worker a node.
     """
-    return all(replicas.get(name, (0, 0))[0 if running else 1] == limits[bound] for name, limits in AUTOSCALING.items())
+    return all(replicas.get(name, (0, 0))[0 if running else 1] == limits[bound] for name, limits in autoscaling.items())
 
 
 def main(args) -> int:
     run_as_driver()
     runs = 1 if args.quick else 3
-    results = [run_cycle() for _ in range(runs)]
+    autoscaling = QUICK_AUTOSCALING if args.quick else AUTOSCALING
+    results = [run_cycle(autoscaling=autoscaling) for _ in range(runs)]
     keys = ["first_gpu_node_s", "cold_start_s", "scale_up_s", "scale_down_s"]
     medians = {key: statistics.median(r[key] for r in results) for key in keys}
     counts = {phase: (sum(r[f"requests_during_{phase}"] for r in results), sum(r[f"failed_during_{phase}"] for r in results))
@@ -235,7 +249,7 @@ def main(args) -> int:
 
         print(json.dumps(summary, indent=2))
     else:
-        print_table(f"Serve on a fake cluster ({runs} runs; 1-GPU nodes: {BASE_GPU_NODES} -> {MAX_GPU_NODES} -> "
+        print_table(f"Serve on a fake cluster ({runs} runs; 1-GPU nodes: {BASE_GPU_NODES} -> {max_gpu_nodes(autoscaling)} -> "
                     f"{BASE_GPU_NODES}; shared 2-core machine)", ["measure", "median s", "runs"],
                     [[key, medians[key], ", ".join(f"{r[key]:.1f}" for r in results)] for key in keys])
         print(f"\nrequests: {requests}, failed: {failed} (" + "; ".join(

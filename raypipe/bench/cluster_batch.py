@@ -35,6 +35,7 @@ from raypipe.testing.fake_cluster import FakeCluster, run_as_driver
 
 GPU_NODE_TYPE = {"gpu_1x": {"resources": {"CPU": 1, "GPU": 1}, "max_workers": 3}}
 ENCODERS = (1, 3)  # the pool's min and max: it must grow to show anything
+QUICK_ENCODERS = (1, 2)  # `--quick` (the CI test's run): growing to 2 shows the same at a node and a model load less
 # Ray Data asks the cluster for resources at most every 10 s by default; 2 s fits a few minutes.
 RAY_DATA_ENV = {"RAY_DATA_MIN_GAP_BETWEEN_AUTOSCALING_REQUESTS": "2"}
 ENCODER_ACTOR = "MapWorker(MapBatches(EncodeStage))"  # how Ray Data names the pool's actors
@@ -90,7 +91,8 @@ def start_coordinator(refresh_s: float) -> None:
         coordinator._AutoscalingCoordinatorActor = base
 
 
-def run_cycle(work: pathlib.Path, images: int = IMAGES, scale_down_timeout_s: float = 120.0, log=print) -> dict:
+def run_cycle(work: pathlib.Path, images: int = IMAGES, encoders: tuple[int, int] = ENCODERS,
+              scale_down_timeout_s: float = 120.0, log=print) -> dict:
     """One batch job on a fresh fake cluster; inputs in `work/in`, Parquet in `work/out`; times in seconds."""
     for key, value in RAY_DATA_ENV.items():
         os.environ.setdefault(key, value)  # read when ray.data is imported: not yet, in a fresh process
@@ -105,9 +107,9 @@ def run_cycle(work: pathlib.Path, images: int = IMAGES, scale_down_timeout_s: fl
     model = str(resolve_model("tiny"))  # written once here; every fake node shares this machine's disk
     options = BatchOptions(input=str(work / "in"), output=str(work / "out"), batching="count", batch_images=1,
                            read_batch=4, rows_per_file=16,
-                           model=ModelConfig(model, num_encoders=ENCODERS[0], max_encoders=ENCODERS[1],
+                           model=ModelConfig(model, num_encoders=encoders[0], max_encoders=encoders[1],
                                              encoder_gpus=1))
-    result = {"images": images, "encoders": list(ENCODERS)}
+    result = {"images": images, "encoders": list(encoders)}
     with FakeCluster(GPU_NODE_TYPE, head_resources={"CPU": 2}) as cluster:
         ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
         start_coordinator(COORDINATOR_REFRESH_S)
@@ -148,7 +150,8 @@ def run_cycle(work: pathlib.Path, images: int = IMAGES, scale_down_timeout_s: fl
 def main(args) -> int:
     run_as_driver()
     runs = 1 if args.quick else 3
-    results = [run_cycle(pathlib.Path(args.out) / "cluster-batch" / f"run{i}") for i in range(runs)]
+    encoders = QUICK_ENCODERS if args.quick else ENCODERS
+    results = [run_cycle(pathlib.Path(args.out) / "cluster-batch" / f"run{i}", encoders=encoders) for i in range(runs)]
     keys = ["first_gpu_node_s", "first_encoder_s", "second_encoder_s", "job_s", "scale_down_s"]
     medians = {k: statistics.median(r[k] for r in results) if all(r[k] is not None for r in results) else None
                for k in keys}
@@ -159,7 +162,7 @@ def main(args) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print_table(f"Batch job on a fake cluster ({runs} runs; {IMAGES} images, encoder pool "
-                    f"{ENCODERS[0]}:{ENCODERS[1]}, 1-GPU nodes from 0; shared 2-core machine)",
+                    f"{encoders[0]}:{encoders[1]}, 1-GPU nodes from 0; shared 2-core machine)",
                     ["measure", "median s", "runs"],
                     [[k, medians[k], ", ".join(f"{r[k]:.1f}" if r[k] is not None else "-" for r in results)]
                      for k in keys])

@@ -119,8 +119,6 @@ class EngineConfig:
                 self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
             raise ValueError(f"EngineConfig.max_cpu_loras must be an integer >= max_loras ({self.max_loras}) or None, "
                              f"got {self.max_cpu_loras!r}")
-        if self.lora_modules and self.tensor_parallel_size > 1:
-            raise ValueError("EngineConfig.lora_modules is not supported with tensor_parallel_size > 1 yet")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")
 

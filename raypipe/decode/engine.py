@@ -229,11 +229,10 @@ class LLMEngine:
         """Serve LoRA adapter `name` from `path` (a PEFT folder, local or `s3://`) from now on; its fingerprint.
         Read and checked here, in the caller's thread (a bad adapter is an `InvalidInput` naming `where`'s field);
         a name already served is refused (unload it first). Its slot is written at a round boundary, when a
-        request first needs it."""
-        if self.runner.static_step is not None or self.config.tensor_parallel_size > 1:
-            raise InvalidInput("this engine cannot take LoRA adapters: its decode step is compiled or it spans "
-                               "several devices (start it with lora_modules, or compiled_decode=False and "
-                               "tensor_parallel_size=1)", item="lora_path", code="lora_not_supported")
+        request first needs it (on every rank of a tensor-parallel group)."""
+        if self.runner.static_step is not None:
+            raise InvalidInput("this engine cannot take LoRA adapters: its decode step is compiled (start it with "
+                               "lora_modules, or compiled_decode=False)", item="lora_path", code="lora_not_supported")
         self.runner.use_loras(self.config.max_loras, self.config.max_lora_rank)
         return self.loras.load(name, str(path), where).fingerprint
 

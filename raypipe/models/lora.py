@@ -19,7 +19,17 @@ slots x r` columns instead of `r`, but copies no weights and adds two or three o
 every row's factors per layer) cost a third of a decode step on a CPU. Never one forward per adapter.
 
 Which adapter a slot holds is the engine's choice (`decode/lora_pool.py`); `LoraSlots.write` puts it
-there, wrapping a linear in a `LoraLinear` the first time an adapter targets it. The row -> slot mask of
+there, wrapping a linear in a `LoraLinear` the first time an adapter targets it.
+
+On a tensor-parallel rank a linear is one part of a whole layer (`raypipe.parallel.shards`, and quantized
+layers' own `split`): it says which (`part`: dim 0, the output features it keeps, or dim 1, the input
+features, as slices of the whole layer's; `whole`: the whole layer's `(in, out)`). An adapter is read and
+checked against the whole layers and handed to every rank whole; each rank cuts it by its layers' `part`,
+the slices its weights were read with: a column-parallel layer keeps all of A and its output features'
+columns of B (a fused projection's several runs, e.g. a gated delta net's q | k | v heads, joined as its
+weight rows are), a row-parallel one its input features' rows of A and all of B. A row-parallel layer's
+delta `(x_local @ A_local) @ B` is a partial sum like its base product: it is added to the partial output
+before the layer's all-reduce (`partial`, then `finish`), so one all-reduce sums both. The row -> slot mask of
 a forward is set per thread (`LoraRows.using`): the engine runs a prefill and a decode forward on two
 threads at once. An adapter is read from a local folder or `s3://` (`raypipe.storage`) and fingerprinted
 by the bytes read. Anything PEFT would apply that this does not is refused at
@@ -174,10 +184,11 @@ def _fitted(pairs: dict, modules: dict, scaling: float, where: str, rank: int | 
                                "linear layers only", item=where, code="invalid_lora_adapter")
         if not transposed:
             a, b = _factor(a, module, "A", where).t(), _factor(b, module, "B", where).t()
-        if a is None or b is None or a.shape[0] != linear.in_features or b.shape[1] != linear.out_features \
+        in_features, out_features = _whole_shape(linear)  # a tensor-parallel rank's part: the whole layer's
+        if a is None or b is None or a.shape[0] != in_features or b.shape[1] != out_features \
                 or a.shape[1] != b.shape[0] or a.shape[1] != (rank or a.shape[1]):
             raise InvalidInput(f"module {module!r}: lora_A/lora_B shapes {_shape(a)}/{_shape(b)} (as (in, r)/(r, out)) "
-                               f"do not fit a {linear.in_features}->{linear.out_features} linear"
+                               f"do not fit a {in_features}->{out_features} linear"
                                + (f" at r={rank}" if rank else ""), item=where, code="invalid_lora_adapter")
         factors[module] = (a.float(), b.float() * scaling)
     return factors
@@ -209,6 +220,11 @@ def _parse_config(data: bytes, where: str):
 def _is_linear(module: torch.nn.Module) -> bool:
     """A linear layer, plain or as the engine keeps it (oneDNN-packed, already LoRA-wrapped, quantized)."""
     return isinstance(module, torch.nn.Linear) or (hasattr(module, "in_features") and hasattr(module, "out_features"))
+
+
+def _whole_shape(linear: torch.nn.Module) -> tuple[int, int]:
+    """`(in, out)` features of the whole layer: a tensor-parallel rank's part names the layer it was cut from."""
+    return getattr(linear, "whole", (linear.in_features, linear.out_features))
 
 
 def _check_config(config, where: str, max_lora_rank: int | None) -> None:
@@ -292,7 +308,8 @@ class LoraRows:
 
 
 class LoraLinear(torch.nn.Module):
-    """A base linear plus each row's adapter delta from the side-by-side slot tensors."""
+    """A base linear plus each row's adapter delta from the side-by-side slot tensors (on a tensor-parallel rank,
+    this rank's part of them; see the top)."""
 
     def __init__(self, base: torch.nn.Module, rows: LoraRows, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device):
@@ -301,6 +318,9 @@ class LoraLinear(torch.nn.Module):
         self.rows = rows
         self.max_rank = max_rank
         self.in_features, self.out_features = base.in_features, base.out_features
+        self.part = getattr(base, "part", None)  # (dim, slices of the whole layer's features) on a rank
+        self.whole = _whole_shape(base)
+        self.row_parallel = self.part is not None and self.part[0] == 1
         self.register_buffer("lora_a", torch.zeros(self.in_features, num_slots * max_rank, dtype=dtype, device=device))
         self.register_buffer("lora_b", torch.zeros(num_slots * max_rank, self.out_features, dtype=dtype, device=device))
 
@@ -309,26 +329,32 @@ class LoraLinear(torch.nn.Module):
         return self.base.weight
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        """Slot `slot` holds `(a, b)`; None: zeros (the slot's adapter does not target this layer)."""
+        """Slot `slot` holds `(a, b)`, the whole layer's factors (cut here to this layer's `part`); None: zeros
+        (the slot's adapter does not target this layer)."""
         first = slot * self.max_rank
         self.lora_a[:, first: first + self.max_rank] = 0
         self.lora_b[first: first + self.max_rank] = 0
         if a is not None:
+            if self.part is not None:
+                dim, features = self.part
+                a = torch.cat([a[cut] for cut in features]) if dim == 1 else a
+                b = torch.cat([b[:, cut] for cut in features], dim=1) if dim == 0 else b
             self.lora_a[:, first: first + a.shape[1]] = a
             self.lora_b[first: first + a.shape[1]] = b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        # A row-parallel rank adds its partial delta to its partial product, before the sum over ranks (top)
+        out = self.base.partial(x) if self.row_parallel else self.base(x)
         used = self.rows.used
-        if not used:
-            return out
-        first = self.rows.first * self.max_rank
-        columns = slice(first, first + used * self.max_rank)  # a view of the used slots, no copy
-        h = x.reshape(-1, x.shape[-1]) @ self.lora_a[:, columns]
-        mask = self.rows.mask
-        if mask is not None:
-            h = (h.view(mask.shape[0], -1, used, self.max_rank) * mask).view(h.shape)
-        return torch.addmm(out.reshape(-1, out.shape[-1]), h, self.lora_b[columns]).view_as(out)
+        if used:
+            first = self.rows.first * self.max_rank
+            columns = slice(first, first + used * self.max_rank)  # a view of the used slots, no copy
+            h = x.reshape(-1, x.shape[-1]) @ self.lora_a[:, columns]
+            mask = self.rows.mask
+            if mask is not None:
+                h = (h.view(mask.shape[0], -1, used, self.max_rank) * mask).view(h.shape)
+            out = torch.addmm(out.reshape(-1, out.shape[-1]), h, self.lora_b[columns]).view_as(out)
+        return self.base.finish(out) if self.row_parallel else out
 
 
 class LoraSlots:

@@ -76,7 +76,7 @@ class TextDecoder(torch.nn.Module):
         # How the whole checkpoint names this model's modules: a LoRA adapter names them so (`lora.py`).
         decoder.key_prefixes, decoder.key_excluded = prefixes, exclude + head_prefixes
         if plan is not None:
-            decoder.quantization = f"{plan.description}: {quantized} linear layers"
+            decoder.quantization = f"{plan.description}: {quantized} quantized layers (linears, fused experts)"
         return decoder
 
     def weight_bytes(self) -> int:

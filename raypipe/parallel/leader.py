@@ -8,6 +8,7 @@ this `GroupRunner`, which sends each piece of work to the other ranks before run
                                      then after each step the sampled ids and whether the round ends
     move_rows                     -> ("move", moves)
     restore (prefix hits)         -> ("restore", (slot, row) pairs)
+    write_lora_slots              -> ("lora", max_loras, max_lora_rank, (slot, whole adapter) pairs)
 
 so the plan travels once per round and a step adds one broadcast of `rows + 1` ids next to the
 layers' all-reduces.
@@ -17,7 +18,16 @@ rank holds rank 0's number of snapshot slots, each slot holding that rank's head
 (row r's state at position p into slot s) is part of the sequence's fields in the prefill or decode
 message (`Sequence.snapshot_saves`), so every rank copies at the same point of the same forward; a
 restore (slot s into row r) is its own message before the round's forwards; a drop is bookkeeping on
-rank 0 only (the slot is simply written again later). Sampling happens on rank 0 only (every sampler feature, grammars included,
+rank 0 only (the slot is simply written again later).
+
+LoRA adapter slots are mirrored the same way: the engine assigns slots on rank 0 and writes them at its
+round boundary; the write goes to every rank with the adapters' whole factors (one broadcast), and
+each rank cuts them to its own layers' parts (`models/lora.py`), as it read its weights. Sending each
+rank only its part would save less than half the bytes (a column-parallel layer's A and a
+row-parallel layer's B are whole on every rank) and rank 0 would need every rank's shard plan. A
+row's slot travels in its prefill and decode fields, so every rank applies the same rows' slots.
+
+Sampling happens on rank 0 only (every sampler feature, grammars included,
 as with one device); the other ranks take its ids as their next input.
 
 The engine may prefill on one thread while it decodes on another; a group runs the two one after
@@ -97,6 +107,14 @@ class GroupRunner(ModelRunner):
         with self._group_work("restore"):
             self.collectives.broadcast_object(("restore", restores))
             super().restore(restores)
+
+    def write_lora_slots(self, writes) -> None:
+        if not writes:
+            return
+        with self._group_work("lora"):
+            slots = self.lora_slots
+            self.collectives.broadcast_object(("lora", slots.max_loras, slots.max_lora_rank, writes))
+            super().write_lora_slots(writes)
 
     @contextlib.contextmanager
     def _group_work(self, what: str):

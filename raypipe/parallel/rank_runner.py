@@ -46,20 +46,21 @@ class RankAdapter:
 
 
 def prefill_fields(seq: Sequence) -> dict:
-    """What a rank needs to prefill `seq`'s chunk of this round (its prompt, positions and visual rows, and the
-    state snapshots to take inside it)."""
+    """What a rank needs to prefill `seq`'s chunk of this round (its prompt, positions and visual rows, the
+    state snapshots to take inside it, its LoRA adapter's slot)."""
     return dict(request_id=seq.request_id, prompt_ids=seq.prompt_ids, positions=seq.positions,
                 rope_delta=seq.rope_delta, visual_embeds=seq.visual_embeds, output_ids=seq.output_ids, row=seq.row,
                 block_table=seq.block_table, window_table=seq.window_table, num_computed=seq.num_computed,
-                chunk_len=seq.chunk_len, snapshot_saves=seq.snapshot_saves)
+                chunk_len=seq.chunk_len, snapshot_saves=seq.snapshot_saves, lora_slot=seq.lora_slot)
 
 
 def decode_fields(seq: Sequence) -> dict:
-    """What a rank needs for `seq`'s decode steps: its length, last token, block tables, rope offset and the
-    state snapshot it takes where a step crosses a block boundary."""
+    """What a rank needs for `seq`'s decode steps: its length, last token, block tables, rope offset, the
+    state snapshot it takes where a step crosses a block boundary and its LoRA adapter's slot."""
     return dict(request_id=seq.request_id, prompt_ids=seq.prompt_ids, positions=None, rope_delta=seq.rope_delta,
                 visual_embeds=None, output_ids=seq.output_ids, row=seq.row, block_table=seq.block_table,
-                window_table=seq.window_table, num_computed=seq.num_computed, snapshot_saves=seq.snapshot_saves)
+                window_table=seq.window_table, num_computed=seq.num_computed, snapshot_saves=seq.snapshot_saves,
+                lora_slot=seq.lora_slot)
 
 
 def mirror(fields: dict) -> Sequence:

@@ -53,19 +53,35 @@ EXPERTS = ".mlp.experts"  # plan entries of fused MoE experts: replaced by `Expe
 
 
 class ColumnParallelLinear(torch.nn.Linear):
-    """This rank's output features of a Linear (no communication)."""
+    """This rank's output features of a Linear (no communication). `part` and `whole` say what of which layer
+    it keeps (a LoRA adapter's factors are cut by them, `models/lora.py`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 part: tuple[int, list[slice]], whole: tuple[int, int]):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        self.part, self.whole = part, whole
 
 
 class RowParallelLinear(torch.nn.Linear):
-    """This rank's input features of a Linear; the ranks' partial outputs are summed, the bias added once."""
+    """This rank's input features of a Linear; the ranks' partial outputs are summed, the bias added once.
+    `partial` and `finish` are the two halves of its forward: a LoRA delta joins the partial output between
+    them, so the one all-reduce sums the ranks' deltas too."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, collectives):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, collectives,
+                 part: tuple[int, list[slice]], whole: tuple[int, int]):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.collectives = collectives
+        self.part, self.whole = part, whole
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:
+        out = self.collectives.all_reduce(partial)
+        return out + self.bias if self.bias is not None else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.collectives.all_reduce(torch.nn.functional.linear(x, self.weight))
-        return out + self.bias if self.bias is not None else out
+        return self.finish(self.partial(x))
 
 
 # Plans raypipe writes for text configs that carry none, in the shape of transformers' own (model_type -> plan).
@@ -163,9 +179,10 @@ class WeightShard:
         if type(module) is not torch.nn.Linear:
             raise ValueError(f"{name} is a {type(module).__name__}; tensor parallelism shards torch.nn.Linear only")
         size, bias, dtype = sum(cut.stop - cut.start for cut in features), module.bias is not None, module.weight.dtype
+        part, whole = (dim, features), (module.in_features, module.out_features)
         if dim == 0:
-            return ColumnParallelLinear(module.in_features, size, bias=bias, dtype=dtype)
-        return RowParallelLinear(size, module.out_features, bias, dtype, self.collectives)
+            return ColumnParallelLinear(module.in_features, size, bias, dtype, part, whole)
+        return RowParallelLinear(size, module.out_features, bias, dtype, self.collectives, part, whole)
 
     def holds(self, name: str) -> bool:
         """Whether this rank reads tensor `name` at all (not another rank's expert stored apart)."""
@@ -223,10 +240,14 @@ class ExpertSplit:
         return apart is None or self.first <= int(apart.group(1)) < self.first + self.count
 
     def prepare(self, experts: torch.nn.Module) -> None:
-        for name, param in list(experts.named_parameters(recurse=False)):
-            setattr(experts, name, torch.nn.Parameter(torch.empty((self.count, *param.shape[1:]), dtype=param.dtype)))
-        experts.num_experts = self.count
-        experts._is_expert_parallel = True  # transformers' kernels skip the sentinel index `num_experts`
+        if hasattr(experts, "keep_experts"):  # quantized (`models/quantized`): its stored tensors are read as they are
+            experts.keep_experts(self.count)
+        else:
+            for name, param in list(experts.named_parameters(recurse=False)):
+                setattr(experts, name, torch.nn.Parameter(torch.empty((self.count, *param.shape[1:]),
+                                                                      dtype=param.dtype)))
+            experts.num_experts = self.count
+            experts._is_expert_parallel = True  # transformers' kernels skip the sentinel index `num_experts`
         experts.register_forward_pre_hook(self._local_indices)
         experts.register_forward_hook(self._sum_over_ranks)
 
@@ -239,6 +260,7 @@ class ExpertSplit:
         return self.collectives.all_reduce(output)
 
     def read(self, tensor_slice) -> torch.Tensor:
+        """This rank's experts of a fused tensor (a quantized one's block scales too: one grid per expert)."""
         return tensor_slice[self.first: self.first + self.count]
 
 

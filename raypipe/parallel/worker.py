@@ -3,7 +3,7 @@
 It holds its shard of the language model and its own paged pool (rank 0's number of blocks, its
 own heads; rank 0's number of state snapshot slots), and on a thread of its own repeats: receive the
 next message, run it through its `ModelRunner` exactly as rank 0 does (prefill chunks, a decode round,
-row moves, snapshot restores). It never samples:
+row moves, snapshot restores, LoRA slot writes). It never samples:
 each decode step's input ids (and whether the round ends) come from rank 0 after that step, and
 its language model has no lm_head (logits are rank 0's).
 
@@ -85,6 +85,10 @@ class RankWorker:
                     self.runner.move_rows(args[0])
                 elif kind == "restore":
                     self.runner.restore(args[0])
+                elif kind == "lora":
+                    max_loras, max_lora_rank, writes = args
+                    self.runner.use_loras(max_loras, max_lora_rank)
+                    self.runner.write_lora_slots(writes)
         except BaseException:
             log.exception("rank %d of the decode group failed", self.rank)
             os._exit(1)

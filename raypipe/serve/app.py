@@ -123,4 +123,5 @@ def decoder_options(options: dict, routing: PrefixRouting) -> dict:
         "request_router_class": ROUTER_CLASS,
         "request_router_kwargs": {"min_match_ratio": routing.min_match_ratio,
                                   "overload_threshold": routing.overload_threshold,
-                                  "max_tracked_blocks": routing.max_tracked_blocks}}}
+                                  "max_tracked_blocks": routing.max_tracked_blocks,
+                                  "max_tracked_adapters": routing.max_tracked_adapters}}}

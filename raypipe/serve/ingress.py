@@ -249,7 +249,7 @@ class Ingress:
             return ResumableStream(
                 lambda resume: self.decoder.options(stream=True).generate.remote(
                     choice_id if resume is None else f"{choice_id}-resume{next(attempts)}", prompt, visual_refs,
-                    choice_params, lora, cache_salt, **key, resume=resume),
+                    choice_params, lora=lora, cache_salt=cache_salt, **key, resume=resume),
                 self.metrics.resumed_choices.inc)
 
         return [choice(i) for i in range(n)]

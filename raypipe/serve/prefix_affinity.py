@@ -44,12 +44,13 @@ class PrefixRouting:
     overload_threshold: int = 8  # the replica with the prefix is skipped when its queue exceeds the shortest by more
     max_tracked_blocks: int = 32768  # block hashes remembered per Decoder replica by each router (LRU; ~4 MB)
     max_key_blocks: int = 256  # a request is keyed by at most its first this many blocks (4,096 tokens at 16)
+    max_tracked_adapters: int = 64  # LoRA adapter keys remembered per Decoder replica by each router (LRU)
 
     def __post_init__(self):
-        if not 0 < self.min_match_ratio <= 1 or self.overload_threshold < 0 or min(self.max_tracked_blocks,
-                                                                                    self.max_key_blocks) < 1:
-            raise ValueError(f"routing: min_match_ratio must be in (0, 1], overload_threshold >= 0 and the block "
-                             f"counts >= 1, got {self}")
+        if not 0 < self.min_match_ratio <= 1 or self.overload_threshold < 0 or min(
+                self.max_tracked_blocks, self.max_key_blocks, self.max_tracked_adapters) < 1:
+            raise ValueError(f"routing: min_match_ratio must be in (0, 1], overload_threshold >= 0 and the block and "
+                             f"adapter counts >= 1, got {self}")
 
 
 class PrefixAffinity:

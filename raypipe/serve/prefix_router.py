@@ -2,7 +2,8 @@
 
 Serve's default router picks the shorter queue of two random replicas, so with several Decoder
 replicas a conversation's next turn lands on a replica holding none of its blocks most of the time.
-This router applies `prefix_affinity.py`'s rule first and Serve's rule as the fallback, through
+This router applies `prefix_affinity.py`'s rule first, then `adapter_affinity.py`'s (a LoRA adapter's
+requests go where it was sent before) and Serve's rule as the fallback, through
 Serve's public request-router API (`ray.serve.request_router`, set by `request_router_config` in
 the Decoder's deployment options; `app.compose` does it when routing is on).
 
@@ -44,10 +45,12 @@ from collections.abc import Sequence
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from raypipe.serve.adapter_affinity import AdapterAffinity
 from raypipe.serve.prefix_affinity import PrefixAffinity
 
 ROUTER_CLASS = "raypipe.serve.prefix_router:PrefixAffinityRouter"
 HASHES_KWARG = "prefix_hashes"  # the keyword argument of Decoder.generate the router reads
+LORA_KWARG = "lora"  # Decoder.generate's adapter (a `LoraRef` or None), passed by keyword for this router
 
 
 def request_hashes(pending_request: PendingRequest | None) -> Sequence[bytes]:
@@ -56,33 +59,52 @@ def request_hashes(pending_request: PendingRequest | None) -> Sequence[bytes]:
     return pending_request.kwargs.get(HASHES_KWARG) or ()
 
 
+def request_adapter(pending_request: PendingRequest | None) -> str | None:
+    """The routing key of the request's LoRA adapter; None for the base model."""
+    lora = pending_request.kwargs.get(LORA_KWARG) if pending_request is not None else None
+    return lora.routing_key if lora is not None else None
+
+
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, *, min_match_ratio: float, overload_threshold: int, max_tracked_blocks: int):
+    def initialize_state(self, *, min_match_ratio: float, overload_threshold: int, max_tracked_blocks: int,
+                         max_tracked_adapters: int):
         """Serve passes `request_router_kwargs` here (`PrefixRouting`'s fields, from `app.compose`)."""
         self.affinity = PrefixAffinity(min_match_ratio, overload_threshold, max_tracked_blocks)
+        self.adapters = AdapterAffinity(overload_threshold, max_tracked_adapters)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """Ranks Serve tries in order: the replica holding the prefix (`PrefixAffinity.choose`), then two
-        random ones."""
+        """Ranks Serve tries in order: the replica holding the prefix (`PrefixAffinity.choose`), the replicas
+        holding the request's adapter (`AdapterAffinity.holders`; Serve takes the shortest queue of a rank),
+        then two random ones."""
         ranks = []
-        hashes = request_hashes(pending_request)
-        if hashes and candidate_replicas:
+        hashes, adapter = request_hashes(pending_request), request_adapter(pending_request)
+        if (hashes or adapter) and candidate_replicas:
             cache = self.replica_queue_len_cache
             queues = {r.replica_id: cache.get(r.replica_id) or 0 for r in candidate_replicas}
-            best = self.affinity.choose(hashes, queues)
+            best = self.affinity.choose(hashes, queues) if hashes else None
             if best is not None:
                 ranks.append([r for r in candidate_replicas if r.replica_id == best])
+            holders = set(self.adapters.holders(adapter, queues)) if adapter else set()
+            if holders:
+                ranks.append([r for r in candidate_replicas if r.replica_id in holders])
         ranks.append(random.sample(candidate_replicas, min(2, len(candidate_replicas))))  # Serve's own rule
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self.affinity.record(replica_id, request_hashes(pending_request))
+        adapter = request_adapter(pending_request)
+        if adapter is not None:
+            self.adapters.record(replica_id, adapter)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.affinity.retain(self.curr_replicas)
+        self._forget_gone()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self._forget_gone()
+
+    def _forget_gone(self) -> None:
         self.affinity.retain(self.curr_replicas)
+        self.adapters.retain(self.curr_replicas)

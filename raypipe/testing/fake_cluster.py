@@ -83,7 +83,10 @@ class FakeCluster:
         self.idle_timeout_minutes = idle_timeout_minutes
         self.upscaling_speed = upscaling_speed
         self._new_home()
-        self.env = {**os.environ, **(env or {}), "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": AUTH_MODE}
+        # The autoscaler decides every AUTOSCALER_UPDATE_INTERVAL_S (5 s by default); each scale-up or -down waits
+        # for a decision, so 1 s takes seconds off every phase of a test-sized cycle.
+        self.env = {**os.environ, "AUTOSCALER_UPDATE_INTERVAL_S": "1", **(env or {}), "RAY_FAKE_CLUSTER": "1",
+                    "RAY_AUTH_MODE": AUTH_MODE}
 
     def _new_home(self) -> None:
         # Short: Unix socket paths under it must stay below ~107 characters.

@@ -5,13 +5,37 @@ The layout is the one transformers' `FineGrainedFP8Config` and Qwen's -FP8 relea
 ceil(out / block_out) x ceil(in / block_in) of them, the last row and column of blocks partial where a
 size is not a multiple of the block (vLLM reads them so; transformers' CPU dequantization derives the
 block from the grid, which agrees wherever a size is at most one block or a multiple of it).
+
+A mixture-of-experts layer's fused experts (transformers' `*.experts` module: `gate_up_proj`, `down_proj`
+of (experts, out, in)) are quantized the way transformers' `FP8Experts` holds them, one block grid per
+expert in `gate_up_proj_scale_inv` / `down_proj_scale_inv` (`Fp8BlockExperts`).
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from raypipe.models.quantized.stored_linear import ONE, StoredWeightLinear, Unit
+from raypipe.models.quantized.stored_linear import ONE, StoredWeightLinear, Unit, load_stored
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # transformers' fused experts: (experts, out, in) each
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """`weight` (..., out, in) in e4m3 times its `scale_inv` (..., ceil(out / rows), ceil(in / cols)), one per
+    block, in `dtype` (leading dims: a fused-experts tensor's one grid per expert)."""
+    rows, cols = block
+    out_features, in_features = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(rows, -2)[..., :out_features, :]  # block scales per row
+    weight = weight.float()  # a fresh copy, scaled in place
+    whole = in_features // cols
+    if whole:
+        weight[..., : whole * cols].unflatten(-1, (whole, cols)).mul_(scale[..., :whole, None])
+    if in_features % cols:  # the partial last block of columns
+        weight[..., whole * cols:].mul_(scale[..., whole:])
+    return weight.to(dtype)
 
 
 class Fp8BlockLinear(StoredWeightLinear):
@@ -20,15 +44,7 @@ class Fp8BlockLinear(StoredWeightLinear):
         self.block = block
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        rows, cols = self.block
-        scale = self.weight_scale_inv.float().repeat_interleave(rows, 0)[: self.out_features]  # block scales per row
-        weight = self.weight.float()  # a fresh copy, scaled in place
-        whole = self.in_features // cols
-        if whole:
-            weight[:, : whole * cols].unflatten(-1, (whole, cols)).mul_(scale[:, :whole, None])
-        if self.in_features % cols:  # the partial last block of columns
-            weight[:, whole * cols:].mul_(scale[:, whole:])
-        return weight.to(dtype)
+        return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def units(self, name: str) -> tuple[Unit | None, Unit | None]:
         if name == "weight":
@@ -39,6 +55,45 @@ class Fp8BlockLinear(StoredWeightLinear):
 
     def like(self, in_features: int, out_features: int) -> "Fp8BlockLinear":
         return Fp8BlockLinear(in_features, out_features, self.block, self.bias is not None, self.bias_dtype)
+
+
+class Fp8BlockExperts(torch.nn.Module):
+    """transformers' fused-experts module (`experts`: its routing loop or grouped GEMMs, as the unquantized
+    model runs) over weights rebuilt per forward from the stored e4m3 tensors and their block scales, one grid
+    per expert (`gate_up_proj_scale_inv`, `down_proj_scale_inv`: the names transformers' `FP8Experts` loads).
+    One layer's experts exist in full precision during its forward only."""
+
+    def __init__(self, experts: torch.nn.Module, block: tuple[int, int]):
+        super().__init__()
+        self.block = block
+        self.stored = tuple(n for weight in EXPERT_WEIGHTS for n in (weight, f"{weight}_scale_inv"))
+        for name in self.stored:  # filled by the checkpoint, as stored
+            self.register_buffer(name, None)
+        for name in EXPERT_WEIGHTS:  # the module's weights become a per-call copy's plain attributes (`forward`)
+            delattr(experts, name)
+        self.experts = experts
+
+    def keep_experts(self, count: int) -> None:
+        """A tensor-parallel rank's module: `count` whole experts (its stored tensors are read as its share)."""
+        self.experts.num_experts = count
+        self.experts._is_expert_parallel = True  # transformers' kernels skip the sentinel index `num_experts`
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        # A copy per call holds this call's weights: the engine's prefill thread and its decode loop may run the
+        # same layer at once. Its tensors die with it.
+        run = copy.copy(self.experts)
+        for name in EXPERT_WEIGHTS:
+            setattr(run, name, dequantize_blocks(getattr(self, name), getattr(self, f"{name}_scale_inv"), self.block,
+                                                 hidden_states.dtype))
+        return run(hidden_states, top_k_index, top_k_weights)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        load_stored(self, state_dict, prefix, missing_keys, unexpected_keys)
+
+    def extra_repr(self) -> str:
+        return f"block={self.block}, stored={self.stored}"
 
 
 class Fp8BlockPlan:
@@ -63,12 +118,21 @@ class Fp8BlockPlan:
         self.skip = skip
         self.description = f"fp8 e4m3 weights, {block[0]}x{block[1]} blocks"
 
-    def layer_for(self, names: list[str], linear: torch.nn.Linear, dtype: torch.dtype) -> Fp8BlockLinear | None:
+    def layer_for(self, names: list[str], linear: torch.nn.Linear, dtype: torch.dtype) -> "Fp8BlockLinear | None":
         from transformers.quantizers.quantizers_utils import should_convert_module
 
         if not all(should_convert_module(name, self.skip) for name in names):
             return None
         return Fp8BlockLinear(linear.in_features, linear.out_features, self.block, linear.bias is not None, dtype)
+
+    def experts_for(self, names: list[str], experts: torch.nn.Module) -> Fp8BlockExperts | None:
+        """A fused-experts module (transformers' `*.experts` with 3-D `gate_up_proj` / `down_proj`) the config
+        quantizes (transformers' FP8 quantizer converts every `*.experts` module not skipped)."""
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        if not all(should_convert_module(name, self.skip) for name in names):
+            return None
+        return Fp8BlockExperts(experts, self.block)
 
 
 def _require(config: dict, field: str, value: str) -> None:

@@ -5,7 +5,11 @@ language-model linear but lm_head and a gated delta net's `in_proj_a` / `in_proj
 vision tower stays as it is, as in Qwen's and llmcompressor's releases; `in_proj_a` / `in_proj_b`
 have one output row per value head, too few for a block per rank, and llmcompressor's Qwen3.5
 recipe leaves the whole linear attention unquantized), from the bf16 weights:
-- `fp8`: block-wise e4m3 by transformers' own `Fp8Quantize` (what `FineGrainedFP8Config` writes);
+- `fp8`: block-wise e4m3 by transformers' own `Fp8Quantize` (what `FineGrainedFP8Config` writes); a
+  mixture-of-experts model's fused experts too (`tiny-qwen3-vl-moe-fp8`: `experts.gate_up_proj` and
+  `experts.down_proj`, one block grid per expert, beside them `gate_up_proj_scale_inv` and
+  `down_proj_scale_inv`, the names and shapes of transformers' `FP8Experts`), its router not (not a
+  Linear, as Qwen's -FP8 releases keep `mlp.gate`);
 - `fp8-dynamic`, `w8a8`, `w4a16`: compressed-tensors' preset schemes (`FP8_DYNAMIC`, `W8A8`, `W4A16`),
   scales from each weight's min/max by compressed-tensors' `calculate_qparams`, compressed and
   described in `config.json` by its `ModelCompressor` (llmcompressor's save path).
@@ -28,6 +32,8 @@ import shutil
 
 FORMATS = ("fp8", "fp8-dynamic", "w8a8", "w4a16")
 BASES = ("tiny", "tiny-qwen3.5", "small", "small-qwen3.5")
+# Bases with fused experts: FP8 only (compressed-tensors quantizes Linears, and transformers' experts are not).
+MOE_BASES = ("tiny-qwen3-vl-moe",)
 VERSION = "q2"  # part of a quantized preset's cache folder name: bump when what they hold changes
 LARGEST_BLOCK = 128
 TP_READY = 2  # the tensor_parallel_size every preset's blocks and groups split over
@@ -39,7 +45,8 @@ _COMPRESSED_TENSORS_SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "w8a8": "W8A8", "w4
 
 def quantized_presets() -> dict[str, tuple[str, str]]:
     """Preset name -> (base preset, format)."""
-    return {f"{base}-{fmt}": (base, fmt) for base in BASES for fmt in FORMATS}
+    return {**{f"{base}-{fmt}": (base, fmt) for base in BASES for fmt in FORMATS},
+            **{f"{base}-fp8": (base, "fp8") for base in MOE_BASES}}
 
 
 def write_quantized(base: pathlib.Path, folder: pathlib.Path, fmt: str,
@@ -54,6 +61,7 @@ def write_quantized(base: pathlib.Path, folder: pathlib.Path, fmt: str,
         linears = [m for _, m in _quantized_linears(model)]
         delta_net = _delta_net_widths(model.config.get_text_config())
         size = two_rank_size([m.out_features for m in linears] + [m.in_features for m in linears] + delta_net)
+        size = math.gcd(size, *_expert_widths(model.config.get_text_config()))
         _write_fp8(model, folder, list(fp8_block or (size, size)))
     else:
         _write_compressed_tensors(model, folder, _COMPRESSED_TENSORS_SCHEMES[fmt])
@@ -74,6 +82,23 @@ def _delta_net_widths(text_config) -> list[int]:
         return []
     c = text_config
     return [c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim]
+
+
+def _expert_widths(text_config) -> list[int]:
+    """A fused-experts model's expert width (the gate | up boundary of `gate_up_proj`) and hidden size: a block
+    divides them, whole experts go to each rank (`parallel.shards.ExpertSplit`), so not their halves."""
+    width = getattr(text_config, "moe_intermediate_size", None) if getattr(text_config, "num_experts", 0) else None
+    return [] if width is None else [width, text_config.hidden_size]
+
+
+def _quantized_experts(model):
+    """The fused-experts modules transformers' FP8 quantizer converts: named `*.experts` (its rule), not skipped."""
+    import torch
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    return [(name, module) for name, module in model.named_modules()
+            if name.endswith(".experts") and isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter)
+            and should_convert_module(name, NOT_QUANTIZED)]
 
 
 def _quantized_linears(model):
@@ -100,6 +125,13 @@ def _write_fp8(model, folder: pathlib.Path, block: list[int]) -> None:
         linear.weight = torch.nn.Parameter(quantized["weight"][:out_features, :in_features].contiguous(),
                                            requires_grad=False)
         linear.weight_scale_inv = torch.nn.Parameter(quantized["weight_scale_inv"], requires_grad=False)
+    for name, experts in _quantized_experts(model):
+        for param in ("gate_up_proj", "down_proj"):  # (experts, out, in): one block grid per expert
+            weight = getattr(experts, param).detach()
+            if weight.shape[-2] % rows or weight.shape[-1] % cols:  # `Fp8Quantize` would leave it unquantized
+                raise ValueError(f"{name}.{param} {tuple(weight.shape)} is not a whole number of {rows}x{cols} blocks")
+            for key, tensor in quantize.convert({param: weight}).items():  # `param` and `param`_scale_inv
+                setattr(experts, key, torch.nn.Parameter(tensor, requires_grad=False))
     model.save_pretrained(folder)
     config_path = folder / "config.json"
     written = json.loads(config_path.read_text())

@@ -30,14 +30,21 @@ def quantization_plan(config: dict):
 
 
 def quantize_linears(module: torch.nn.Module, plan, prefixes: tuple[str, ...], dtype: torch.dtype) -> int:
-    """Replace the linears of `module` that `plan` quantizes; how many. A linear's checkpoint name is
+    """Replace the linears (and, for FP8 block-wise, the fused-experts modules) of `module` that `plan`
+    quantizes; how many. A linear's checkpoint name is
     tried under every layout `prefixes` accepts: ignore lists name modules as the checkpoint does."""
     swaps = []
     for name, child in module.named_modules():
+        names = [prefix + name for prefix in prefixes]
         if isinstance(child, torch.nn.Linear):
-            layer = plan.layer_for([prefix + name for prefix in prefixes], child, dtype)
-            if layer is not None:
-                swaps.append((name, layer))
+            layer = plan.layer_for(names, child, dtype)
+        elif name.endswith(".experts") and hasattr(plan, "experts_for") and \
+                isinstance(getattr(child, "gate_up_proj", None), torch.nn.Parameter):
+            layer = plan.experts_for(names, child)  # fused experts: FP8 block-wise only
+        else:
+            layer = None
+        if layer is not None:
+            swaps.append((name, layer))
     for name, layer in swaps:
         parent, _, leaf = name.rpartition(".")
         setattr(module.get_submodule(parent), leaf, layer)

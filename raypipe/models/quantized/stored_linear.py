@@ -44,6 +44,7 @@ class StoredWeightLinear(torch.nn.Module):
             self.register_buffer(name, None)
         self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.part: tuple[int, list[slice]] | None = None  # a rank's (dim, the whole layer's features it keeps)
+        self.whole = (in_features, out_features)  # the layer a rank's part was split from
         self.reduce = None  # a row-parallel rank's sum of the ranks' partial outputs
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -61,7 +62,14 @@ class StoredWeightLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce is None:
             return torch.nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
-        out = self.reduce(torch.nn.functional.linear(x, self.dequantize(x.dtype)))
+        return self.finish(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's own product (a LoRA delta joins it before `finish`, `models/lora.py`)."""
+        return torch.nn.functional.linear(x, self.dequantize(x.dtype))
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:
+        out = self.reduce(partial)
         return out + self.bias if self.bias is not None else out  # the bias once, after the sum
 
     def split(self, name: str, dim: int, features: list[slice], world_size: int, reduce=None) -> "StoredWeightLinear":
@@ -82,7 +90,7 @@ class StoredWeightLinear(torch.nn.Module):
                         f"tensor_parallel_size whose share of {total} is a multiple of {unit.features}")
         size = sum(cut.stop - cut.start for cut in features)
         local = self.like(size, self.out_features) if dim else self.like(self.in_features, size)
-        local.part, local.reduce = (dim, features), reduce
+        local.part, local.whole, local.reduce = (dim, features), self.whole, reduce
         return local
 
     def read_part(self, name: str, tensor_slice) -> torch.Tensor:
@@ -102,15 +110,21 @@ class StoredWeightLinear(torch.nn.Module):
         if self.bias is not None:  # cast to the layer's dtype, as any parameter (before the buffers exist)
             super()._load_from_state_dict({k: v for k, v in state_dict.items() if k == prefix + "bias"}, prefix,
                                           local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        # The stored tensors are taken as they are (dtype and all): a cast would change the dequantized weight.
-        for name in self.stored:
-            if prefix + name in state_dict:
-                setattr(self, name, state_dict[prefix + name])
-            else:
-                missing_keys.append(prefix + name)
-        known = {prefix + name for name in (*self.stored, "bias")}
-        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in known
-                               and "." not in k[len(prefix):])
+        load_stored(self, state_dict, prefix, missing_keys, unexpected_keys, also=("bias",))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, stored={self.stored}"
+
+
+def load_stored(module: torch.nn.Module, state_dict: dict, prefix: str, missing_keys: list, unexpected_keys: list,
+                also: tuple[str, ...] = ()) -> None:
+    """Set `module`'s stored tensors (`module.stored`) from a state dict as they are, dtype and all (a cast would
+    change the dequantized weight); report missing ones and unexpected keys of its own (beyond `also`)."""
+    for name in module.stored:
+        if prefix + name in state_dict:
+            setattr(module, name, state_dict[prefix + name])
+        else:
+            missing_keys.append(prefix + name)
+    known = {prefix + name for name in (*module.stored, *also)}
+    unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in known
+                           and "." not in k[len(prefix):])

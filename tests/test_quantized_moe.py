@@ -1,0 +1,128 @@
+"""FP8 block-wise Qwen3-VL-MoE with its experts quantized (docs/quantization.md): the engine keeps every layer's
+fused experts as stored (e4m3 `gate_up_proj` / `down_proj`, a block grid of scales per expert) and rebuilds
+them for the layer's forward only.
+
+The oracle is transformers' `generate()` from pixels on the same checkpoint, in bf16. transformers 5.23's FP8
+quantizer dequantizes the linears at load on a CPU, but not Qwen3-VL-MoE's fused experts: it reports their
+`*_scale_inv` tensors as unexpected and loads the e4m3 values unscaled (shown below). So the reference model's
+experts hold what transformers' own `Fp8Dequantize` (the op its quantizer loads FP8 weights with) decompresses
+from the stored tensors. Greedy tokens must be equal, K=1 and K=8, with images; the experts' resident bytes in
+the engine's process must be about half of bf16's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForImageTextToText
+
+from raypipe import SamplingParams
+from raypipe.models.checkpoint import safetensors_files
+from raypipe.models.prompt import build_prompt
+from raypipe.models.quantized.fp8_block import Fp8BlockExperts, dequantize_blocks
+from raypipe.models.registry import preset_checkpoint, vision_adapter
+from tests import qwen3_vl_reference as ref
+from tests.conftest import random_images
+from tests.decode_reference import engine_pool, staggered
+
+PRESET = "tiny-qwen3-vl-moe-fp8"
+MAX_NEW = 12
+PROMPTS = [[(64, 96)], [(64, 96), (128, 64)], []]  # one image, two, none
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def stored_experts(ckpt) -> dict[str, torch.Tensor]:
+    """The checkpoint's fused-experts tensors (weights and their `_scale_inv`), by key."""
+    out = {}
+    for path in safetensors_files(ckpt):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({key: f.get_tensor(key) for key in f.keys() if ".mlp.experts." in key})
+    return out
+
+
+def transformers_dequantized(stored: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """Expert weights `key` as transformers' FP8 load op (`Fp8Dequantize`) decompresses them, in bf16."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    dequantize = Fp8Dequantize(FineGrainedFP8HfQuantizer(FineGrainedFP8Config()))
+    out = dequantize.convert({"weight": stored[key], "weight_scale_inv": stored[f"{key}_scale_inv"]})
+    return out["weight"].to(torch.bfloat16)
+
+
+def reference_model(ckpt):
+    """transformers' model of the checkpoint: linears by its FP8 quantizer, experts by its `Fp8Dequantize`."""
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    stored = stored_experts(ckpt)
+    for i, layer in enumerate(hf.model.language_model.layers):
+        for name in EXPERT_WEIGHTS:
+            key = f"model.language_model.layers.{i}.mlp.experts.{name}"
+            getattr(layer.mlp.experts, name).data = transformers_dequantized(stored, key)
+    return hf, stored
+
+
+@pytest.fixture(scope="module")
+def moe():
+    ckpt = preset_checkpoint(PRESET)
+    hf, stored = reference_model(ckpt)
+    with engine_pool(ckpt, dtype="bfloat16", max_num_seqs=4, max_model_len=512) as engines:
+        yield ckpt, hf, stored, engines
+
+
+def case(ckpt, hf, processor, sizes, seed):
+    """(raypipe's prompt, transformers' image features with deepstack levels, transformers' greedy ids)."""
+    images = random_images(sizes, seed=seed)
+    ours = [{"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                         {"type": "text", "text": "Describe it."}]}]
+    theirs = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": "Describe it."}]}]
+    inputs = ref.hf_inputs(processor, theirs, images)
+    prompt = build_prompt(ours, processor.tokenizer, vision_adapter(ckpt))
+    eos = hf.generation_config.eos_token_id
+    return prompt, ref.features(hf, inputs), ref.hf_generate(hf, inputs, MAX_NEW, eos)
+
+
+def test_transformers_fp8_load_leaves_the_fused_experts_unscaled():
+    """Why the reference sets the experts itself: transformers' own load of this checkpoint on a CPU does not
+    apply the experts' block scales (if this fails, transformers reads them: use its load as the oracle)."""
+    ckpt = preset_checkpoint(PRESET)
+    loaded = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.bfloat16)
+    stored = stored_experts(ckpt)
+    key = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    experts = loaded.model.language_model.layers[0].mlp.experts
+    assert not torch.equal(experts.gate_up_proj.data, transformers_dequantized(stored, key))
+    assert torch.equal(experts.gate_up_proj.data, stored[key].to(torch.bfloat16))
+
+
+def test_the_engine_rebuilds_the_experts_transformers_dequantizes(moe):
+    ckpt, hf, stored, engines = moe
+    layers = [m for m in engines(1).runner.model.modules() if isinstance(m, Fp8BlockExperts)]
+    assert len(layers) == hf.config.text_config.num_hidden_layers
+    for i, layer in enumerate(layers):
+        for name in EXPERT_WEIGHTS:
+            assert getattr(layer, name).dtype == torch.float8_e4m3fn  # kept as stored
+            key = f"model.language_model.layers.{i}.mlp.experts.{name}"
+            ours = dequantize_blocks(getattr(layer, name), getattr(layer, f"{name}_scale_inv"), layer.block,
+                                     torch.bfloat16)
+            assert torch.equal(ours, transformers_dequantized(stored, key)), key
+
+
+def test_greedy_tokens_equal_transformers_with_images(moe):
+    ckpt, hf, _, engines = moe
+    processor = ref.hf_processor(ckpt)
+    cases = [case(ckpt, hf, processor, sizes, seed) for seed, sizes in enumerate(PROMPTS)]
+    assert len({tuple(c[2]) for c in cases}) > 1  # the prompts lead to different tokens
+    for k in (1, 8):  # staggered: requests join a running batch (prefills beside the decode loop)
+        outs = staggered(engines(k), cases, [SamplingParams(max_tokens=MAX_NEW)] * len(cases), f"moe-{k}")
+        assert [out.token_ids for out in outs] == [c[2] for c in cases], f"K={k}"
+
+
+def test_the_experts_hold_about_half_of_their_bf16_bytes(moe):
+    """Measured in the engine's process (the engine runs in this one): the stored tensors' bytes over the
+    same experts' weights in bf16 (2 bytes each)."""
+    _, _, _, engines = moe
+    layers = [m for m in engines(1).runner.model.modules() if isinstance(m, Fp8BlockExperts)]
+    stored = sum(getattr(m, name).untyped_storage().nbytes() for m in layers for name in m.stored)
+    bf16 = sum(getattr(m, name).numel() * 2 for m in layers for name in EXPERT_WEIGHTS)
+    assert 0.5 <= stored / bf16 <= 0.52, stored / bf16
