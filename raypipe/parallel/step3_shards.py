@@ -154,10 +154,12 @@ class Step3Shard:
     def _columns(self, parent: torch.nn.Module, *names: str) -> None:
         for name in names:
             linear = getattr(parent, name)
-            setattr(parent, name, ColumnParallelLinear(linear.in_features, linear.out_features // self.world_size,
-                                                       bias=linear.bias is not None, dtype=linear.weight.dtype))
+            setattr(parent, name, ColumnParallelLinear(
+                linear.in_features, linear.out_features // self.world_size, linear.bias is not None,
+                linear.weight.dtype, (0, [self._part(0, linear.out_features)]), (linear.in_features, linear.out_features)))
 
     def _row_parallel(self, parent: torch.nn.Module, name: str) -> None:
         linear = getattr(parent, name)
-        setattr(parent, name, RowParallelLinear(linear.in_features // self.world_size, linear.out_features,
-                                                linear.bias is not None, linear.weight.dtype, self.collectives))
+        setattr(parent, name, RowParallelLinear(
+            linear.in_features // self.world_size, linear.out_features, linear.bias is not None, linear.weight.dtype,
+            self.collectives, (1, [self._part(0, linear.in_features)]), (linear.in_features, linear.out_features)))
