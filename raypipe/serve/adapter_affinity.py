@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping
 
+from raypipe.serve.prefix_affinity import retain_replicas
+
 
 class AdapterAffinity:
     """Per replica, an LRU of the adapter keys routed there; `holders` applies the module's rule."""
@@ -49,6 +51,4 @@ class AdapterAffinity:
 
     def retain(self, replicas: Iterable[Hashable]) -> None:
         """Forget every replica not in `replicas` (they left: scaled down, replaced, dead)."""
-        keep = set(replicas)
-        for replica in [r for r in self.adapters if r not in keep]:
-            del self.adapters[replica]
+        retain_replicas(self.adapters, replicas)

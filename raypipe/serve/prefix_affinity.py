@@ -100,6 +100,11 @@ class PrefixAffinity:
 
     def retain(self, replicas: Iterable[Hashable]) -> None:
         """Forget every replica not in `replicas` (they left: scaled down, replaced, dead)."""
-        keep = set(replicas)
-        for replica in [r for r in self.blocks if r not in keep]:
-            del self.blocks[replica]
+        retain_replicas(self.blocks, replicas)
+
+
+def retain_replicas(per_replica: dict, replicas: Iterable[Hashable]) -> None:
+    """Drop the entries of `per_replica` (a router's memory, by replica) whose replica is not in `replicas`."""
+    keep = set(replicas)
+    for replica in [r for r in per_replica if r not in keep]:
+        del per_replica[replica]
