@@ -185,7 +185,7 @@ def _fitted(pairs: dict, modules: dict, scaling: float, where: str, rank: int | 
         if not transposed:
             a, b = _factor(a, module, "A", where).t(), _factor(b, module, "B", where).t()
         in_features, out_features = _whole_shape(linear)  # a tensor-parallel rank's part: the whole layer's
-        if a is None or b is None or a.shape[0] != in_features or b.shape[1] != out_features \
+        if a.shape[0] != in_features or b.shape[1] != out_features \
                 or a.shape[1] != b.shape[0] or a.shape[1] != (rank or a.shape[1]):
             raise InvalidInput(f"module {module!r}: lora_A/lora_B shapes {_shape(a)}/{_shape(b)} (as (in, r)/(r, out)) "
                                f"do not fit a {in_features}->{out_features} linear"
