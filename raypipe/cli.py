@@ -117,6 +117,15 @@ def _file_text(path: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """`NAME=PATH` -> (name, path): a PEFT LoRA save (a local folder or s3://) and the name rows carry."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT LoRA folder or s3:// prefix), got {text!r}")
+    # absolute: the decode actors read it with another working directory
+    return name, path if path.startswith("s3://") else os.path.abspath(path)
+
+
 def replica_range(text: str) -> tuple[int, int]:
     """`N` or `MIN:MAX` -> (min, max)."""
     low, _, high = text.partition(":")
@@ -148,6 +157,9 @@ def _add_batch(sub) -> None:
     batch.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
                        default=BATCH["enable_thinking"],
                        help="generate: the chat template's thinking switch (Qwen3.5; default: the template's)")
+    batch.add_argument("--lora", type=lora_module, default=BATCH["lora"], metavar="NAME=PATH",
+                       help="generate: every row with this LoRA adapter (a PEFT folder or s3:// prefix every decode "
+                            "actor can read; docs/lora.md); rows name it as their model")
     batch.add_argument("--pooling", choices=["mean", "none"], default=BATCH["pooling"],
                        help="embedding per image: the mean over its tokens, or the whole token matrix")
     batch.add_argument("--num-decoders", type=replica_range, default=BATCH["num_decoders"], metavar="N|MIN:MAX",

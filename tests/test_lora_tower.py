@@ -59,7 +59,9 @@ class Reference:
             self.peft.load_adapter(folders[name], adapter_name=name)
 
     def generate(self, i: int, name: str | None, seed: int = 0) -> list[int]:
-        prompt = ref.prepare(i, self.tokenizer, self.vision, seed)
+        return self.generate_prompt(ref.prepare(i, self.tokenizer, self.vision, seed), name)
+
+    def generate_prompt(self, prompt, name: str | None, max_new: int = MAX_NEW) -> list[int]:
         ids = torch.tensor([prompt.prompt_token_ids])
         kwargs = {}
         if prompt.visuals:
@@ -73,7 +75,7 @@ class Reference:
             self.peft.set_adapter(name)
             active = contextlib.nullcontext()
         with active, torch.no_grad():
-            out = self.peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+            out = self.peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                      do_sample=False, **kwargs)
         tokens = out[0, ids.shape[1]:].tolist()
         return tokens[: tokens.index(self.eos) + 1] if self.eos in tokens else tokens
@@ -188,3 +190,53 @@ def test_an_adapter_loaded_at_run_time_is_read_checked_and_keyed_by_its_fingerpr
     (changed / "adapter_config.json").write_text((changed / "adapter_config.json").read_text() + "\n")  # other bytes
     with pytest.raises(InvalidInput, match="changed since it was loaded"):
         pipe.tower_loras.for_request("moved", str(changed), fingerprint)
+
+
+def test_a_batch_job_under_an_adapter_equals_peft_generate(served, tmp_path):
+    """`raypipe batch --task generate --lora mixed=PATH`: every row's encoder units run the adapter's tower part and
+    its decode the language part; each row's text is PEFT's greedy text for the same image and prompt, and the rows
+    name the adapter as their model."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from raypipe.batch import run_batch
+    from raypipe.cli import build_parser
+    from raypipe.jobs.batch import options_from_args
+    from raypipe.models.prompt import build_prompt
+
+    _, reference, folders = served
+    images = tmp_path / "in"
+    images.mkdir()
+    rng = np.random.default_rng(7)
+    for i, (h, w) in enumerate([(56, 84), (90, 60), (84, 84)]):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(images / f"img{i}.png")
+    args = build_parser().parse_args(["batch", "--model", str(preset_checkpoint("tiny")), "--input", str(images),
+                                      "--output", str(tmp_path / "out"), "--task", "generate", "--max-tokens", "8",
+                                      "--prompt", "What is in this picture?", "--lora", f"mixed={folders['mixed']}"])
+    options = options_from_args(args)
+    assert options.lora == "mixed" and options.engine.lora_modules == {"mixed": str(folders["mixed"])}
+    summary = run_batch(options)
+    assert summary.processed == 3 and summary.errors == {}
+    rows = {r["id"]: r for part in sorted((tmp_path / "out").glob("part-*")) for r in pq.read_table(part).to_pylist()}
+    for name, row in sorted(rows.items()):
+        messages = [{"role": "user", "content": [{"type": "image", "image": (images / name).read_bytes()},
+                                                 {"type": "text", "text": "What is in this picture?"}]}]
+        prompt = build_prompt(messages, reference.tokenizer, reference.vision)
+        tokens = reference.generate_prompt(prompt, "mixed", max_new=8)
+        base = reference.generate_prompt(prompt, None, max_new=8)
+        assert tokens != base  # the adapter changes this row: equality below is the adapter's doing
+        assert row["model"] == "mixed" and row["error"] is None
+        assert row["text"] == reference.tokenizer.decode(tokens, skip_special_tokens=True), name
+
+
+def test_a_batch_adapter_must_be_configured_and_generate(served):
+    from raypipe.batch import BatchOptions
+    from raypipe.decode.config import EngineConfig
+
+    _, _, folders = served
+    engine = EngineConfig(lora_modules={"mixed": str(folders["mixed"])})
+    with pytest.raises(ValueError, match="lora names an adapter of engine.lora_modules"):
+        BatchOptions(input="in", output="out", task="generate", engine=engine, lora="other")
+    with pytest.raises(ValueError, match="takes task generate"):
+        BatchOptions(input="in", output="out", task="embed", engine=engine, lora="mixed")

@@ -55,6 +55,9 @@ class BatchOptions:
     max_tokens: int = 32
     json_schema: str | None = None  # generate: a JSON schema (its text) every row's output must follow
     enable_thinking: bool | None = None  # generate: the chat template's thinking switch (Qwen3.5); None: its default
+    # generate: the LoRA adapter of `engine.lora_modules` every row is generated with (its tower part, where the
+    # family's encoders take one, encodes every image); rows carry its name as their model. None: the base model.
+    lora: str | None = None
     pooling: Literal["mean", "none"] = "mean"
     num_decoders: tuple[int, int] = (1, 1)  # decode actor pool (min, max)
     batching: Literal["cost", "count"] = "cost"  # how encoder batches are formed
@@ -78,6 +81,9 @@ class BatchOptions:
             raise ValueError(f"num_decoders must be N or MIN:MAX with 1 <= MIN <= MAX, got {self.num_decoders}")
         if self.json_schema is not None:
             StructuredOutput(json=self.json_schema)  # not JSON: refused before any work starts
+        if self.lora is not None and (self.task != "generate" or self.lora not in self.engine.lora_modules):
+            raise ValueError(f"lora names an adapter of engine.lora_modules {sorted(self.engine.lora_modules)} and "
+                             f"takes task generate; got {self.lora!r} with task {self.task}")
         for name in ("rows_per_file", "read_batch", "batch_images", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -93,6 +99,8 @@ class BatchOptions:
                 fields["json_schema"] = StructuredOutput(json=self.json_schema).json
             if self.enable_thinking is not None:  # the same
                 fields["enable_thinking"] = self.enable_thinking
+            if self.lora is not None:  # the same
+                fields["lora"] = {self.lora: self.engine.lora_modules[self.lora]}
         return fields
 
 
@@ -218,7 +226,7 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1,
                         compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
                         fn_constructor_kwargs=dict(model=model, dtype=worker.dtype, num_threads=worker.num_threads,
-                                                           budgets=worker.budgets),
+                                                   budgets=worker.budgets, tower_lora=_tower_lora(options, checkpoint)),
                         num_gpus=worker.num_gpus, num_cpus=0)
     if options.task == "generate":
         decode_gpus = config.decode_gpus if config.decode_gpus is not None else worker.num_gpus
@@ -233,9 +241,22 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                                                        max_tokens=options.max_tokens,
                                                        json_schema=options.json_schema,
                                                        chat_template_kwargs=template_kwargs,
-                                                       default_prompt=options.prompt),
+                                                       default_prompt=options.prompt, lora=options.lora),
                             num_cpus=0)
     return ds.map_batches(stages.write_rows, batch_format="pyarrow", batch_size=options.rows_per_file,
                           fn_kwargs=dict(output=options.output, s3=options.s3, task=options.task,
-                                         pooling=options.pooling, model_name=config.model),
+                                         pooling=options.pooling, model_name=options.lora or config.model),
                           num_cpus=0.1)
+
+
+def _tower_lora(options: BatchOptions, checkpoint):
+    """The tower part of the job's adapter, read here (a missing or malformed folder stops the job before any
+    actor starts) and put in the object store; each encoder actor checks it against its tower when it starts.
+    None: no adapter, or one on the language model alone."""
+    if options.lora is None:
+        return None
+    from raypipe.encode.tower_lora import TowerLoras
+    from raypipe.models.registry import family_of
+
+    loras = TowerLoras(family_of(checkpoint), check=lambda lora, where: None)
+    return loras.read(options.lora, options.engine.lora_modules[options.lora], f"engine.lora_modules.{options.lora}")

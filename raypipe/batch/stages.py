@@ -132,12 +132,15 @@ def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, vid
 class EncodeStage:
     """An encoder actor: one `EncoderWorker` in-process, encoding one pack per call."""
 
-    def __init__(self, model: str, dtype: str, num_threads: int | None, budgets: TokenBudgets):
+    def __init__(self, model: str, dtype: str, num_threads: int | None, budgets: TokenBudgets, tower_lora=None):
         from raypipe.encode.pool import WorkerOptions
 
         # Built as the online pool builds its actors; Ray Data's actor pool owns the lifecycle here
         # (its GPU share is the map stage's `num_gpus`).
         self.worker = WorkerOptions(model, dtype, num_threads, budgets=budgets).build()
+        self.tower_lora = tower_lora  # a `TowerLora` every unit is encoded with (the job's adapter), or None
+        if tower_lora is not None:
+            self.worker.check_tower_lora(tower_lora, f"engine.lora_modules.{tower_lora.name}")
 
     def __call__(self, packs: pa.Table) -> pa.Table:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
@@ -146,7 +149,8 @@ class EncodeStage:
         items = [adapter.make_item(_visual(r)) for r in todo]
         units_of = [adapter.units(item) for item in items]
         flat = [unit for units in units_of for unit in units]
-        outs = iter(self.worker.encode(flat)[:-1] if flat else ())  # the last return is a receipt
+        loras = [self.tower_lora] * len(flat) if self.tower_lora is not None else None
+        outs = iter(self.worker.encode(flat, loras)[:-1] if flat else ())  # the last return is a receipt
         # An image's embedding from its units' embeddings, as the online coordinator assembles it.
         embeddings = [adapter.join_units(item, [next(outs) for _ in units]) for item, units in zip(items, units_of)]
         for row, embedding in zip(todo, embeddings):
@@ -161,7 +165,8 @@ class GenerateStage:
     """A decode actor: one `LLMEngine`; every row of a call is one request, all decoded together."""
 
     def __init__(self, model: str, engine_config, image_limits: ImageLimits, video, max_tokens: int,
-                 default_prompt: str, json_schema: str | None = None, chat_template_kwargs: dict | None = None):
+                 default_prompt: str, json_schema: str | None = None, chat_template_kwargs: dict | None = None,
+                 lora: str | None = None):
         from raypipe.decode.engine import LLMEngine
         from raypipe.inputs.sampling import SamplingParams
         from raypipe.models.registry import resolve_model
@@ -177,6 +182,7 @@ class GenerateStage:
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
         self.default_prompt = default_prompt
         self.chat_template_kwargs = chat_template_kwargs  # e.g. Qwen3.5's enable_thinking; the text keeps any thinking
+        self.lora = lora  # the adapter of engine_config.lora_modules every row is generated with, or None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -200,7 +206,8 @@ class GenerateStage:
         try:
             prompt = build_prompt(messages, self.engine.tokenizer, self.vision, self.image_limits, video=self.video,
                                   chat_template_kwargs=self.chat_template_kwargs)
-            out = await self.engine.generate_output(row["id"], prompt.without_pixels(), [embedding], self.params)
+            out = await self.engine.generate_output(row["id"], prompt.without_pixels(), [embedding], self.params,
+                                                    self.lora)
         except InvalidInput as exc:
             row.update(error=exc.code, error_message=exc.reason)
             return

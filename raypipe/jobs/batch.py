@@ -16,7 +16,8 @@ def options_from_args(args) -> BatchOptions:
     return BatchOptions(
         input=args.input, output=args.output, task=args.task,
         model=model_config_from_args(args, num_encoders=lo, max_encoders=hi),
-        engine=EngineConfig(num_scheduler_steps=args.num_scheduler_steps),
+        engine=EngineConfig(num_scheduler_steps=args.num_scheduler_steps, lora_modules=dict([args.lora] if args.lora else [])),
+        lora=args.lora[0] if args.lora else None,
         prompt=args.prompt, prompt_column=args.prompt_column, path_column=args.path_column, id_column=args.id_column,
         max_tokens=args.max_tokens, json_schema=args.json_schema, enable_thinking=args.enable_thinking, pooling=args.pooling, num_decoders=args.num_decoders, batching=args.batching,
         batch_cost=args.batch_cost, batch_images=args.batch_images, read_batch=args.read_batch, rows_per_file=args.rows_per_file,
