@@ -139,6 +139,37 @@ def serve_app(ray_local):
         serve.delete(name)
 
 
+class ThreeWorkerPipelines:
+    """One `Pipeline` with three encoder workers (one torch thread each on 2 cores) per checkpoint, for the whole
+    session: a family's modules (coordinators over the first 1, 2 or 3 workers through `over_first_workers` or
+    their `coordinator.pool`, each with its own cache; batch tests' references) share its workers instead of
+    starting their own (a pool start cost 20-40 s on a busy 2-core machine). Its decode actor starts only if a
+    test generates with it."""
+
+    def __init__(self):
+        self._started: dict[str, object] = {}
+
+    def get(self, checkpoint):
+        from raypipe import Pipeline
+
+        key = str(checkpoint)
+        if key not in self._started:
+            self._started[key] = Pipeline.from_pretrained(checkpoint, num_encoders=3)
+        return self._started[key]
+
+    def shutdown(self) -> None:
+        for pipeline in self._started.values():
+            pipeline.shutdown()
+        self._started.clear()
+
+
+@pytest.fixture(scope="session")
+def three_worker_pipelines(ray_local):
+    pipelines = ThreeWorkerPipelines()
+    yield pipelines
+    pipelines.shutdown()
+
+
 def over_first_workers(pipeline, n: int, cost_model: str | None = None, cache_bytes: int | None = None):
     """A `Pipeline` over the first `n` encoder workers of `pipeline`, with its own coordinator (`cost_model`,
     default `pipeline`'s) and embedding cache (of `cache_bytes`, default `pipeline`'s budget) and the same
@@ -207,17 +238,10 @@ def llava_ckpt():
 
 
 @pytest.fixture(scope="session")
-def llava_workers(ray_local, llava_ckpt):
+def llava_workers(three_worker_pipelines, llava_ckpt):
     """Three `tiny-llava-ov` encoder workers (1 thread each) for the family's coordinators over their first
     1, 2 or 3: a pool per test module or worker count cost seconds each on 2 cores."""
-    import ray
-
-    from raypipe.encode.pool import EncoderPool, WorkerOptions
-
-    started = EncoderPool.start(WorkerOptions(str(llava_ckpt), "float32", num_threads=1), 3).workers
-    yield started
-    for worker in started:
-        ray.kill(worker)
+    return three_worker_pipelines.get(llava_ckpt).coordinator.pool.workers
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import ray
 import torch
 from PIL import Image
 
@@ -33,6 +34,7 @@ from raypipe.errors import InvalidInput
 from raypipe.jobs.batch import options_from_args
 from raypipe.storage import S3Options, list_files, open_filesystem
 from raypipe.testing.sample_videos import cut_before_first_frame, index_frames, make_video
+from tests.conftest import over_first_workers
 
 pytestmark = pytest.mark.slow
 
@@ -158,11 +160,12 @@ def _video_embedding(hf_model, ckpt, data: bytes) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny_ckpt, ray_local):
-    from raypipe import Pipeline
-
-    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=1, cache_bytes=0) as p:
-        yield p
+def pipe(tiny_ckpt, three_worker_pipelines):
+    """The reference: a `Pipeline` over one of the session's `tiny` workers (no embedding cache), its own decoder."""
+    p = over_first_workers(three_worker_pipelines.get(tiny_ckpt), 1, cache_bytes=0)
+    yield p
+    if p._engine is not None:
+        ray.kill(p._engine)  # not shutdown(): the workers are the session's
 
 
 def _read_output(uri: str, s3):
@@ -288,35 +291,37 @@ def test_local_folders_and_pooling_none(tmp_path, pipe, tiny_ckpt):
                                model=ModelConfig(str(tiny_ckpt), num_encoders=1)))
 
 
-def test_minicpmv_slices_local_folders_match_pipeline(tmp_path, ray_local, minicpmv_ckpt):
+def test_minicpmv_slices_local_folders_match_pipeline(tmp_path, three_worker_pipelines, minicpmv_ckpt):
     """A family whose images are several units (MiniCPM-V: overview + slices) through the same batch job."""
     from raypipe.models.registry import vision_adapter
 
     sizes = [(60, 50), (700, 700), (900, 200), (30, 400), (450, 460), (224, 224)]  # (height, width)
     adapter = vision_adapter(minicpmv_ckpt)
     assert sum(adapter.grid_for(h, w)[0] > 0 for h, w in sizes) >= 3  # several images are cut into slices
-    _multi_unit_batch_matches_pipeline(tmp_path, "tiny-minicpmv", minicpmv_ckpt, sizes)
+    _multi_unit_batch_matches_pipeline(tmp_path, "tiny-minicpmv", minicpmv_ckpt, sizes, three_worker_pipelines)
 
 
-def test_llava_ov_tiles_local_folder_matches_pipeline(tmp_path, ray_local, llava_ckpt):
+def test_llava_ov_tiles_local_folder_matches_pipeline(tmp_path, three_worker_pipelines, llava_ckpt):
     """LLaVA-OneVision (base view + AnyRes tiles, packed per image) through the same batch job."""
-    _multi_unit_batch_matches_pipeline(tmp_path, "tiny-llava-ov", llava_ckpt, [(100, 60), (300, 290), (40, 170)])
+    _multi_unit_batch_matches_pipeline(tmp_path, "tiny-llava-ov", llava_ckpt, [(100, 60), (300, 290), (40, 170)],
+                                       three_worker_pipelines)
 
 
-def test_qwen3_vl_rows_carry_deepstack_levels(tmp_path, ray_local):
+def test_qwen3_vl_rows_carry_deepstack_levels(tmp_path, three_worker_pipelines):
     """Qwen3-VL through the same batch job: a row's embedding is the merger's mean then each deepstack level's
     (the item's embedding columns, pooled), equal to `Pipeline`'s (itself checked against transformers)."""
     from raypipe.models.registry import preset_checkpoint, vision_adapter
 
     ckpt = preset_checkpoint("tiny-qwen3-vl")
-    rows = _multi_unit_batch_matches_pipeline(tmp_path, "tiny-qwen3-vl", ckpt, [(60, 50), (300, 290), (40, 170)])
+    rows = _multi_unit_batch_matches_pipeline(tmp_path, "tiny-qwen3-vl", ckpt, [(60, 50), (300, 290), (40, 170)],
+                                              three_worker_pipelines)
     adapter = vision_adapter(ckpt)
     assert {len(row["embedding"]) for row in rows.values()} == {adapter.vision_config.out_hidden_size * 3}
 
 
-def _multi_unit_batch_matches_pipeline(tmp_path, preset, ckpt, sizes):
-    from raypipe import Pipeline
-
+def _multi_unit_batch_matches_pipeline(tmp_path, preset, ckpt, sizes, pipelines):
+    """The job's rows equal `Pipeline.encode`'s embeddings, over one of the session's workers of `ckpt`
+    (`pipelines`: conftest's `three_worker_pipelines`)."""
     rng = np.random.default_rng(4)
     images = {f"{'sub/' if i % 2 else ''}img{i}.{'png' if i % 3 else 'jpg'}":
               _encode(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "PNG" if i % 3 else "JPEG")
@@ -331,8 +336,7 @@ def _multi_unit_batch_matches_pipeline(tmp_path, preset, ckpt, sizes):
     assert sorted(rows) == sorted(images) and table.num_rows == len(images)  # every input exactly once
     assert summary.processed == len(images) and not summary.errors
     names = sorted(images)
-    with Pipeline.from_pretrained(ckpt, num_encoders=1, cache_bytes=0) as pipe:
-        reference = pipe.encode([images[n] for n in names])
+    reference = over_first_workers(pipelines.get(ckpt), 1, cache_bytes=0).encode([images[n] for n in names])
     for name, emb in zip(names, reference):
         row = rows[name]
         assert row["error"] is None and row["model"] == preset
@@ -457,8 +461,6 @@ def test_fetch_model_copies_once_and_repairs(s3, tiny_ckpt, tmp_path, monkeypatc
 def test_a_lost_pool_actor_is_retried_around_exactly_once(tmp_path, pipe, tiny_ckpt, monkeypatch):
     """Ray Data may give up on a pool actor (Ray 2.60 fails a dataset on the first one that dies while
     starting, e.g. on a preempted node): the job carries on with what is not yet written."""
-    import ray
-
     from raypipe.batch import job
 
     images = _images(6, seed=7)

@@ -25,10 +25,9 @@ MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
-def encoders(ray_local, tiny_ckpt):
-    """Two encoder workers for both K: each worker costs seconds to start."""
-    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=2) as pipeline:
-        yield pipeline
+def encoders(three_worker_pipelines, tiny_ckpt):
+    """The session's `tiny` workers, the first two of them for both K: each worker costs seconds to start."""
+    return three_worker_pipelines.get(tiny_ckpt)
 
 
 @pytest.fixture(scope="module", params=[1, 8], ids=["K1", "K8"])

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from raypipe import Pipeline
 from tests.conftest import over_first_workers, random_images, reference_embeddings
 
 # Mixed sizes: thumbnails, a wide strip, a tall one, a big one (grids from 4x4 to 36x26 patches).
@@ -11,9 +10,8 @@ SIZES = [(300, 200), (28, 28), (640, 480), (100, 900), (50, 80), (224, 224), (90
 
 
 @pytest.fixture(scope="module")
-def three_workers(ray_local, tiny_ckpt):
-    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=3) as p:
-        yield p
+def three_workers(three_worker_pipelines, tiny_ckpt):
+    return three_worker_pipelines.get(tiny_ckpt)
 
 
 @pytest.fixture(scope="module", params=[(1, "patches"), (2, "patches"), (3, "patches"), (3, "attention")],

@@ -49,25 +49,12 @@ def test_serve_scales_gpu_nodes_up_and_down_without_failed_requests(tmp_path):
     assert summary["failed"] == 0
 
 
-def test_fake_cluster_stops_only_its_own_processes():
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-    cluster = FakeCluster({"gpu_1x": {"resources": {"GPU": 1}, "max_workers": 1}}).start()
-    try:
-        own = cluster.own_pids()
-        assert own and bystander.pid not in own
-        assert cluster.node_count() == 1, "only the head until something asks for a GPU"
-    finally:
-        cluster.stop()
-    assert cluster.own_pids() == set() and not cluster.temp_dir.exists()
-    assert bystander.poll() is None, "a process outside the cluster was stopped"
-    bystander.kill()
-    bystander.wait()
-
-def test_a_driver_started_in_token_mode_keeps_its_actors_on_the_fake_cluster():
+def test_a_token_mode_driver_keeps_its_actors_and_stop_ends_only_the_clusters_processes():
     """A process that starts with RAY_AUTH_MODE=token (as every subprocess of a test session does
     after a `ray.init()`) and then drives a fake cluster. Without `run_as_driver` it never joins
     (no GCS connection in 60 s); the benches, which set the variable after importing ray, joined
-    but the GCS cancelled every actor they owned before it started ("The actor never ran")."""
+    but the GCS cancelled every actor they owned before it started ("The actor never ran").
+    Then `stop()` ends the cluster's processes and no other (a bystander, this session's Ray)."""
     script = textwrap.dedent("""
         import os
         import ray
@@ -80,15 +67,30 @@ def test_a_driver_started_in_token_mode_keeps_its_actors_on_the_fake_cluster():
             def mode(self):
                 return os.environ["RAY_AUTH_MODE"]
 
-        with FakeCluster({"gpu_1x": {"resources": {"GPU": 1}, "max_workers": 1}}) as cluster:
+        cluster = FakeCluster({"gpu_1x": {"resources": {"GPU": 1}, "max_workers": 1}}).start()
+        try:
+            assert cluster.node_count() == 1, "only the head until something asks for a GPU"
             ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
             print("driver", os.environ["RAY_AUTH_MODE"], "actor", ray.get(Owned.remote().mode.remote(), timeout=120))
             ray.shutdown()
+            print("own", *sorted(cluster.own_pids()))
+        finally:
+            cluster.stop()
+        print("left", *sorted(cluster.own_pids()), "temp dir", cluster.temp_dir.exists())
     """)
-    run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "RAY_AUTH_MODE": "token"},
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert f"driver {AUTH_MODE} actor {AUTH_MODE}" in run.stdout
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    try:
+        run = subprocess.run([sys.executable, "-c", script], env={**os.environ, "RAY_AUTH_MODE": "token"},
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        assert f"driver {AUTH_MODE} actor {AUTH_MODE}" in run.stdout
+        [own] = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("own")]
+        assert own and str(bystander.pid) not in own
+        assert "left temp dir False" in run.stdout  # no process of the cluster left, its temp dir removed
+        assert bystander.poll() is None, "a process outside the cluster was stopped"
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_batch_encoder_pool_grows_onto_new_gpu_nodes_and_writes_each_input_once(tmp_path, tiny_ckpt, hf_model):

@@ -4,7 +4,6 @@ vision path per image (overview + slices, in the language model's layout)."""
 import pytest
 import torch
 
-from raypipe import Pipeline
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import language_adapter, vision_adapter
 from tests import minicpmv_reference as ref
@@ -34,9 +33,8 @@ def test_prompt_equals_processor(minicpmv_ckpt, sizes):
 
 
 @pytest.fixture(scope="module")
-def three_workers(ray_local, minicpmv_ckpt):
-    with Pipeline.from_pretrained(minicpmv_ckpt, num_encoders=3) as p:
-        yield p
+def three_workers(three_worker_pipelines, minicpmv_ckpt):
+    return three_worker_pipelines.get(minicpmv_ckpt)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")

@@ -157,11 +157,8 @@ def hf_minicpmv(minicpmv_ckpt):
 
 
 @pytest.fixture(scope="module")
-def three_workers(ray_local, minicpmv_ckpt):
-    from raypipe import Pipeline
-
-    with Pipeline.from_pretrained(minicpmv_ckpt, num_encoders=3) as p:
-        yield p
+def three_workers(three_worker_pipelines, minicpmv_ckpt):
+    return three_worker_pipelines.get(minicpmv_ckpt)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")

@@ -46,13 +46,9 @@ def reference_batch(preset: str):
 
 
 @pytest.fixture(scope="module")
-def pool(ray_local, reference):
-    """Three encoder workers started once; each test balances over the first 1, 2 or 3 of them."""
-    from raypipe.encode.pool import EncoderPool, WorkerOptions
-
-    started = EncoderPool.start(WorkerOptions(str(reference[0]), "auto", num_threads=1, num_gpus=0), 3)
-    yield started
-    started.shutdown()
+def pool(three_worker_pipelines, reference):
+    """Three encoder workers (the session's); each test balances over the first 1, 2 or 3 of them."""
+    return three_worker_pipelines.get(reference[0]).coordinator.pool
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])

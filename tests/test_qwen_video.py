@@ -143,12 +143,11 @@ def _whole_video_rows(hf_model, adapter, video: DecodedVisual) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def three_workers(ray_local, tiny_ckpt):
-    from raypipe import Pipeline
-
-    with Pipeline.from_pretrained(tiny_ckpt, num_encoders=3) as p:
-        p.coordinator.adapter.video_chunk_patches = 96  # 4 temporal groups of 4x6 patches per chunk
-        yield p
+def three_workers(three_worker_pipelines, tiny_ckpt):
+    p = three_worker_pipelines.get(tiny_ckpt)  # shared with other modules: its adapter is put back after this one
+    p.coordinator.adapter.video_chunk_patches = 96  # 4 temporal groups of 4x6 patches per chunk
+    yield p
+    del p.coordinator.adapter.video_chunk_patches  # the class's value again
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}workers")

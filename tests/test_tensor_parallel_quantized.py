@@ -9,9 +9,9 @@ boundaries; a tensor_parallel_size that would cut one is refused at start, namin
 - A split inside a scale block, a group or a packed word is refused naming the layer and the sizes, at
   the layer and at a real group start.
 - A decode group of two ranks gives one device's greedy tokens, K=1 and K=8, requests with images joining a
-  running batch, for each format on `tiny` and for FP8 and W4A16 on `tiny-qwen3.5` (gated delta net: its
-  fused q | k | v projection split in three runs), and each rank's own process holds about half of the
-  decoder layers' bytes. One group per case (a rank actor costs seconds to start).
+  running batch, for FP8 and W4A16 on `tiny` and FP8 on `tiny-qwen3.5` (gated delta net: its fused
+  q | k | v projection split in three runs), and each rank's own process holds about half of the decoder
+  layers' bytes. One group per case (a rank actor costs seconds to start; `GROUP_CASES` says which).
 - FP8 Qwen3-VL-MoE (`tiny-qwen3-vl-moe-fp8`, one more case of the above): each rank holds half of every
   layer's experts whole, their block scales with them (a scale grid is per expert, so no split of experts
   can cut a block): a rank's stored expert tensors are exactly its experts' of one device's, half the bytes.
@@ -45,6 +45,11 @@ REQUESTS = (0, 1, 2, 3)  # decode_reference.REQUESTS: no image, one, three, one 
 CASES = [("tiny", fmt) for fmt in ("fp8", "fp8-dynamic", "w8a8", "w4a16")] + \
         [("tiny-qwen3.5", fmt) for fmt in ("fp8", "w4a16")] + [("tiny-qwen3-vl-moe", "fp8")]
 IDS = [f"{base}-{fmt}" for base, fmt in CASES]
+# A decode group per case costs ~14 s: the groups run one format per kind of stored layer (FP8 blocks, packed
+# int4 with zero points) on `tiny`, and FP8 on the hybrid and the MoE model. The other formats' ranks are
+# proven by the no-Ray slice test above (every format: a rank's layers dequantize to exactly its part of one
+# device's), and their forward through a rank is the same `StoredWeightLinear` partial / finish path.
+GROUP_CASES = [("tiny", "fp8"), ("tiny", "w4a16"), ("tiny-qwen3.5", "fp8"), ("tiny-qwen3-vl-moe", "fp8")]
 # One rank's decoder-layer bytes over one device's: norms, per-channel scales of row-parallel layers,
 # `weight_shape`s and the unquantized gated-delta-net parts (conv, per-head gates) are whole or split too, an
 # MoE layer's router stays whole.
@@ -85,10 +90,10 @@ def test_each_rank_reads_its_rows_or_columns_of_every_quantized_layer(base, fmt)
 def hf_models():
     """The base presets' transformers models (the vision tower is not quantized): image embeddings."""
     return {base: AutoModelForImageTextToText.from_pretrained(preset_checkpoint(base)).eval()
-            for base in dict(CASES)}
+            for base in dict(GROUP_CASES)}
 
 
-@pytest.fixture(scope="module", params=CASES, ids=IDS)
+@pytest.fixture(scope="module", params=GROUP_CASES, ids=[f"{base}-{fmt}" for base, fmt in GROUP_CASES])
 def group(request, ray_local, hf_models):
     base, fmt = request.param
     ckpt = preset_checkpoint(f"{base}-{fmt}")

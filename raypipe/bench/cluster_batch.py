@@ -10,16 +10,18 @@ max 3) runs `raypipe batch --task embed --num-encoders 1:3 --encoder-gpus 1` ove
 3. when the job is done the pool shrinks to nothing and the idle nodes go away.
 
 A thread samples GPU nodes and the encoder actors alive (from the GCS actor table) and records
-when each count first changed. The fake GPU nodes declare one CPU, as real GPU instances have CPUs
-(Ray Data's cluster autoscaler sizes the CPU stages, read and write, alongside the encoder pool);
-in one run with CPU-less GPU nodes, like the Serve bench's, the pool grew the same way.
+when each count first changed. The fake GPU nodes declare no CPU, like the Serve bench's: every fake
+node shares this machine's two cores, and with one CPU each Ray Data also ran read tasks on them, whose
+worker processes' imports starved the encoder actor's start (a CPU encoder runs niced): the first
+encoder came up after 117 s instead of 28 s. Real GPU instances have CPUs of their own.
 
 What paces growth (Ray 2.60): the pool adds an actor when its tasks in flight reach 1.75 per actor
 and its resource budget has room; the budget is what Ray Data's autoscaling coordinator reserved
 from the nodes it saw at its last refresh (every 20 s); the cluster autoscaler asks for more nodes
 every 10 s. Here both run every 2 s (`RAY_DATA_ENV`, `start_coordinator`), as the Serve bench
 shortens Serve's delays, so the job needs work enough to outlast a node start and a second actor's
-model load, not 30 s of fixed delays: 360 images at the tiny preset's largest size.
+model load, not 30 s of fixed delays: 720 images at the tiny preset's largest size (with 360 the second
+encoder came up 2-3 s before the job ended).
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ import time
 from raypipe.bench.common import Sampler, gpu_nodes, print_table, write_json
 from raypipe.testing.fake_cluster import FakeCluster, run_as_driver
 
-GPU_NODE_TYPE = {"gpu_1x": {"resources": {"CPU": 1, "GPU": 1}, "max_workers": 3}}
+GPU_NODE_TYPE = {"gpu_1x": {"resources": {"CPU": 0, "GPU": 1}, "max_workers": 3}}
 ENCODERS = (1, 3)  # the pool's min and max: it must grow to show anything
 QUICK_ENCODERS = (1, 2)  # `--quick` (the CI test's run): growing to 2 shows the same at a node and a model load less
 # Ray Data asks the cluster for resources at most every 10 s by default; 2 s fits a few minutes.
 RAY_DATA_ENV = {"RAY_DATA_MIN_GAP_BETWEEN_AUTOSCALING_REQUESTS": "2"}
 ENCODER_ACTOR = "MapWorker(MapBatches(EncodeStage))"  # how Ray Data names the pool's actors
 COORDINATOR_REFRESH_S = 2
-IMAGES = 360
+IMAGES = 720
 SIDE = 448  # the tiny preset's largest image (longest_edge 200704 px): the most encoder work per decoded pixel
 
 
