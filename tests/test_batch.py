@@ -291,14 +291,38 @@ def test_local_folders_and_pooling_none(tmp_path, pipe, tiny_ckpt):
                                model=ModelConfig(str(tiny_ckpt), num_encoders=1)))
 
 
-def test_minicpmv_slices_local_folders_match_pipeline(tmp_path, three_worker_pipelines, minicpmv_ckpt):
-    """A family whose images are several units (MiniCPM-V: overview + slices) through the same batch job."""
+def test_minicpmv_slices_and_videos_local_folders_match_pipeline(tmp_path, three_worker_pipelines, minicpmv_ckpt):
+    """A family whose images are several units (MiniCPM-V: overview + slices), and its videos (one above the 8 s
+    main-frame cap), through the same batch job. A video's row is the mean of transformers'
+    `get_video_features` over its frames, fed as transformers' own pyav reader gives them."""
+    from transformers import MiniCPMV4_6ForConditionalGeneration
+
     from raypipe.models.registry import vision_adapter
+    from tests import minicpmv_video_reference as vref
+    from tests.test_serve_minicpmv import _all_frames, _encoded
 
     sizes = [(60, 50), (700, 700), (900, 200), (30, 400), (450, 460), (224, 224)]  # (height, width)
     adapter = vision_adapter(minicpmv_ckpt)
     assert sum(adapter.grid_for(h, w)[0] > 0 for h, w in sizes) >= 3  # several images are cut into slices
-    _multi_unit_batch_matches_pipeline(tmp_path, "tiny-minicpmv", minicpmv_ckpt, sizes, three_worker_pipelines)
+    videos = {"clip.mp4": _encoded(2.5, 8, 64, 96, seed=1),
+              "sub/long.webm": _encoded(9, 4, 48, 64, seed=2, container="webm")}
+    rows = _multi_unit_batch_matches_pipeline(tmp_path, "tiny-minicpmv", minicpmv_ckpt, sizes, three_worker_pipelines,
+                                              videos)
+    hf = MiniCPMV4_6ForConditionalGeneration.from_pretrained(minicpmv_ckpt).eval()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        vref.install(monkeypatch)  # transformers' video processor runnable here (torchvision stand-ins)
+        processor = vref.processor(minicpmv_ckpt)
+        for name, data in videos.items():
+            frames, fps = _all_frames(data)
+            processed = vref.preprocess(processor, frames, fps)
+            with torch.no_grad():
+                units = hf.model.get_video_features(processed["pixel_values_videos"][:1],
+                                                    processed["target_sizes_videos"]).pooler_output
+            want = torch.cat(units)
+            row = rows[name]
+            assert row["error"] is None and row["num_tokens"] == want.shape[0]
+            np.testing.assert_allclose(np.asarray(row["embedding"], np.float32), want.mean(0).numpy(), atol=1e-5,
+                                       rtol=0)
 
 
 def test_llava_ov_tiles_local_folder_matches_pipeline(tmp_path, three_worker_pipelines, llava_ckpt):
@@ -319,22 +343,24 @@ def test_qwen3_vl_rows_carry_deepstack_levels(tmp_path, three_worker_pipelines):
     assert {len(row["embedding"]) for row in rows.values()} == {adapter.vision_config.out_hidden_size * 3}
 
 
-def _multi_unit_batch_matches_pipeline(tmp_path, preset, ckpt, sizes, pipelines):
-    """The job's rows equal `Pipeline.encode`'s embeddings, over one of the session's workers of `ckpt`
-    (`pipelines`: conftest's `three_worker_pipelines`)."""
+def _multi_unit_batch_matches_pipeline(tmp_path, preset, ckpt, sizes, pipelines, videos: dict | None = None):
+    """The job's image rows equal `Pipeline.encode`'s embeddings, over one of the session's workers of `ckpt`
+    (`pipelines`: conftest's `three_worker_pipelines`); `videos` (name -> bytes) go in the same folder, each
+    written once without an error (their values are the caller's to check). Every row, by id."""
+    videos = videos or {}
     rng = np.random.default_rng(4)
     images = {f"{'sub/' if i % 2 else ''}img{i}.{'png' if i % 3 else 'jpg'}":
               _encode(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "PNG" if i % 3 else "JPEG")
               for i, (h, w) in enumerate(sizes)}
-    for name, data in images.items():
+    for name, data in {**images, **videos}.items():
         (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "in" / name).write_bytes(data)
     summary = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), read_batch=3,
                                      rows_per_file=2, model=ModelConfig(preset, num_encoders=1)))
     table = _read_output(str(tmp_path / "out"), None)
     rows = {r["id"]: r for r in table.to_pylist()}
-    assert sorted(rows) == sorted(images) and table.num_rows == len(images)  # every input exactly once
-    assert summary.processed == len(images) and not summary.errors
+    assert sorted(rows) == sorted([*images, *videos]) and table.num_rows == len(rows)  # every input exactly once
+    assert summary.processed == len(rows) and not summary.errors
     names = sorted(images)
     reference = over_first_workers(pipelines.get(ckpt), 1, cache_bytes=0).encode([images[n] for n in names])
     for name, emb in zip(names, reference):

@@ -1,5 +1,5 @@
-"""MiniCPM-V 4.6 through the entry points: the OpenAI endpoint (official `openai` client, streamed) for a
-sliced image and for a video (`video_url`), and a batch job over a folder of video files. One app for the
+"""MiniCPM-V 4.6 through the OpenAI endpoint (official `openai` client, streamed) for a sliced image and for a
+video (`video_url`); its batch job over video files is tests/test_batch.py's MiniCPM-V job. One app for the
 image and the video requests; each answer against transformers' own processor and generate() (the video on
 every frame of the same encoded file)."""
 
@@ -106,30 +106,3 @@ def test_video_url_streams_the_same_text_as_transformers(minicpmv_video_referenc
     assert text == processor.tokenizer.decode(want, skip_special_tokens=True)
     usage = chunks[-1].usage
     assert usage.prompt_tokens == inputs["input_ids"].shape[1] and usage.completion_tokens == len(want)
-
-
-def test_batch_job_over_a_folder_of_videos(minicpmv_video_reference, tmp_path, ray_local, minicpmv_ckpt, hf_minicpmv):
-    from raypipe.batch import BatchOptions, run_batch
-    from raypipe.config import ModelConfig
-    from tests.test_batch import _read_output
-
-    files = {"clip.mp4": _encoded(2.5, 8, 64, 96, seed=1),
-             "sub/long.webm": _encoded(9, 4, 48, 64, seed=2, container="webm")}  # above the 8 s main-frame cap
-    for name, data in files.items():
-        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "in" / name).write_bytes(data)
-    summary = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"),
-                                     model=ModelConfig("tiny-minicpmv", num_encoders=1)))
-    assert summary.processed == len(files) and not summary.errors
-    rows = {r["id"]: r for r in _read_output(str(tmp_path / "out"), None).to_pylist()}
-    reference = vref.processor(minicpmv_ckpt)
-    for name, data in files.items():
-        frames, fps = _all_frames(data)
-        processed = vref.preprocess(reference, frames, fps)
-        with torch.no_grad():
-            units = hf_minicpmv.model.get_video_features(processed["pixel_values_videos"][:1],
-                                                         processed["target_sizes_videos"]).pooler_output
-        want = torch.cat(units)
-        row = rows[name]
-        assert row["error"] is None and row["num_tokens"] == want.shape[0]
-        np.testing.assert_allclose(np.asarray(row["embedding"], np.float32), want.mean(0).numpy(), atol=1e-5, rtol=0)
