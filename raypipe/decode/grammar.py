@@ -45,7 +45,7 @@ import threading
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: importing it runs a torch.compile decorator (~4 s per process start)
 import torch
 
 from raypipe.decode.grammar_pool import CompileRefused, CompilerPool, WorkerSetup
@@ -216,7 +216,7 @@ class GrammarRows:
         self.index = torch.tensor(rows, device=device)
         self.matchers = matchers
         self.vocab_size = vocab_size
-        self.bitmask = llguidance.torch.allocate_token_bitmask(len(rows), vocab_size)
+        self.bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), vocab_size)
         # Byte value -> its 8 bits as additive biases (0 allowed, -inf forbidden). One gather and one add
         # measured ~10x faster than shifting the words into a bool mask and a masked_fill / where.
         bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
@@ -225,9 +225,9 @@ class GrammarRows:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` (B, V) float32 with every token the grammar forbids at -inf on the constrained rows (in place)."""
         for i, matcher in enumerate(self.matchers):
-            llguidance.torch.fill_next_token_bitmask(matcher, self.bitmask, i)
+            llguidance.numpy.fill_next_token_bitmask(matcher, self.bitmask, i)
         # The copy is done before the next fill: `advance` reads the sampled ids, which waits for it.
-        words = self.bitmask.to(logits.device, non_blocking=True)
+        words = torch.from_numpy(self.bitmask).to(logits.device, non_blocking=True)
         byte_values = words.view(torch.uint8).view(-1).long()  # little-endian: byte k holds tokens 8k..8k+7
         bias = self.byte_bias.index_select(0, byte_values).view(len(self.rows), -1)[:, : logits.shape[-1]]
         return logits.index_add_(0, self.index, bias)
