@@ -170,12 +170,13 @@ def three_worker_pipelines(ray_local):
     pipelines.shutdown()
 
 
-def over_first_workers(pipeline, n: int, cost_model: str | None = None, cache_bytes: int | None = None):
+def over_first_workers(pipeline, n: int, cost_model: str | None = None, cache_bytes: int | None = None,
+                       engine_config=None):
     """A `Pipeline` over the first `n` encoder workers of `pipeline`, with its own coordinator (`cost_model`,
-    default `pipeline`'s) and embedding cache (of `cache_bytes`, default `pipeline`'s budget) and the same
-    adapter: a module checking 1, 2 and 3 workers
-    starts three workers once, not six (each costs seconds). Not shut down on its own: the workers are
-    `pipeline`'s."""
+    default `pipeline`'s), embedding cache (of `cache_bytes`, default `pipeline`'s budget) and decode engine
+    (`engine_config`, default `pipeline`'s; it starts with the first generate) and the same adapter: a module
+    checking 1, 2 and 3 workers starts three workers once, not six (each costs seconds). Not shut down on its
+    own (the workers are `pipeline`'s): `stop_decoder` ends its decode actor."""
     from raypipe import Pipeline
     from raypipe.encode.coordinator import Coordinator
     from raypipe.encode.pool import EncoderPool
@@ -185,7 +186,16 @@ def over_first_workers(pipeline, n: int, cost_model: str | None = None, cache_by
                               cost_model=cost_model or full.cost_model,
                               cache_bytes=full.cache.max_bytes if cache_bytes is None else cache_bytes)
     return Pipeline(pipeline.checkpoint, coordinator, pipeline.image_limits, owns_ray=False,
-                    engine_config=pipeline.engine_config, decode_gpus=pipeline.decode_gpus, video=pipeline.video)
+                    engine_config=engine_config or pipeline.engine_config, decode_gpus=pipeline.decode_gpus,
+                    video=pipeline.video)
+
+
+def stop_decoder(pipeline) -> None:
+    """Ends the decode actor of a `Pipeline` over another's workers (`over_first_workers`), if it started."""
+    import ray
+
+    if pipeline._engine is not None:
+        ray.kill(pipeline._engine)
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ from raypipe.errors import InvalidInput
 from raypipe.jobs.batch import options_from_args
 from raypipe.storage import S3Options, list_files, open_filesystem
 from raypipe.testing.sample_videos import cut_before_first_frame, index_frames, make_video
-from tests.conftest import over_first_workers
+from tests.conftest import over_first_workers, stop_decoder
 
 pytestmark = pytest.mark.slow
 
@@ -164,8 +164,7 @@ def pipe(tiny_ckpt, three_worker_pipelines):
     """The reference: a `Pipeline` over one of the session's `tiny` workers (no embedding cache), its own decoder."""
     p = over_first_workers(three_worker_pipelines.get(tiny_ckpt), 1, cache_bytes=0)
     yield p
-    if p._engine is not None:
-        ray.kill(p._engine)  # not shutdown(): the workers are the session's
+    stop_decoder(p)
 
 
 def _read_output(uri: str, s3):

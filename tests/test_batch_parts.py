@@ -106,3 +106,24 @@ def test_decode_stage_ships_pixels_at_the_towers_size(tmp_path, tiny_ckpt):
         assert (row["height"], row["width"]) == (h, w)  # the original image's size, as the output reports it
         assert len(row["pixels"]) == tower_h * tower_w * 3  # resized before it travels
         assert stages._visual(row).pixels.shape == (tower_h, tower_w, 3)
+
+
+def test_a_json_schema_on_a_thinking_model_is_refused_before_the_output_records_the_job(tmp_path):
+    """The refusal comes before the output folder records the job (it once came after, and the command with
+    thinking turned off was then refused there as a different job)."""
+    from PIL import Image
+
+    from raypipe.batch import BatchOptions, run_batch
+    from raypipe.config import ModelConfig
+
+    (tmp_path / "in").mkdir()
+    Image.new("RGB", (32, 32)).save(tmp_path / "in" / "a.png")
+
+    def job(**thinking) -> BatchOptions:
+        return BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), task="generate",
+                            json_schema='{"type": "object"}', model=ModelConfig("tiny-qwen3.5"), **thinking)
+
+    with pytest.raises(ValueError, match="json_schema would constrain this model's reasoning"):
+        run_batch(job())
+    assert not (tmp_path / "out" / output.JOB_FILE).exists()
+    output.check_job(*open_filesystem(str(tmp_path / "out")), job(enable_thinking=False).fingerprint())

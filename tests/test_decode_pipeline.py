@@ -19,7 +19,7 @@ from raypipe.errors import QueueFull
 from raypipe.models.registry import vision_adapter
 from raypipe.runtime.ray_cluster import decode_threads
 from tests import decode_reference as ref
-from tests.conftest import over_first_workers
+from tests.conftest import over_first_workers, stop_decoder
 
 MAX_NEW = 16
 
@@ -33,11 +33,10 @@ def encoders(three_worker_pipelines, tiny_ckpt):
 @pytest.fixture(scope="module", params=[1, 8], ids=["K1", "K8"])
 def pipe(request, encoders):
     """A Pipeline on `encoders`' workers (its own coordinator and cache) whose decode engine runs K steps per round."""
-    pipeline = over_first_workers(encoders, 2)
-    pipeline.engine_config = dataclasses.replace(encoders.engine_config, num_scheduler_steps=request.param)
+    pipeline = over_first_workers(encoders, 2, engine_config=dataclasses.replace(
+        encoders.engine_config, num_scheduler_steps=request.param))
     yield pipeline
-    if pipeline._engine is not None:
-        ray.kill(pipeline._engine)  # not shutdown(): the encoders are `encoders`'
+    stop_decoder(pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +94,7 @@ def fresh(pipe):
 
     yield make
     for pipeline in made:
-        if pipeline._engine is not None:
-            ray.kill(pipeline._engine)  # not shutdown(): the encoders are pipe's
+        stop_decoder(pipeline)
 
 
 @pytest.mark.parametrize("pipe", [8], indirect=True)  # one K is enough: this is about engine start-up

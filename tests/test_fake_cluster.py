@@ -29,7 +29,7 @@ from PIL import Image
 
 from raypipe.bench.cluster import BASE_GPU_NODES, QUICK_AUTOSCALING, max_gpu_nodes
 from raypipe.bench.cluster_batch import QUICK_ENCODERS
-from raypipe.testing.fake_cluster import AUTH_MODE, FakeCluster
+from raypipe.testing.fake_cluster import AUTH_MODE
 from tests.conftest import reference_embeddings
 
 

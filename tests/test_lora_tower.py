@@ -27,7 +27,7 @@ from raypipe.models import lora
 from raypipe.models.registry import family_of, language_adapter, preset_checkpoint, vision_adapter
 from raypipe.testing.lora_adapters import write_adapters
 from tests import decode_reference as ref
-from tests.conftest import reference_embeddings
+from tests.conftest import random_images, reference_embeddings
 
 MAX_NEW = 10
 TOWER = r".*visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(gate_proj|up_proj|down_proj))|merger\.mlp\.(0|2))"
@@ -240,3 +240,34 @@ def test_a_batch_adapter_must_be_configured_and_generate(served):
         BatchOptions(input="in", output="out", task="generate", engine=engine, lora="other")
     with pytest.raises(ValueError, match="takes task generate"):
         BatchOptions(input="in", output="out", task="embed", engine=engine, lora="mixed")
+
+
+def test_a_refused_batch_adapter_leaves_no_job_in_its_output_so_the_corrected_command_runs_there(served, tmp_path):
+    """A missing adapter folder, or a rank above the engine's, is refused before the output folder records the job:
+    once it recorded the job (the bad path in its fingerprint) first, and the command with the path corrected was
+    refused as a different job."""
+    from PIL import Image
+
+    from raypipe.batch import BatchOptions, output, run_batch
+    from raypipe.config import ModelConfig
+    from raypipe.decode.config import EngineConfig
+    from raypipe.storage import open_filesystem
+
+    _, _, folders = served
+    (tmp_path / "in").mkdir()
+    Image.fromarray(random_images([(56, 84)])[0]).save(tmp_path / "in" / "a.png")
+    out = tmp_path / "out"
+
+    def job(folder, **engine) -> BatchOptions:
+        return BatchOptions(input=str(tmp_path / "in"), output=str(out), task="generate", lora="mixed",
+                            model=ModelConfig("tiny", num_encoders=1),
+                            engine=EngineConfig(lora_modules={"mixed": str(folder)}, **engine))
+
+    with pytest.raises(InvalidInput, match="no adapter_config.json") as missing:
+        run_batch(job(tmp_path / "nowhere"))
+    assert missing.value.code == "lora_adapter_not_found"
+    with pytest.raises(InvalidInput, match=r"r=8 exceeds EngineConfig.max_lora_rank=4") as rank:
+        run_batch(job(folders["mixed"], max_lora_rank=4))
+    assert rank.value.code == "invalid_lora_adapter"
+    assert not (out / output.JOB_FILE).exists()
+    output.check_job(*open_filesystem(str(out)), job(folders["mixed"]).fingerprint())  # the corrected job: taken

@@ -15,7 +15,7 @@ from transformers.video_utils import VideoMetadata as HFVideoMetadata
 from raypipe import SamplingParams
 from raypipe.errors import InvalidInput
 from raypipe.inputs.video import VideoMetadata, VideoSampling
-from raypipe.models.prompt import VideoOptions, build_prompt
+from raypipe.models.prompt import build_prompt
 from raypipe.models.qwen2_5_vl.video import process_video
 from raypipe.testing.sample_videos import make_video
 from tests import qwen3_vl_reference as ref

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from raypipe.errors import InvalidInput
 from raypipe.models.prompt import build_prompt
 from raypipe.models.registry import FAMILIES
 from raypipe.models.reasoning import PARSERS, ReasoningStream, constrain_answer, split_reasoning

@@ -24,10 +24,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import ray
 from PIL import Image
 
-from tests.conftest import free_port, over_first_workers, random_images  # noqa: F401 - free_port: other modules import it from here
+from tests.conftest import free_port, over_first_workers, random_images, stop_decoder  # noqa: F401 - free_port: other modules import it from here
 
 KEY = "test-key"
 MAX_MODEL_LEN = 2048
@@ -87,11 +86,10 @@ def pipe(three_worker_pipelines, tiny_ckpt, server):
     """The reference: a `Pipeline` over one of the session's `tiny` workers, its own decoder with the app's limit."""
     from raypipe.decode.config import EngineConfig
 
-    pipeline = over_first_workers(three_worker_pipelines.get(tiny_ckpt), 1)
-    pipeline.engine_config = EngineConfig(max_model_len=MAX_MODEL_LEN)
+    pipeline = over_first_workers(three_worker_pipelines.get(tiny_ckpt), 1,
+                                  engine_config=EngineConfig(max_model_len=MAX_MODEL_LEN))
     yield pipeline
-    if pipeline._engine is not None:
-        ray.kill(pipeline._engine)  # not shutdown(): the workers are the session's
+    stop_decoder(pipeline)
 
 
 def metric(http: httpx.Client, name: str) -> float:

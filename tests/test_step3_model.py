@@ -10,7 +10,7 @@ import torch
 
 from raypipe.inputs.images import load_image
 from raypipe.models.prompt import build_prompt
-from raypipe.models.registry import language_adapter, vision_adapter
+from raypipe.models.registry import vision_adapter
 from tests import step3_reference as ref
 from tests.conftest import random_images
 

@@ -88,6 +88,11 @@ class BatchOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
+    @property
+    def template_kwargs(self) -> dict:
+        """The chat template's keyword arguments the job sets (its thinking switch, where given)."""
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+
     def fingerprint(self) -> dict:
         """What decides the content of an output row: a re-run into the same output must match it."""
         fields = {"model": self.model.model, "task": self.task}
@@ -143,6 +148,7 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None,
     fs, root = open_filesystem(options.output, options.s3)
     removed = 0
     if not options.dry_run:
+        checkpoint, tower_lora = _read_and_check(options)  # before the folder records the job: see there
         output.check_job(fs, root, options.fingerprint())
         removed = output.reconcile(fs, root)  # a previous run may have died mid-way
     done = output.done_ids(fs, root)
@@ -162,7 +168,8 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None,
     errors: collections.Counter = collections.Counter()
     for attempt in range(1, JOB_ATTEMPTS + 1):
         try:
-            for batch in _dataset(options, todo, ray_address).iter_batches(batch_size=None, batch_format="pyarrow"):
+            dataset = _dataset(options, todo, ray_address, checkpoint, tower_lora)
+            for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
                 for counts in batch.column("errors").to_pylist():
                     errors.update(json.loads(counts))
                 summary.rows_written += sum(batch.column("rows").to_pylist())
@@ -190,23 +197,41 @@ def _not_written(table: pa.Table, done: set[str]) -> pa.Table:
     return table.filter(pa.array([id_ not in done for id_ in table.column("id").to_pylist()], pa.bool_()))
 
 
-def _dataset(options: BatchOptions, todo, ray_address: str | None):
+def _read_and_check(options: BatchOptions):
+    """`(checkpoint folder, the adapter's tower part or None)`, read, and the job's refusals that need them, before
+    `output.check_job` records the job in its output folder: a job refused after that would leave its options
+    there, and the corrected command (a fixed adapter path, thinking turned off) would be refused as a different
+    job. The checkpoint is copied or written on this node once, before the actors race to."""
+    from raypipe.models.lora import read_tower_adapter
+    from raypipe.models.registry import family_of, resolve_model
+
+    checkpoint = resolve_model(options.model.model)
+    family = family_of(checkpoint)
+    if options.task == "generate" and options.json_schema is not None and family.thinks(options.template_kwargs):
+        raise ValueError("json_schema would constrain this model's reasoning, which comes first: set "
+                         "enable_thinking false (--no-thinking) with it")
+    if options.lora is None:
+        return checkpoint, None
+    # The whole save is read and its rank checked here; its language part is checked against the model where
+    # the decoders load it. None: an adapter on the language model alone.
+    folder, where = options.engine.lora_modules[options.lora], f"engine.lora_modules.{options.lora}"
+    return checkpoint, read_tower_adapter(options.lora, folder, family, where, options.engine.max_lora_rank)
+
+
+def _dataset(options: BatchOptions, todo, ray_address: str | None, checkpoint, tower_lora):
     import ray
 
     from raypipe.batch import stages
     from raypipe.encode.pool import WorkerOptions
-    from raypipe.models.registry import family_of, model_for_actors, resolve_model
+    from raypipe.encode.tower_lora import TowerLora
+    from raypipe.models.registry import model_for_actors
     from raypipe.runtime.ray_cluster import connect_ray
 
     config = options.model
-    # Copy or write it on this node once, before the actors race to; actors get a name every node can resolve.
-    checkpoint = resolve_model(config.model)
-    model = model_for_actors(config.model, checkpoint)
-    template_kwargs = {} if options.enable_thinking is None else {"enable_thinking": options.enable_thinking}
-    if options.task == "generate" and options.json_schema is not None and family_of(checkpoint).thinks(template_kwargs):
-        raise ValueError("json_schema would constrain this model's reasoning, which comes first: set "
-                         "enable_thinking false (--no-thinking) with it")
+    model = model_for_actors(config.model, checkpoint)  # a name every node can resolve
     connect_ray(ray_address)
+    if tower_lora is not None:  # each encoder actor checks it against its tower when it starts
+        tower_lora = TowerLora(tower_lora.name, tower_lora.fingerprint, ray.put(tower_lora))
     budget = (options.batch_cost * stages.max_image_cost(model, config.cost_model)
               if options.batching == "cost" else None)
     lo, hi = config.encoder_range
@@ -226,7 +251,7 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
     ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1,
                         compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
                         fn_constructor_kwargs=dict(model=model, dtype=worker.dtype, num_threads=worker.num_threads,
-                                                   budgets=worker.budgets, tower_lora=_tower_lora(options, checkpoint)),
+                                                   budgets=worker.budgets, tower_lora=tower_lora),
                         num_gpus=worker.num_gpus, num_cpus=0)
     if options.task == "generate":
         decode_gpus = config.decode_gpus if config.decode_gpus is not None else worker.num_gpus
@@ -240,7 +265,7 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                                                                           pruning_rate=config.video_pruning_rate),
                                                        max_tokens=options.max_tokens,
                                                        json_schema=options.json_schema,
-                                                       chat_template_kwargs=template_kwargs,
+                                                       chat_template_kwargs=options.template_kwargs,
                                                        default_prompt=options.prompt, lora=options.lora),
                             num_cpus=0)
     return ds.map_batches(stages.write_rows, batch_format="pyarrow", batch_size=options.rows_per_file,
@@ -248,15 +273,3 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None):
                                          pooling=options.pooling, model_name=options.lora or config.model),
                           num_cpus=0.1)
 
-
-def _tower_lora(options: BatchOptions, checkpoint):
-    """The tower part of the job's adapter, read here (a missing or malformed folder stops the job before any
-    actor starts) and put in the object store; each encoder actor checks it against its tower when it starts.
-    None: no adapter, or one on the language model alone."""
-    if options.lora is None:
-        return None
-    from raypipe.encode.tower_lora import TowerLoras
-    from raypipe.models.registry import family_of
-
-    loras = TowerLoras(family_of(checkpoint), check=lambda lora, where: None)
-    return loras.read(options.lora, options.engine.lora_modules[options.lora], f"engine.lora_modules.{options.lora}")

@@ -14,6 +14,10 @@ switch that turns packing, compiled forwards and CUDA graphs off together (by de
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,7 +40,7 @@ class TokenBudgets:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"encoder_budgets.min_tokens ({self.min_tokens}) > max_tokens ({self.max_tokens})")
 
-    def on_for(self, device: "torch.device") -> bool:
+    def on_for(self, device: torch.device) -> bool:
         """Whether a worker on `device` packs its shards."""
         return self.enabled if self.enabled is not None else device.type == "cuda"
 

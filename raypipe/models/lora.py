@@ -111,12 +111,13 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
 
 
 def read_tower_adapter(name: str, folder: str | pathlib.Path, family: ModelFamily,
-                       where: str | None = None) -> LoraWeights | None:
+                       where: str | None = None, max_lora_rank: int | None = None) -> LoraWeights | None:
     """The vision-tower part of adapter `name`, its modules named inside the tower (`family.lora_tower_prefixes`
     stripped), or None when it targets no tower module (the engine's `read_adapter` refuses tower modules of a
-    family without such prefixes). Shapes are checked where the tower is (`check_tower_factors`)."""
+    family without such prefixes). Shapes are checked where the tower is (`check_tower_factors`); the save's rank
+    against `max_lora_rank` where given (a batch job checks its adapter before it starts any actor)."""
     where = where or f"lora_modules.{name}"
-    save = _read_save(str(folder), where, max_lora_rank=None)
+    save = _read_save(str(folder), where, max_lora_rank)
     factors = {}
     for module, (a, b) in save.pairs.items():
         inside = strip_prefix(module, family.lora_tower_prefixes, ())
