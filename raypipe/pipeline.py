@@ -19,7 +19,6 @@ from ray.exceptions import RayTaskError
 from ray.util.placement_group import remove_placement_group
 
 from raypipe.config import ModelConfig, defaults
-from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.sequence import RequestDelta, RequestOutput
 from raypipe.encode.coordinator import Coordinator
@@ -31,8 +30,6 @@ from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.base import VisionAdapter
 from raypipe.models.prompt import PreparedPrompt, VideoOptions, build_prompt, load_visuals
 from raypipe.models.registry import family_of, language_adapter, model_for_actors, resolve_model, vision_adapter
-from raypipe.parallel import runner_factory
-from raypipe.parallel.group import engine_actor_placement
 from raypipe.runtime.ray_cluster import connect_ray, decode_threads, default_encoder_gpus
 
 
@@ -234,6 +231,12 @@ class Pipeline:
     def _engine_actor(self):
         """The decode engine actor, created once (without waiting: await or get `_engine_ready`,
         which surfaces load errors)."""
+        # Imported here, not at the top: Serve's EncoderGroup imports this module for `start_encoders`, and the
+        # decode engine's imports would add ~6 s to every encoder replica's start.
+        from raypipe.decode.actor import RemoteDecodeEngine
+        from raypipe.parallel import runner_factory
+        from raypipe.parallel.group import engine_actor_placement
+
         with self._engine_lock:
             if self._engine is None:
                 # num_cpus=0 like the encoders (see encode/pool.py); it picks its device itself. With

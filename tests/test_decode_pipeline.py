@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from raypipe import InvalidInput, Pipeline, SamplingParams
-from raypipe import pipeline as pipeline_module
+from raypipe.decode import actor as actor_module
 from raypipe.decode.actor import RemoteDecodeEngine
 from raypipe.errors import QueueFull
 from raypipe.models.registry import vision_adapter
@@ -108,7 +108,7 @@ def test_concurrent_first_calls_start_one_engine(fresh, expected, monkeypatch):
             created.append(kwargs)
             return RemoteDecodeEngine.options(**kwargs)
 
-    monkeypatch.setattr(pipeline_module, "RemoteDecodeEngine", Counting())
+    monkeypatch.setattr(actor_module, "RemoteDecodeEngine", Counting())  # the Pipeline imports it when it starts one
     barrier = threading.Barrier(4)
 
     def first_call(i):
