@@ -157,9 +157,12 @@ def _add_batch(sub) -> None:
     batch.add_argument("--thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction,
                        default=BATCH["enable_thinking"],
                        help="generate: the chat template's thinking switch (Qwen3.5; default: the template's)")
-    batch.add_argument("--lora", type=lora_module, default=BATCH["lora"], metavar="NAME=PATH",
+    batch.add_argument("--lora", type=lora_module, action="append", default=BATCH["lora"], metavar="NAME=PATH",
                        help="generate: every row with this LoRA adapter (a PEFT folder or s3:// prefix every decode "
-                            "actor can read; docs/lora.md); rows name it as their model")
+                            "actor can read; docs/lora.md); rows name it as their model. Repeated, with --lora-column: "
+                            "the adapters rows may name")
+    batch.add_argument("--lora-column", default=BATCH["lora_column"],
+                       help="generate: manifest column naming each row's --lora adapter (empty: the base model)")
     batch.add_argument("--pooling", choices=["mean", "none"], default=BATCH["pooling"],
                        help="embedding per image: the mean over its tokens, or the whole token matrix")
     batch.add_argument("--num-decoders", type=replica_range, default=BATCH["num_decoders"], metavar="N|MIN:MAX",

@@ -71,10 +71,12 @@ def test_listing_and_manifest(tmp_path):
     assert listed.column("id").to_pylist() == ["a.JPG", "b.png", "sub/c.webp"]
     assert listed.column("uri").to_pylist()[2] == str(tmp_path / "in" / "sub" / "c.webp")
     manifest = tmp_path / "m.jsonl"
-    manifest.write_text('{"path": "in/b.png", "q": "hi"}\n{"path": "s3://bucket/k.png", "q": null}\n')
-    table = list_inputs(str(manifest), prompt_column="q")
-    assert table.to_pylist() == [{"id": "in/b.png", "uri": str(tmp_path / "in" / "b.png"), "prompt": "hi"},
-                                 {"id": "s3://bucket/k.png", "uri": "s3://bucket/k.png", "prompt": None}]
+    manifest.write_text('{"path": "in/b.png", "q": "hi", "a": "docs"}\n{"path": "s3://bucket/k.png", "q": null, "a": ""}\n')
+    table = list_inputs(str(manifest), prompt_column="q", lora_column="a")
+    assert table.to_pylist() == [{"id": "in/b.png", "uri": str(tmp_path / "in" / "b.png"), "prompt": "hi", "lora": "docs"},
+                                 {"id": "s3://bucket/k.png", "uri": "s3://bucket/k.png", "prompt": None, "lora": None}]
+    with pytest.raises(ValueError, match="has no column 'adapter'"):
+        list_inputs(str(manifest), lora_column="adapter")
     manifest.write_text('{"path": "in/b.png"}\n{"path": "in/b.png"}\n')
     with pytest.raises(ValueError, match="not unique"):
         list_inputs(str(manifest))

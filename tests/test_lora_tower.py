@@ -192,10 +192,13 @@ def test_an_adapter_loaded_at_run_time_is_read_checked_and_keyed_by_its_fingerpr
         pipe.tower_loras.for_request("moved", str(changed), fingerprint)
 
 
-def test_a_batch_job_under_an_adapter_equals_peft_generate(served, tmp_path):
-    """`raypipe batch --task generate --lora mixed=PATH`: every row's encoder units run the adapter's tower part and
-    its decode the language part; each row's text is PEFT's greedy text for the same image and prompt, and the rows
-    name the adapter as their model."""
+def test_a_batch_job_with_an_adapter_per_row_equals_peft_generate(served, tmp_path):
+    """`raypipe batch --task generate --lora NAME=PATH ... --lora-column adapter` over a manifest: each row's encoder
+    units run its adapter's tower part and its decode the language part; each row's text is PEFT's greedy text for
+    the same image, prompt and adapter (the base model's for an empty one), rows name their adapter as their model,
+    and a row naming an adapter the job lacks is an error row."""
+    import json
+
     import numpy as np
     import pyarrow.parquet as pq
     from PIL import Image
@@ -206,27 +209,32 @@ def test_a_batch_job_under_an_adapter_equals_peft_generate(served, tmp_path):
     from raypipe.models.prompt import build_prompt
 
     _, reference, folders = served
-    images = tmp_path / "in"
-    images.mkdir()
+    (tmp_path / "in").mkdir()
     rng = np.random.default_rng(7)
-    for i, (h, w) in enumerate([(56, 84), (90, 60), (84, 84)]):
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(images / f"img{i}.png")
-    args = build_parser().parse_args(["batch", "--model", str(preset_checkpoint("tiny")), "--input", str(images),
+    adapters = {"img0.png": "mixed", "img1.png": "tower", "img2.png": "", "img3.png": "text", "img4.png": "nope"}
+    for (name, adapter), (h, w) in zip(adapters.items(), [(56, 84), (90, 60), (84, 84), (60, 60), (56, 56)]):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / "in" / name)
+    manifest = tmp_path / "rows.jsonl"
+    manifest.write_text("".join(json.dumps({"path": f"in/{n}", "adapter": a}) + "\n" for n, a in adapters.items()))
+    flags = [f for name in ADAPTERS for f in ("--lora", f"{name}={folders[name]}")]
+    args = build_parser().parse_args(["batch", "--model", str(preset_checkpoint("tiny")), "--input", str(manifest),
                                       "--output", str(tmp_path / "out"), "--task", "generate", "--max-tokens", "8",
-                                      "--prompt", "What is in this picture?", "--lora", f"mixed={folders['mixed']}"])
+                                      "--prompt", "What is in this picture?", *flags, "--lora-column", "adapter"])
     options = options_from_args(args)
-    assert options.lora == "mixed" and options.engine.lora_modules == {"mixed": str(folders["mixed"])}
+    assert options.lora is None and options.loras == tuple(ADAPTERS)
     summary = run_batch(options)
-    assert summary.processed == 3 and summary.errors == {}
+    assert summary.processed == 5 and summary.errors == {"lora_not_found": 1}
     rows = {r["id"]: r for part in sorted((tmp_path / "out").glob("part-*")) for r in pq.read_table(part).to_pylist()}
-    for name, row in sorted(rows.items()):
-        messages = [{"role": "user", "content": [{"type": "image", "image": (images / name).read_bytes()},
+    assert rows["in/img4.png"]["error"] == "lora_not_found" and "'nope'" in rows["in/img4.png"]["error_message"]
+    for name, adapter in list(adapters.items())[:4]:
+        row = rows[f"in/{name}"]
+        messages = [{"role": "user", "content": [{"type": "image", "image": (tmp_path / "in" / name).read_bytes()},
                                                  {"type": "text", "text": "What is in this picture?"}]}]
         prompt = build_prompt(messages, reference.tokenizer, reference.vision)
-        tokens = reference.generate_prompt(prompt, "mixed", max_new=8)
-        base = reference.generate_prompt(prompt, None, max_new=8)
-        assert tokens != base  # the adapter changes this row: equality below is the adapter's doing
-        assert row["model"] == "mixed" and row["error"] is None
+        tokens = reference.generate_prompt(prompt, adapter or None, max_new=8)
+        if adapter:  # the adapter changes this row: equality below is the adapter's doing
+            assert tokens != reference.generate_prompt(prompt, None, max_new=8), name
+        assert row["model"] == (adapter or str(preset_checkpoint("tiny"))) and row["error"] is None, name
         assert row["text"] == reference.tokenizer.decode(tokens, skip_special_tokens=True), name
 
 
@@ -240,6 +248,24 @@ def test_a_batch_adapter_must_be_configured_and_generate(served):
         BatchOptions(input="in", output="out", task="generate", engine=engine, lora="other")
     with pytest.raises(ValueError, match="takes task generate"):
         BatchOptions(input="in", output="out", task="embed", engine=engine, lora="mixed")
+    with pytest.raises(ValueError, match="lora_column takes task generate, adapters in engine.lora_modules and no lora"):
+        BatchOptions(input="in", output="out", task="generate", engine=engine, lora="mixed", lora_column="adapter")
+
+
+def test_batch_lora_flags_name_one_adapter_for_every_row_or_several_for_a_column(served):
+    from raypipe.cli import build_parser
+    from raypipe.jobs.batch import options_from_args
+
+    _, _, folders = served
+    base = ["batch", "--model", "tiny", "--input", "in", "--output", "out", "--task", "generate"]
+    one = options_from_args(build_parser().parse_args([*base, "--lora", f"mixed={folders['mixed']}"]))
+    assert one.lora == "mixed" and one.lora_column is None and one.loras == ("mixed",)
+    two = [*base, "--lora", f"mixed={folders['mixed']}", "--lora", f"text={folders['text']}"]
+    with pytest.raises(ValueError, match="2 --lora adapters need --lora-column"):
+        options_from_args(build_parser().parse_args(two))
+    column = options_from_args(build_parser().parse_args([*two, "--lora-column", "adapter"]))
+    assert column.lora is None and column.engine.lora_modules == {"mixed": str(folders["mixed"]),
+                                                                  "text": str(folders["text"])}
 
 
 def test_a_refused_batch_adapter_leaves_no_job_in_its_output_so_the_corrected_command_runs_there(served, tmp_path):

@@ -1,7 +1,7 @@
 """What a batch job processes: every image and video file under a prefix, or the rows of a manifest.
 
 The result is one Arrow table with `id` (stable across runs: the resume key), `uri` (where to read
-the bytes) and, when the manifest has one, `prompt`. Listing ids are paths relative to the input
+the bytes) and, where the manifest has them, `prompt` and `lora` (the adapter a row is generated with). Listing ids are paths relative to the input
 prefix, so the same files listed again give the same ids. Manifest paths may be URIs (`s3://...`),
 absolute local paths, or paths relative to the manifest's folder.
 """
@@ -29,10 +29,11 @@ def is_manifest(uri: str) -> bool:
 
 
 def list_inputs(uri: str, s3: S3Options | None = None, *, path_column: str = "path", id_column: str = "id",
-                prompt_column: str | None = None) -> pa.Table:
-    """`(id, uri[, prompt])` for every input, sorted by id, ids unique."""
-    table = (_read_manifest(uri, s3, path_column, id_column, prompt_column) if is_manifest(uri)
-             else _list_visuals(uri, s3))
+                prompt_column: str | None = None, lora_column: str | None = None) -> pa.Table:
+    """`(id, uri[, prompt][, lora])` for every input, sorted by id, ids unique: a manifest's `prompt_column` and
+    `lora_column` (an empty or missing value is None) become `prompt` and `lora`."""
+    texts = {name: column for name, column in (("prompt", prompt_column), ("lora", lora_column)) if column}
+    table = _read_manifest(uri, s3, path_column, id_column, texts) if is_manifest(uri) else _list_visuals(uri, s3)
     ids = table.column("id")
     if len(ids) != len(set(ids.to_pylist())):
         raise InvalidInput(f"input ids are not unique in {uri!r}; give the manifest a unique {id_column!r} column",
@@ -60,14 +61,14 @@ def _list_visuals(uri: str, s3: S3Options | None) -> pa.Table:
     return pa.table({"id": pa.array(ids, pa.string()), "uri": pa.array([uri_of(fs, i.path) for i in files], pa.string())})
 
 
-def _read_manifest(uri: str, s3, path_column: str, id_column: str, prompt_column: str | None) -> pa.Table:
+def _read_manifest(uri: str, s3, path_column: str, id_column: str, texts: dict[str, str]) -> pa.Table:
     fs, path = open_filesystem(uri, s3)
     if path.lower().endswith(".parquet"):
         table = pq.read_table(path, filesystem=fs)
     else:
         with fs.open_input_stream(path) as stream:
             table = pajson.read_json(stream)
-    missing = [c for c in (path_column, prompt_column) if c and c not in table.column_names]
+    missing = [c for c in (path_column, *texts.values()) if c not in table.column_names]
     if missing:
         raise InvalidInput(f"manifest {uri!r} has no column {missing[0]!r} (columns: {table.column_names})",
                            item="input", code="missing_column")
@@ -76,7 +77,7 @@ def _read_manifest(uri: str, s3, path_column: str, id_column: str, prompt_column
     uris = [p if is_s3(p) or os.path.isabs(p) else uri_of(fs, posixpath.join(folder, p)) for p in paths]
     ids = [str(i) for i in table.column(id_column).to_pylist()] if id_column in table.column_names else paths
     columns = {"id": pa.array(ids, pa.string()), "uri": pa.array(uris, pa.string())}
-    if prompt_column:
-        columns["prompt"] = pa.array([None if p is None else str(p) for p in table.column(prompt_column).to_pylist()],
-                                     pa.string())
+    for name, column in texts.items():
+        columns[name] = pa.array([None if v is None or v == "" else str(v) for v in table.column(column).to_pylist()],
+                                 pa.string())
     return pa.table(columns)

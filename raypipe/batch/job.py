@@ -58,6 +58,9 @@ class BatchOptions:
     # generate: the LoRA adapter of `engine.lora_modules` every row is generated with (its tower part, where the
     # family's encoders take one, encodes every image); rows carry its name as their model. None: the base model.
     lora: str | None = None
+    # generate, instead of `lora`: the manifest column naming each row's adapter of `engine.lora_modules` (empty:
+    # the base model); a row naming another is an error row (lora_not_found)
+    lora_column: str | None = None
     pooling: Literal["mean", "none"] = "mean"
     num_decoders: tuple[int, int] = (1, 1)  # decode actor pool (min, max)
     batching: Literal["cost", "count"] = "cost"  # how encoder batches are formed
@@ -84,6 +87,11 @@ class BatchOptions:
         if self.lora is not None and (self.task != "generate" or self.lora not in self.engine.lora_modules):
             raise ValueError(f"lora names an adapter of engine.lora_modules {sorted(self.engine.lora_modules)} and "
                              f"takes task generate; got {self.lora!r} with task {self.task}")
+        if self.lora_column is not None and (self.task != "generate" or self.lora is not None
+                                             or not self.engine.lora_modules):
+            raise ValueError("lora_column takes task generate, adapters in engine.lora_modules and no lora (one "
+                             f"adapter for every row); got task {self.task}, lora {self.lora!r}, "
+                             f"lora_modules {sorted(self.engine.lora_modules)}")
         for name in ("rows_per_file", "read_batch", "batch_images", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -106,7 +114,16 @@ class BatchOptions:
                 fields["enable_thinking"] = self.enable_thinking
             if self.lora is not None:  # the same
                 fields["lora"] = {self.lora: self.engine.lora_modules[self.lora]}
+            if self.lora_column is not None:  # the same
+                fields.update(lora_column=self.lora_column, lora_modules=dict(self.engine.lora_modules))
         return fields
+
+    @property
+    def loras(self) -> tuple[str, ...]:
+        """The adapters the job's rows may use."""
+        if self.lora_column is not None:
+            return tuple(self.engine.lora_modules)
+        return () if self.lora is None else (self.lora,)
 
 
 @dataclasses.dataclass
@@ -144,11 +161,11 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None,
     """Run the job; `on_progress(rows written, rows to process)` is called as part files are written."""
     start = time.perf_counter()
     inputs = list_inputs(options.input, options.s3, path_column=options.path_column, id_column=options.id_column,
-                         prompt_column=options.prompt_column)
+                         prompt_column=options.prompt_column, lora_column=options.lora_column)
     fs, root = open_filesystem(options.output, options.s3)
     removed = 0
     if not options.dry_run:
-        checkpoint, tower_lora = _read_and_check(options)  # before the folder records the job: see there
+        checkpoint, tower_loras = _read_and_check(options)  # before the folder records the job: see there
         output.check_job(fs, root, options.fingerprint())
         removed = output.reconcile(fs, root)  # a previous run may have died mid-way
     done = output.done_ids(fs, root)
@@ -168,7 +185,7 @@ def run_batch(options: BatchOptions, *, ray_address: str | None = None,
     errors: collections.Counter = collections.Counter()
     for attempt in range(1, JOB_ATTEMPTS + 1):
         try:
-            dataset = _dataset(options, todo, ray_address, checkpoint, tower_lora)
+            dataset = _dataset(options, todo, ray_address, checkpoint, tower_loras)
             for batch in dataset.iter_batches(batch_size=None, batch_format="pyarrow"):
                 for counts in batch.column("errors").to_pylist():
                     errors.update(json.loads(counts))
@@ -198,7 +215,8 @@ def _not_written(table: pa.Table, done: set[str]) -> pa.Table:
 
 
 def _read_and_check(options: BatchOptions):
-    """`(checkpoint folder, the adapter's tower part or None)`, read, and the job's refusals that need them, before
+    """`(checkpoint folder, {adapter: its tower part}` of the job's adapters that have one), read, and the job's
+    refusals that need them, before
     `output.check_job` records the job in its output folder: a job refused after that would leave its options
     there, and the corrected command (a fixed adapter path, thinking turned off) would be refused as a different
     job. The checkpoint is copied or written on this node once, before the actors race to."""
@@ -210,15 +228,15 @@ def _read_and_check(options: BatchOptions):
     if options.task == "generate" and options.json_schema is not None and family.thinks(options.template_kwargs):
         raise ValueError("json_schema would constrain this model's reasoning, which comes first: set "
                          "enable_thinking false (--no-thinking) with it")
-    if options.lora is None:
-        return checkpoint, None
-    # The whole save is read and its rank checked here; its language part is checked against the model where
+    # Each whole save is read and its rank checked here; its language part is checked against the model where
     # the decoders load it. None: an adapter on the language model alone.
-    folder, where = options.engine.lora_modules[options.lora], f"engine.lora_modules.{options.lora}"
-    return checkpoint, read_tower_adapter(options.lora, folder, family, where, options.engine.max_lora_rank)
+    towers = {name: read_tower_adapter(name, options.engine.lora_modules[name], family,
+                                       f"engine.lora_modules.{name}", options.engine.max_lora_rank)
+              for name in options.loras}
+    return checkpoint, {name: tower for name, tower in towers.items() if tower is not None}
 
 
-def _dataset(options: BatchOptions, todo, ray_address: str | None, checkpoint, tower_lora):
+def _dataset(options: BatchOptions, todo, ray_address: str | None, checkpoint, tower_loras: dict):
     import ray
 
     from raypipe.batch import stages
@@ -230,8 +248,8 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None, checkpoint, t
     config = options.model
     model = model_for_actors(config.model, checkpoint)  # a name every node can resolve
     connect_ray(ray_address)
-    if tower_lora is not None:  # each encoder actor checks it against its tower when it starts
-        tower_lora = TowerLora(tower_lora.name, tower_lora.fingerprint, ray.put(tower_lora))
+    # In the object store once; each encoder actor checks them against its tower when it starts.
+    tower_loras = {name: TowerLora(name, w.fingerprint, ray.put(w)) for name, w in tower_loras.items()}
     budget = (options.batch_cost * stages.max_image_cost(model, config.cost_model)
               if options.batching == "cost" else None)
     lo, hi = config.encoder_range
@@ -246,12 +264,13 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None, checkpoint, t
     ds = ds.map_batches(stages.read_and_pack, batch_format="pyarrow", batch_size=options.read_batch,
                         fn_kwargs=dict(model=model, image_limits=options.image_limits,
                                        video_limits=options.video_limits, s3=options.s3,
-                                       cost_model=config.cost_model, budget=budget, per_pack=options.batch_images),
+                                       cost_model=config.cost_model, budget=budget, per_pack=options.batch_images,
+                                       lora=options.lora, lora_names=options.loras),
                         num_cpus=0.5)  # half a CPU: fits Ray Data's per-stage budget on 2 cores
     ds = ds.map_batches(stages.EncodeStage, batch_format="pyarrow", batch_size=1,
                         compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
                         fn_constructor_kwargs=dict(model=model, dtype=worker.dtype, num_threads=worker.num_threads,
-                                                   budgets=worker.budgets, tower_lora=tower_lora),
+                                                   budgets=worker.budgets, tower_loras=tower_loras),
                         num_gpus=worker.num_gpus, num_cpus=0)
     if options.task == "generate":
         decode_gpus = config.decode_gpus if config.decode_gpus is not None else worker.num_gpus
@@ -266,10 +285,10 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None, checkpoint, t
                                                        max_tokens=options.max_tokens,
                                                        json_schema=options.json_schema,
                                                        chat_template_kwargs=options.template_kwargs,
-                                                       default_prompt=options.prompt, lora=options.lora),
+                                                       default_prompt=options.prompt),
                             num_cpus=0)
     return ds.map_batches(stages.write_rows, batch_format="pyarrow", batch_size=options.rows_per_file,
                           fn_kwargs=dict(output=options.output, s3=options.s3, task=options.task,
-                                         pooling=options.pooling, model_name=options.lora or config.model),
+                                         pooling=options.pooling, model_name=config.model),
                           num_cpus=0.1)
 

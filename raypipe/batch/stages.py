@@ -42,6 +42,7 @@ from raypipe.storage import S3Options, is_s3, open_filesystem, read_bytes
 
 ROW_SCHEMA = pa.schema([
     ("id", pa.string()), ("uri", pa.string()), ("kind", pa.string()), ("prompt", pa.string()),
+    ("lora", pa.string()),  # the adapter (of engine.lora_modules) the row is encoded and generated with; null: none
     # The input image's size, as the output reports it; a video's: its sampled frames' (the tower's size).
     ("width", pa.int32()), ("height", pa.int32()),
     ("num_tokens", pa.int32()), ("cost", pa.float64()),
@@ -90,15 +91,22 @@ def _image_cost(adapter, item, cost_model: str) -> float:
 
 
 def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, video_limits: VideoLimits,
-                  s3: S3Options | None, cost_model: str, budget: float | None, per_pack: int) -> pa.Table:
+                  s3: S3Options | None, cost_model: str, budget: float | None, per_pack: int,
+                  lora: str | None = None, lora_names: tuple[str, ...] = ()) -> pa.Table:
     """Decode a slice of inputs and return it as packs: by cost (`budget`, at most `per_pack` images
-    per pack on average) or by count (`per_pack`)."""
+    per pack on average) or by count (`per_pack`). A row's adapter is its `lora` value (a manifest's
+    column), else `lora`; one not among `lora_names` makes the row an error."""
     adapter = _vision_adapter(model)
     rows = []
-    prompts = batch.column("prompt").to_pylist() if "prompt" in batch.column_names else [None] * batch.num_rows
-    for id_, uri, prompt in zip(batch.column("id").to_pylist(), batch.column("uri").to_pylist(), prompts):
-        row = {"id": id_, "uri": uri, "kind": kind_of(uri), "prompt": prompt}
+    column = {name: batch.column(name).to_pylist() if name in batch.column_names else [None] * batch.num_rows
+              for name in ("prompt", "lora")}
+    for id_, uri, prompt, row_lora in zip(batch.column("id").to_pylist(), batch.column("uri").to_pylist(),
+                                          column["prompt"], column["lora"]):
+        row = {"id": id_, "uri": uri, "kind": kind_of(uri), "prompt": prompt, "lora": row_lora or lora}
         try:
+            if row["lora"] is not None and row["lora"] not in lora_names:
+                raise InvalidInput(f"the lora adapter {row['lora']!r} is not one of the job's ({', '.join(lora_names)})",
+                                   item=id_, code="lora_not_found")
             if row["kind"] == "video":  # frames sampled and resized to the tower's size as they are decoded
                 decoded = resized = load_video(_read(uri, s3, video_limits.max_bytes), video_limits,
                                                adapter.plan_frames(VideoSampling()), item=id_)
@@ -132,15 +140,17 @@ def read_and_pack(batch: pa.Table, *, model: str, image_limits: ImageLimits, vid
 class EncodeStage:
     """An encoder actor: one `EncoderWorker` in-process, encoding one pack per call."""
 
-    def __init__(self, model: str, dtype: str, num_threads: int | None, budgets: TokenBudgets, tower_lora=None):
+    def __init__(self, model: str, dtype: str, num_threads: int | None, budgets: TokenBudgets,
+                 tower_loras: dict | None = None):
         from raypipe.encode.pool import WorkerOptions
 
         # Built as the online pool builds its actors; Ray Data's actor pool owns the lifecycle here
         # (its GPU share is the map stage's `num_gpus`).
         self.worker = WorkerOptions(model, dtype, num_threads, budgets=budgets).build()
-        self.tower_lora = tower_lora  # a `TowerLora` every unit is encoded with (the job's adapter), or None
-        if tower_lora is not None:
-            self.worker.check_tower_lora(tower_lora, f"engine.lora_modules.{tower_lora.name}")
+        # adapter name -> `TowerLora`, for the job's adapters that target the tower; a row's units run with its own
+        self.tower_loras = tower_loras or {}
+        for name, lora in self.tower_loras.items():
+            self.worker.check_tower_lora(lora, f"engine.lora_modules.{name}")
 
     def __call__(self, packs: pa.Table) -> pa.Table:
         rows = pa.concat_tables([_from_ipc(p) for p in packs.column("pack").to_pylist()]).to_pylist()
@@ -149,7 +159,7 @@ class EncodeStage:
         items = [adapter.make_item(_visual(r)) for r in todo]
         units_of = [adapter.units(item) for item in items]
         flat = [unit for units in units_of for unit in units]
-        loras = [self.tower_lora] * len(flat) if self.tower_lora is not None else None
+        loras = [self.tower_loras.get(row["lora"]) for row, units in zip(todo, units_of) for _ in units]
         outs = iter(self.worker.encode(flat, loras)[:-1] if flat else ())  # the last return is a receipt
         # An image's embedding from its units' embeddings, as the online coordinator assembles it.
         embeddings = [adapter.join_units(item, [next(outs) for _ in units]) for item, units in zip(items, units_of)]
@@ -165,8 +175,7 @@ class GenerateStage:
     """A decode actor: one `LLMEngine`; every row of a call is one request, all decoded together."""
 
     def __init__(self, model: str, engine_config, image_limits: ImageLimits, video, max_tokens: int,
-                 default_prompt: str, json_schema: str | None = None, chat_template_kwargs: dict | None = None,
-                 lora: str | None = None):
+                 default_prompt: str, json_schema: str | None = None, chat_template_kwargs: dict | None = None):
         from raypipe.decode.engine import LLMEngine
         from raypipe.inputs.sampling import SamplingParams
         from raypipe.models.registry import resolve_model
@@ -182,7 +191,6 @@ class GenerateStage:
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured=structured)
         self.default_prompt = default_prompt
         self.chat_template_kwargs = chat_template_kwargs  # e.g. Qwen3.5's enable_thinking; the text keeps any thinking
-        self.lora = lora  # the adapter of engine_config.lora_modules every row is generated with, or None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -207,7 +215,7 @@ class GenerateStage:
             prompt = build_prompt(messages, self.engine.tokenizer, self.vision, self.image_limits, video=self.video,
                                   chat_template_kwargs=self.chat_template_kwargs)
             out = await self.engine.generate_output(row["id"], prompt.without_pixels(), [embedding], self.params,
-                                                    self.lora)
+                                                    row["lora"])
         except InvalidInput as exc:
             row.update(error=exc.code, error_message=exc.reason)
             return
@@ -219,7 +227,7 @@ class GenerateStage:
 
 def write_rows(batch: pa.Table, *, output: str, s3: S3Options | None, task: str, pooling: str,
                model_name: str) -> pa.Table:
-    """Write one part file of final rows; returns one summary row."""
+    """Write one part file of final rows (`model`: the row's adapter, else `model_name`); returns one summary row."""
     fs, root = open_filesystem(output, s3)
     table = final_table(batch.to_pylist(), task, pooling, model_name)
     path = write_part(fs, root, table)
@@ -244,7 +252,7 @@ def final_table(rows: list[dict], task: str, pooling: str, model_name: str) -> p
     for row in rows:
         final = {"id": row["id"], "path": row["uri"], "width": row["width"], "height": row["height"],
                  "num_tokens": row["num_tokens"], "error": row["error"], "error_message": row["error_message"],
-                 "model": model_name}
+                 "model": row["lora"] or model_name}
         if task == "embed":
             final["embedding"] = pool(row, pooling)
         else:

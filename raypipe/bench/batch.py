@@ -70,6 +70,7 @@ def _cpu_work(checkpoint: str, folder: str) -> dict[str, float]:
     from raypipe.batch import BatchOptions, stages
     from raypipe.batch.inputs import list_inputs
     from raypipe.config import ImageLimits, ModelConfig
+    from raypipe.inputs.video import VideoLimits
 
     torch.set_num_threads(1)
     todo = list_inputs(folder)
@@ -81,14 +82,14 @@ def _cpu_work(checkpoint: str, folder: str) -> dict[str, float]:
     for i in range(0, len(data), NAIVE_BATCH):
         naive({"bytes": data[i:i + NAIVE_BATCH], "path": uris[i:i + NAIVE_BATCH]})
     naive_s = time.process_time() - start
-    encoder = stages.EncodeStage(checkpoint, num_threads=1)
     # The options the timed raypipe jobs run with.
     options = BatchOptions(input=folder, output="", batch_images=NAIVE_BATCH, model=ModelConfig(checkpoint))
+    encoder = stages.EncodeStage(checkpoint, options.model.dtype, num_threads=1, budgets=options.model.encoder_budgets)
     cost_model = options.model.cost_model
     budget = options.batch_cost * stages.max_image_cost(checkpoint, cost_model)
     start = time.process_time()
     packs = [stages.read_and_pack(todo.slice(i, options.read_batch), model=checkpoint, image_limits=ImageLimits(),
-                                  s3=None, cost_model=cost_model, budget=budget, per_pack=options.batch_images)
+                                  video_limits=VideoLimits(), s3=None, cost_model=cost_model, budget=budget, per_pack=options.batch_images)
              for i in range(0, todo.num_rows, options.read_batch)]
     decode_s = time.process_time() - start
     start = time.process_time()

@@ -12,12 +12,15 @@ from raypipe.storage import S3Options
 
 def options_from_args(args) -> BatchOptions:
     lo, hi = args.num_encoders
+    loras = dict(args.lora or ())
+    if len(loras) > 1 and args.lora_column is None:
+        raise ValueError(f"{len(loras)} --lora adapters need --lora-column (the manifest column naming each row's)")
     s3 = S3Options(endpoint_url=args.s3_endpoint, region=args.s3_region) if args.s3_endpoint or args.s3_region else None
     return BatchOptions(
         input=args.input, output=args.output, task=args.task,
         model=model_config_from_args(args, num_encoders=lo, max_encoders=hi),
-        engine=EngineConfig(num_scheduler_steps=args.num_scheduler_steps, lora_modules=dict([args.lora] if args.lora else [])),
-        lora=args.lora[0] if args.lora else None,
+        engine=EngineConfig(num_scheduler_steps=args.num_scheduler_steps, lora_modules=loras),
+        lora=next(iter(loras)) if loras and args.lora_column is None else None, lora_column=args.lora_column,
         prompt=args.prompt, prompt_column=args.prompt_column, path_column=args.path_column, id_column=args.id_column,
         max_tokens=args.max_tokens, json_schema=args.json_schema, enable_thinking=args.enable_thinking, pooling=args.pooling, num_decoders=args.num_decoders, batching=args.batching,
         batch_cost=args.batch_cost, batch_images=args.batch_images, read_batch=args.read_batch, rows_per_file=args.rows_per_file,
