@@ -77,6 +77,8 @@ def test_listing_and_manifest(tmp_path):
                                  {"id": "s3://bucket/k.png", "uri": "s3://bucket/k.png", "prompt": None, "lora": None}]
     with pytest.raises(ValueError, match="has no column 'adapter'"):
         list_inputs(str(manifest), lora_column="adapter")
+    with pytest.raises(ValueError, match="lora_column name columns of a manifest"):
+        list_inputs(str(tmp_path / "in"), lora_column="a")  # a folder: once every row silently took the default
     manifest.write_text('{"path": "in/b.png"}\n{"path": "in/b.png"}\n')
     with pytest.raises(ValueError, match="not unique"):
         list_inputs(str(manifest))

@@ -1,8 +1,8 @@
 """What a batch job processes: every image and video file under a prefix, or the rows of a manifest.
 
 The result is one Arrow table with `id` (stable across runs: the resume key), `uri` (where to read
-the bytes) and, where the manifest has them, `prompt` and `lora` (the adapter a row is generated with). Listing ids are paths relative to the input
-prefix, so the same files listed again give the same ids. Manifest paths may be URIs (`s3://...`),
+the bytes) and, from a manifest's columns, `prompt` and `lora` (the adapter a row is generated with).
+Listing ids are paths relative to the input prefix, so the same files listed again give the same ids. Manifest paths may be URIs (`s3://...`),
 absolute local paths, or paths relative to the manifest's folder.
 """
 
@@ -33,6 +33,10 @@ def list_inputs(uri: str, s3: S3Options | None = None, *, path_column: str = "pa
     """`(id, uri[, prompt][, lora])` for every input, sorted by id, ids unique: a manifest's `prompt_column` and
     `lora_column` (an empty or missing value is None) become `prompt` and `lora`."""
     texts = {name: column for name, column in (("prompt", prompt_column), ("lora", lora_column)) if column}
+    if texts and not is_manifest(uri):  # a folder has no columns: every row would silently take the defaults
+        raise InvalidInput(f"{' and '.join(f'{n}_column' for n in texts)} name columns of a manifest "
+                           f"({', '.join(MANIFEST_EXTENSIONS)}); {uri!r} is a folder or prefix", item="input",
+                           code="missing_column")
     table = _read_manifest(uri, s3, path_column, id_column, texts) if is_manifest(uri) else _list_visuals(uri, s3)
     ids = table.column("id")
     if len(ids) != len(set(ids.to_pylist())):

@@ -215,11 +215,11 @@ def _not_written(table: pa.Table, done: set[str]) -> pa.Table:
 
 
 def _read_and_check(options: BatchOptions):
-    """`(checkpoint folder, {adapter: its tower part}` of the job's adapters that have one), read, and the job's
-    refusals that need them, before
-    `output.check_job` records the job in its output folder: a job refused after that would leave its options
-    there, and the corrected command (a fixed adapter path, thinking turned off) would be refused as a different
-    job. The checkpoint is copied or written on this node once, before the actors race to."""
+    """`(checkpoint folder, {adapter: its tower part} for the job's adapters that have one)`, read, and the job's
+    refusals that need them, all before `output.check_job` records the job in its output folder: a job refused
+    after that would leave its options there, and the corrected command (a fixed adapter path, thinking turned
+    off) would be refused as a different job. The checkpoint is copied or written on this node once, before the
+    actors race to."""
     from raypipe.models.lora import read_tower_adapter
     from raypipe.models.registry import family_of, resolve_model
 
