@@ -502,11 +502,11 @@ def test_a_lost_pool_actor_is_retried_around_exactly_once(tmp_path, pipe, tiny_c
             yield from self.dataset.iter_batches(**kwargs)
             raise ray.exceptions.ActorDiedError()
 
-    def dataset(options, todo, address):
+    def dataset(options, todo, *rest):  # rest: the address, checkpoint and adapters, passed on
         calls.append(todo.num_rows)
         if len(calls) == 1:
-            return DiesAfterTwoRows(real(options, todo.slice(0, 2), address))
-        return real(options, todo, address)
+            return DiesAfterTwoRows(real(options, todo.slice(0, 2), *rest))
+        return real(options, todo, *rest)
 
     monkeypatch.setattr(job, "_dataset", dataset)
     summary = run_batch(BatchOptions(input=str(tmp_path / "in"), output=str(tmp_path / "out"), read_batch=2,
