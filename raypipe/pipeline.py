@@ -231,22 +231,24 @@ class Pipeline:
     def _engine_actor(self):
         """The decode engine actor, created once (without waiting: await or get `_engine_ready`,
         which surfaces load errors)."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._start_engine()
+            return self._engine
+
+    def _start_engine(self) -> None:
         # Imported here, not at the top: Serve's EncoderGroup imports this module for `start_encoders`, and the
         # decode engine's imports would add ~6 s to every encoder replica's start.
         from raypipe.decode.actor import RemoteDecodeEngine
         from raypipe.parallel import runner_factory
         from raypipe.parallel.group import engine_actor_placement
 
-        with self._engine_lock:
-            if self._engine is None:
-                # num_cpus=0 like the encoders (see encode/pool.py); it picks its device itself. With
-                # tensor_parallel_size N it is rank 0 of a decode group, in bundle 0 of N (raypipe/parallel/).
-                options, self._placement = engine_actor_placement(self.engine_config.tensor_parallel_size,
-                                                                  self.decode_gpus)
-                self._engine = RemoteDecodeEngine.options(num_cpus=0, num_gpus=self.decode_gpus, **options).remote(
-                    self.actor_model, self.engine_config, runner_factory(self.engine_config))
-                self._engine_ready = self._engine.info.remote()
-            return self._engine
+        # num_cpus=0 like the encoders (see encode/pool.py); it picks its device itself. With
+        # tensor_parallel_size N it is rank 0 of a decode group, in bundle 0 of N (raypipe/parallel/).
+        options, self._placement = engine_actor_placement(self.engine_config.tensor_parallel_size, self.decode_gpus)
+        self._engine = RemoteDecodeEngine.options(num_cpus=0, num_gpus=self.decode_gpus, **options).remote(
+            self.actor_model, self.engine_config, runner_factory(self.engine_config))
+        self._engine_ready = self._engine.info.remote()
 
     def engine_stats(self) -> dict:
         return ray.get(self._engine.stats.remote()) if self._engine is not None else {}

@@ -249,7 +249,7 @@ def _dataset(options: BatchOptions, todo, ray_address: str | None, checkpoint, t
     model = model_for_actors(config.model, checkpoint)  # a name every node can resolve
     connect_ray(ray_address)
     # In the object store once; each encoder actor checks them against its tower when it starts.
-    tower_loras = {name: TowerLora(name, w.fingerprint, ray.put(w)) for name, w in tower_loras.items()}
+    tower_loras = {name: TowerLora.put(weights) for name, weights in tower_loras.items()}
     budget = (options.batch_cost * stages.max_image_cost(model, config.cost_model)
               if options.batching == "cost" else None)
     lo, hi = config.encoder_range

@@ -89,7 +89,8 @@ def _cpu_work(checkpoint: str, folder: str) -> dict[str, float]:
     budget = options.batch_cost * stages.max_image_cost(checkpoint, cost_model)
     start = time.process_time()
     packs = [stages.read_and_pack(todo.slice(i, options.read_batch), model=checkpoint, image_limits=ImageLimits(),
-                                  video_limits=VideoLimits(), s3=None, cost_model=cost_model, budget=budget, per_pack=options.batch_images)
+                                  video_limits=VideoLimits(), s3=None, cost_model=cost_model, budget=budget,
+                                  per_pack=options.batch_images)
              for i in range(0, todo.num_rows, options.read_batch)]
     decode_s = time.process_time() - start
     start = time.process_time()

@@ -44,6 +44,11 @@ class TowerLora:
     fingerprint: str
     factors: ray.ObjectRef  # a `LoraWeights` of tower module names
 
+    @classmethod
+    def put(cls, weights: LoraWeights) -> "TowerLora":
+        """A tower part as read (`read_tower_adapter`), its factors put in the object store."""
+        return cls(weights.name, weights.fingerprint, ray.put(weights))
+
 
 class TowerLoras:
     """The tower adapters a coordinator's requests may name: those configured at start, by name, and those loaded
@@ -68,7 +73,7 @@ class TowerLoras:
         weights = read_tower_adapter(name, folder, self.family, where)
         if weights is None:
             return None
-        lora = TowerLora(name, weights.fingerprint, ray.put(weights))
+        lora = TowerLora.put(weights)
         self._check(lora, where)
         return lora
 
