@@ -8,7 +8,7 @@ images, at K=1 and K=8; every row's greedy tokens equal `generate()` of `PeftMod
 one (Qwen3.5: gated-delta-net rows and their state snapshots). Every adapter changes the base model's
 tokens, so the equality says something. The prefix cache never hands one adapter's blocks to another or
 to the base model, and PEFT saves raypipe cannot apply exactly are refused naming the field or module
-(reading an adapter, and the engine's start with it); the compiled decode step declines adapters with a reason.
+(reading an adapter, and the engine's start with it). The compiled decode step serves adapters too.
 """
 
 from __future__ import annotations
@@ -171,8 +171,7 @@ def test_adapters_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
 
 
 def test_engine_start_refuses_what_it_cannot_serve(tmp_path):
-    """At start: fewer CPU-kept adapters than slots, and a bad adapter (the engine does not start); the
-    compiled decode step, asked for, is declined with its reason and decode steps run eager."""
+    """At start: fewer CPU-kept adapters than slots, and a bad adapter (the engine does not start)."""
     ckpt = preset_checkpoint("tiny")
     good = write_adapters(ckpt, tmp_path, {"good": dict(r=4, lora_alpha=8, target_modules=["q_proj"],
                                                         exclude_modules=r".*visual.*")})["good"]
@@ -182,9 +181,31 @@ def test_engine_start_refuses_what_it_cannot_serve(tmp_path):
         LLMEngine(ckpt, EngineConfig(max_model_len=256, lora_modules={"bad": str(_edited(good, tmp_path / "dora",
                                                                                           use_dora=True))}))
     assert refused.value.item == "lora_modules.bad.use_dora"
-    engine = LLMEngine(ckpt, EngineConfig(max_model_len=256, compiled_decode=True, lora_modules={"good": str(good)}))
+
+
+def test_the_compiled_decode_step_serves_mixed_adapters_equal_to_peft_and_takes_run_time_loads(served):
+    """The static-shape step (`decode/compiled_step.py`, torch.compile on CPU) with adapter slots: started with
+    "red" (attention layers) and given "green" (MLP layers, wrapped after the step compiled) and "blue" at run time,
+    the mixed batch equals PEFT at K=8; a second batch mixing the adapters otherwise compiles nothing new (one
+    graph per bucket serves any mix). A hybrid family has no static step: it says why and decodes eagerly."""
+    from torch._dynamo.utils import counters
+
+    engine = LLMEngine(served.ckpt, EngineConfig(
+        max_num_seqs=4, max_model_len=512, block_size=8, num_scheduler_steps=8, compiled_decode=True,
+        decode_batch_buckets=(4,), decode_kv_buckets=(512,), lora_modules={"red": str(served.folders["red"])}))
     try:
-        assert engine.decode_step["mode"] == "eager" and "LoRA" in engine.decode_step["reason"]
+        for name in ("green", "blue"):
+            engine.load_lora(name, str(served.folders[name]))
+        assert [o.token_ids for o in run_on(served, engine, ROWS, "compiled")] == [served.expected[r] for r in ROWS]
+        if engine.runner.static_step is None:
+            assert engine.decode_step["mode"] == "eager" and "linear_attention" in engine.decode_step["reason"]
+            return
+        assert engine.decode_step["mode"] == "torch.compile"
+        compiled = counters["stats"]["unique_graphs"]
+        other_mix = [(3, "green"), (1, "red"), (2, None), (0, "red"), (3, "blue")]
+        assert [o.token_ids for o in run_on(served, engine, other_mix, "mix")] == [served.expected[r]
+                                                                                  for r in other_mix]
+        assert counters["stats"]["unique_graphs"] == compiled
     finally:
         engine.shutdown()
 

@@ -17,6 +17,10 @@ Why padding is harmless:
   step writes and the blocks it reads (`WritePattern.write_slots` / `read_blocks`) have the bucket's static shape;
   they are recomputed from the step's tables and copied into the bucket's buffers, like the mask.
 
+With LoRA adapters every step computes every slot's delta (`LoraRows.every_slot`): a one-hot mask buffer per
+bucket, refilled per step, picks each row's adapter, so one graph serves any mix (base-model and padding rows
+take slot 0, whose factors are zeros).
+
 Only for caches where every layer is paged full attention; anything else (linear attention state,
 sliding-window layers' window tables) runs eager (`supports` says why). Greedy tokens equal the eager step's, which the tests check
 against transformers' `generate()`.
@@ -25,6 +29,7 @@ against transformers' `generate()`.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import pathlib
 import time
@@ -72,6 +77,7 @@ class StaticDecodeStep:
             raise ValueError("the largest buckets must cover max_num_seqs and max_model_len")
         self.pad_index = 0  # padding rows write (and read) the null block; any index inside their table will do
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self.loras = None  # the model's `LoraSlots` once it serves LoRA adapters (the runner sets it)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._compiled = None if self.use_cuda_graphs else _compile(self._forward, len(self.batch_buckets)
@@ -104,13 +110,21 @@ class StaticDecodeStep:
         return time.perf_counter() - start
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
-                 kv_len: int, tables: torch.Tensor) -> torch.Tensor:
+                 kv_len: int, tables: torch.Tensor, lora_slots: list[int] | None = None) -> torch.Tensor:
+        """Logits of one step; `lora_slots`: each row's LoRA adapter slot (None: every row the base model's)."""
         n = tokens.shape[0]
         key = self.bucket(n, kv_len)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(self, *key)
-        return bucket.run(tokens, positions, write_index, tables, n)
+        return bucket.run(tokens, positions, write_index, tables, n, lora_slots)
+
+    def model_changed(self) -> None:
+        """The model's modules changed (LoRA wrapped more linears): captured CUDA graphs replay the old ones, so
+        each bucket captures again on its next step. A compiled forward needs nothing: torch.compile's guards
+        on the modules' types recompile it."""
+        for bucket in self._buckets.values():
+            bucket.graph = None
 
     def _forward(self, tokens, positions, mask, cache):
         hidden = self.model(self.model.embed(tokens[:, None]), positions, mask, cache)
@@ -131,10 +145,11 @@ class _Bucket:
         self.cache.prepare_decode(batch, self.write_index, kv_len, self.tables)
         self.mask = self.cache.masks(step.cache.dtype)  # {layer type: tensor}, refilled in place per step
         self.kv_len = kv_len
+        self.lora_mask = None  # [batch, 1, slots, 1], one-hot on each row's adapter slot (models/lora.py)
         self.graph = None
         self.logits = None
 
-    def run(self, tokens, positions, write_index, tables, n: int) -> torch.Tensor:
+    def run(self, tokens, positions, write_index, tables, n: int, lora_slots: list[int] | None) -> torch.Tensor:
         self.tokens[:n].copy_(tokens)
         self.positions[:, :n].copy_(positions)
         self.write_index[:n].copy_(write_index)
@@ -148,12 +163,28 @@ class _Bucket:
         pattern.read_blocks.copy_(fresh.read_blocks)
         for name, mask in self.cache.masks(self.step.cache.dtype).items():
             self.mask[name].copy_(mask)
-        if not self.step.use_cuda_graphs:
-            return self.step._compiled(self.tokens, self.positions, self.mask, self.cache)[:n]
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
-        return self.logits[:n]
+        with self._lora_rows(n, lora_slots):
+            if not self.step.use_cuda_graphs:
+                return self.step._compiled(self.tokens, self.positions, self.mask, self.cache)[:n]
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            return self.logits[:n]
+
+    def _lora_rows(self, n: int, slots: list[int] | None):
+        """Every adapter slot in use (static shapes), the mask refilled for this step's rows; padding rows and the
+        base model's take slot 0, whose factors are zeros."""
+        loras = self.step.loras
+        if loras is None:
+            return contextlib.nullcontext()
+        if self.lora_mask is None:
+            self.lora_mask = torch.zeros((len(self.tokens), 1, loras.num_slots, 1), dtype=self.step.cache.dtype,
+                                         device=self.step.device)
+        self.lora_mask.zero_()
+        rows = torch.tensor(slots or [0] * n, device=self.step.device)
+        self.lora_mask[:n, 0, :, 0] = torch.nn.functional.one_hot(rows, loras.num_slots).to(self.lora_mask.dtype)
+        self.lora_mask[n:, 0, 0, 0] = 1
+        return loras.rows.every_slot(self.lora_mask)
 
     def _capture(self) -> None:
         step = self.step

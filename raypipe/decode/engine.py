@@ -104,14 +104,14 @@ class LLMEngine:
                                   state_snapshot_fraction=self.config.state_snapshot_memory_fraction
                                   if prefix_caching else 0.0,
                                   max_num_batched_tokens=self.config.max_num_batched_tokens)
-        # LoRA adapters (lora_pool.py): the configured ones read now (a bad one stops the start), before the decode
-        # step is chosen (the compiled step does not take them); more may be loaded while the engine runs
+        # LoRA adapters (lora_pool.py): the configured ones read now (a bad one stops the start), and the layers they
+        # target wrapped before a compiled decode step compiles or captures them; more may be loaded while it runs
         self.loras = LoraPool(self._read_lora, self.config.max_loras,
                               self.config.max_cpu_loras or self.config.max_loras)
         if self.config.lora_modules:
             self.runner.use_loras(self.config.max_loras, self.config.max_lora_rank)
             for name, path in self.config.lora_modules.items():
-                self.loras.load(name, path)
+                self.runner.wrap_lora_layers(self.loras.load(name, path).factors)
         self.decode_step = self._start_decode_step()
         self.weights = self._pack_weights()
         self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
@@ -230,9 +230,6 @@ class LLMEngine:
         Read and checked here, in the caller's thread (a bad adapter is an `InvalidInput` naming `where`'s field);
         a name already served is refused (unload it first). Its slot is written at a round boundary, when a
         request first needs it (on every rank of a tensor-parallel group)."""
-        if self.runner.static_step is not None:
-            raise InvalidInput("this engine cannot take LoRA adapters: its decode step is compiled (start it with "
-                               "lora_modules, or compiled_decode=False)", item="lora_path", code="lora_not_supported")
         self.runner.use_loras(self.config.max_loras, self.config.max_lora_rank)
         return self.loras.load(name, str(path), where).fingerprint
 

@@ -15,7 +15,7 @@ step's sampled ids (still on the device) back in, so the model never waits for t
 Sampled ids go to the host per step for the stop check: on CUDA through pinned memory on a side
 stream, read one step late so the copy overlaps the next step's kernels; on CPU directly.
 With `use_static_step` a decode step's forward and logits run through `compiled_step` (bucketed
-static shapes; torch.compile on CPU, CUDA graphs on GPU) instead of eagerly.
+static shapes; torch.compile on CPU, CUDA graphs on GPU) instead of eagerly, LoRA rows included.
 With LoRA adapters (`use_loras`) every forward, prefill or decode, sets its rows' adapter slots first
 (`models/lora.py`); a batch of base rows only sets none and runs the base layers alone.
 """
@@ -102,11 +102,21 @@ class ModelRunner:
         """Give the model LoRA adapter slots (once; layers are wrapped as adapters are written)."""
         if self.lora_slots is None:
             self.lora_slots = lora.LoraSlots(self.model, max_loras, max_lora_rank, self.dtype, self.device)
+            if self.static_step is not None:
+                self.static_step.loras = self.lora_slots
+
+    def wrap_lora_layers(self, names) -> None:
+        """Wrap the linears adapters will target now, before a static step compiles or captures (`LoraSlots.wrap`)."""
+        self._lora_layers_changed(self.lora_slots.wrap(names))
 
     def write_lora_slots(self, writes: list[tuple[int, lora.LoraWeights]]) -> None:
         """Put adapters into their slots `(slot, adapter)`: only where no forward runs (between rounds)."""
         for slot, adapter in writes:
-            self.lora_slots.write(slot, adapter)
+            self._lora_layers_changed(self.lora_slots.write(slot, adapter))
+
+    def _lora_layers_changed(self, changed: bool) -> None:
+        if changed and self.static_step is not None:
+            self.static_step.model_changed()
 
     def _lora_rows(self, seqs: list[Sequence]):
         """The context of a forward over `seqs` (row i = seqs[i]): their adapter slots, if any row has one."""
@@ -124,14 +134,13 @@ class ModelRunner:
     def use_static_step(self, batch_buckets: tuple[int, ...] | None = None,
                         kv_buckets: tuple[int, ...] | None = None) -> str | None:
         """Run decode steps through static-shape buckets from now on; the reason if it cannot."""
-        if self.lora_slots is not None:
-            return "LoRA adapters run eager decode steps (the compiled step has no slot input yet)"
         reason = compiled_step.supports(self.cache)
         if reason is None:
             self.static_step = compiled_step.StaticDecodeStep(
                 self.model, self.cache,
                 batch_buckets=batch_buckets or compiled_step.batch_buckets_for(self.cache.max_num_seqs),
                 kv_buckets=kv_buckets or compiled_step.kv_buckets_for(self.max_model_len))
+            self.static_step.loras = self.lora_slots
         return reason
 
     @torch.inference_mode()
@@ -238,8 +247,8 @@ class ModelRunner:
         eager = self.static_step is None
         if eager:
             self.cache.begin_decode_round(tables, window_tables)
-        try:
-            with self._lora_rows(seqs):
+        try:  # the static step sets its rows' adapter slots itself, per step (its shapes are the bucket's)
+            with self._lora_rows(seqs) if eager else contextlib.nullcontext():
                 return self._decode_steps(seqs, batch, steps, on_step, tables, window_tables)
         finally:
             if eager:
@@ -251,6 +260,7 @@ class ModelRunner:
         tokens = torch.tensor([s.output_ids[-1] for s in seqs], device=self.device)
         cache_len = torch.tensor([s.cache_len for s in seqs], device=self.device)
         rope_delta = torch.tensor([s.rope_delta for s in seqs], device=self.device)
+        lora_slots = [s.lora_slot for s in seqs] if self.lora_slots is not None else None
         longest = max(s.cache_len for s in seqs)
         # Row state to copy out after step s: a row that planned a snapshot where that step leaves it
         captures: dict[int, list[tuple[int, int]]] = {}
@@ -265,7 +275,7 @@ class ModelRunner:
             kv_len = min(longest + step, self.max_model_len - 1) + 1
             positions = (cache_len + step + rope_delta).view(1, n, 1).expand(3, n, 1)
             if self.static_step is not None:
-                logits = self.static_step(tokens, positions, write_index, kv_len, tables)
+                logits = self.static_step(tokens, positions, write_index, kv_len, tables, lora_slots)
             else:
                 self.cache.prepare_decode(n, write_index, kv_len, tables, window_tables)
                 hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),

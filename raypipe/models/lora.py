@@ -18,6 +18,9 @@ back onto the output. That is Punica / S-LoRA's batched LoRA done with dense GEM
 slots x r` columns instead of `r`, but copies no weights and adds two or three operations a layer, where gathering each row's A and B (a copy of
 every row's factors per layer) cost a third of a decode step on a CPU. Never one forward per adapter.
 
+A static-shape decode step (`decode/compiled_step.py`) cannot let `used slots` vary: it runs every slot
+(`LoraRows.every_slot`) with a one-hot mask buffer it refills in place, one graph for any mix.
+
 Which adapter a slot holds is the engine's choice (`decode/lora_pool.py`); `LoraSlots.write` puts it
 there, wrapping a linear in a `LoraLinear` the first time an adapter targets it.
 
@@ -307,6 +310,19 @@ class LoraRows:
         finally:
             local.first, local.used, local.mask = 0, 0, None
 
+    @contextlib.contextmanager
+    def every_slot(self, mask: torch.Tensor):
+        """A static-shape forward (`decode/compiled_step.py`): every slot in use, `mask [rows, 1, slots, 1]` one-hot
+        on each row's own. Its shapes never change, so one compiled graph or CUDA graph serves any mix of adapters:
+        the caller refills `mask` in place between steps (a captured graph reads it by address)."""
+        local = self._local
+        saved = self.first, self.used, self.mask
+        local.first, local.used, local.mask = 0, mask.shape[2], mask
+        try:
+            yield
+        finally:
+            local.first, local.used, local.mask = saved
+
 
 class LoraLinear(torch.nn.Module):
     """A base linear plus each row's adapter delta from the side-by-side slot tensors (on a tensor-parallel rank,
@@ -370,19 +386,31 @@ class LoraSlots:
         self.rows = LoraRows()
         self.layers: dict[str, LoraLinear] = {}
 
-    def write(self, slot: int, adapter: LoraWeights) -> None:
+    @property
+    def num_slots(self) -> int:
+        return self.max_loras + 1  # slot 0: the base model's rows
+
+    def wrap(self, names) -> bool:
+        """Wrap the linears `names` (inside the text model) in `LoraLinear`s where not yet; whether any was new (the
+        model changed: a captured decode graph must be captured again)."""
+        new = [name for name in names if name not in self.layers]
+        for name in new:
+            parent_name, _, child = name.rpartition(".")
+            parent = self.decoder.model.get_submodule(parent_name)
+            self.layers[name] = LoraLinear(getattr(parent, child), self.rows, self.num_slots, self.max_lora_rank,
+                                           self.dtype, self.device)
+            setattr(parent, child, self.layers[name])
+        return bool(new)
+
+    def write(self, slot: int, adapter: LoraWeights) -> bool:
+        """Put `adapter` into `slot`; whether that wrapped new layers (`wrap`)."""
         if not 1 <= slot <= self.max_loras:
             raise ValueError(f"LoRA slot {slot} is outside 1..{self.max_loras}")
-        for name in adapter.factors:
-            if name not in self.layers:
-                parent_name, _, child = name.rpartition(".")
-                parent = self.decoder.model.get_submodule(parent_name)
-                self.layers[name] = LoraLinear(getattr(parent, child), self.rows, self.max_loras + 1,
-                                               self.max_lora_rank, self.dtype, self.device)
-                setattr(parent, child, self.layers[name])
+        wrapped = self.wrap(adapter.factors)
         for name, layer in self.layers.items():
             a, b = adapter.factors.get(name, (None, None))
             layer.set_slot(slot, None if a is None else a.to(layer.lora_a), None if b is None else b.to(layer.lora_b))
+        return wrapped
 
     @property
     def nbytes(self) -> int:
