@@ -1,4 +1,4 @@
-"""LoRA adapters on Qwen2.5-VL's vision tower (`encode/tower_lora.py`), through the product's path, against PEFT.
+"""LoRA adapters on the Qwen families' vision towers (`encode/tower_lora.py`), through the product's path, against PEFT.
 
 Adapters are written by PEFT on the `tiny` preset (random non-zero factors): one on every linear of the tower's
 blocks and its merger, one on a few tower linears and the language model's attention together (rsLoRA), one on
@@ -7,7 +7,7 @@ each with base rows, the same image under several adapters among them; every row
 `generate()` of `PeftModel.from_pretrained` (unmerged) given the request's pixels, so PEFT's own tower runs
 the adapter. Neither the embedding cache nor the prefix cache hands an image's rows encoded under one tower
 adapter to a request under another adapter or the base model, and what cannot be applied is refused naming the
-module (and the family).
+module (and the family). A smaller batch holds the same on Qwen3-VL (deepstack mergers) and Qwen3.5.
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ CACHE_SEEDS = (100, 200)  # images no other request of this module shows
 class Reference:
     """PEFT's greedy tokens, the tower running the adapter on the request's own pixels."""
 
-    def __init__(self, ckpt, folders):
+    def __init__(self, ckpt, folders, adapters=ADAPTERS):
         from peft import PeftModel
 
         hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
         self.processor = AutoImageProcessor.from_pretrained(ckpt)
         self.tokenizer, self.vision = language_adapter(ckpt).tokenizer, vision_adapter(ckpt)
         self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        first, *rest = ADAPTERS
+        first, *rest = adapters
         self.peft = PeftModel.from_pretrained(hf, folders[first], adapter_name=first).eval()
         for name in rest:
             self.peft.load_adapter(folders[name], adapter_name=name)
@@ -159,13 +159,47 @@ def test_what_the_encoders_cannot_apply_is_refused_naming_the_module(served, tmp
 
 
 def test_a_tower_adapter_of_a_family_whose_encoders_take_none_is_refused_naming_module_and_family(tmp_path):
-    ckpt = preset_checkpoint("tiny-qwen3.5")
-    folder = write_adapters(ckpt, tmp_path, {"tower": dict(r=2, lora_alpha=4, target_modules=r".*visual\.blocks\.0\.attn\.qkv")})
+    ckpt = preset_checkpoint("tiny-llava-ov")
+    target = r".*vision_tower\.encoder\.layers\.0\.self_attn\.q_proj"
+    folder = write_adapters(ckpt, tmp_path, {"tower": dict(r=2, lora_alpha=4, target_modules=target)})
     decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
-    with pytest.raises(InvalidInput, match=r"model\.visual\.blocks\.0\.attn\.qkv.*qwen3_5") as refused:
+    with pytest.raises(InvalidInput, match=r"model\.vision_tower\.encoder\.layers\.0\.self_attn\.q_proj.*llava_onevision") as refused:
         lora.read_adapter("tower", folder["tower"], decoder, 16, family=family_of(ckpt))
     assert refused.value.item == "lora_modules.tower"
     assert lora.read_tower_adapter("tower", folder["tower"], family_of(ckpt)) is None
+
+
+# Qwen3-VL's tower (Qwen3.5's has no deepstack mergers): every linear of its blocks and mergers; with the
+# language model's attention (and Qwen3.5's gated delta nets) in "both"
+QWEN3_ADAPTERS = {
+    "tower": dict(r=4, lora_alpha=8, target_modules=r".*visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
+                                                     r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])"),
+    "both": dict(r=8, lora_alpha=6, use_rslora=True,
+                 target_modules=r".*(visual\.blocks\.\d+\.attn\.qkv|visual\.merger\.linear_fc2"
+                                r"|language_model.*\.(q_proj|v_proj|in_proj_qkv|out_proj))"),
+}
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-vl", "tiny-qwen3.5"])
+def test_a_qwen3_tower_adapter_equals_peft_generate(ray_local, tmp_path, preset):
+    """The same product path on Qwen3-VL (deepstack mergers too) and Qwen3.5 (the hybrid language model): one
+    batch of tower-only, tower + language and base rows, the same image under each, over one encoder actor,
+    equals PEFT's `generate()` given the pixels; every adapter row differs from the base model's."""
+    ckpt = preset_checkpoint(preset)
+    folders = write_adapters(ckpt, tmp_path, QWEN3_ADAPTERS)
+    reference = Reference(ckpt, folders, QWEN3_ADAPTERS)
+    rows = [(1, "tower"), (1, None), (3, "both"), (1, "both"), (3, None)]
+    expected = [reference.generate(i, name) for i, name in rows]
+    assert all(expected[n] != reference.generate(i, None) for n, (i, name) in enumerate(rows) if name)
+    pipe = Pipeline.from_pretrained(ckpt, num_encoders=1, lora_modules={n: str(f) for n, f in folders.items()},
+                                    max_num_seqs=8, max_model_len=512, block_size=8)
+    try:
+        assert sorted(pipe.tower_loras.configured) == ["both", "tower"]
+        outs = pipe.generate([ref.request(i) for i, _ in rows], SamplingParams(max_tokens=MAX_NEW),
+                             lora=[name for _, name in rows])
+        assert [o.token_ids for o in outs] == expected
+    finally:
+        pipe.shutdown()
 
 
 def test_an_adapter_loaded_at_run_time_is_read_checked_and_keyed_by_its_fingerprint(served, tmp_path):

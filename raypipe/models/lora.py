@@ -106,7 +106,8 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
         if inside is None or inside not in modules:
             kind = family.model_type if family else type(decoder).__name__
             raise InvalidInput(f"module {module!r} is not a layer of {kind}'s language model (adapters on lm_head "
-                               "or embeddings are not supported; on the vision tower, for Qwen2.5-VL only)",
+                               "or embeddings are not supported, nor on the tower of a family whose encoders take "
+                               "no tower adapters)",
                                item=where, code="invalid_lora_adapter")
         pairs[inside] = pair
     _check_targets(save.config.target_modules, [*pairs, *tower], where)

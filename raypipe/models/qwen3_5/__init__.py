@@ -14,8 +14,11 @@ from raypipe.models.family import ModelFamily
 _VISION = "raypipe.models.qwen3_5.vision:Qwen3_5VisionAdapter"
 _LANGUAGE = "raypipe.models.qwen3_5.language:Qwen3_5LanguageAdapter"
 _WRITE = "raypipe.models.qwen3_5.preset:write"
+_TOWER = ("model.visual.", "visual.")  # LoRA on the tower's blocks and mergers (checkpoint names)
 
 FAMILY = ModelFamily(model_type="qwen3_5", vision=_VISION, language=_LANGUAGE,
-                     presets=("tiny-qwen3.5", "small-qwen3.5"), write_preset=_WRITE, reasoning="qwen3")
+                     presets=("tiny-qwen3.5", "small-qwen3.5"), write_preset=_WRITE, reasoning="qwen3",
+                     lora_tower_prefixes=_TOWER)
 MOE_FAMILY = ModelFamily(model_type="qwen3_5_moe", vision=_VISION, language=_LANGUAGE,
-                         presets=("tiny-qwen3.5-moe",), write_preset=_WRITE, reasoning="qwen3")
+                         presets=("tiny-qwen3.5-moe",), write_preset=_WRITE, reasoning="qwen3",
+                         lora_tower_prefixes=_TOWER)

@@ -12,8 +12,11 @@ from raypipe.models.family import ModelFamily
 _VISION = "raypipe.models.qwen3_vl.vision:Qwen3VLVisionAdapter"
 _LANGUAGE = "raypipe.models.qwen3_vl.language:Qwen3VLLanguageAdapter"
 _WRITE = "raypipe.models.qwen3_vl.preset:write"
+_TOWER = ("model.visual.", "visual.")  # LoRA on the tower's blocks and mergers (checkpoint names)
 
 FAMILY = ModelFamily(model_type="qwen3_vl", vision=_VISION, language=_LANGUAGE,
-                     presets=("tiny-qwen3-vl", "small-qwen3-vl"), write_preset=_WRITE)
+                     presets=("tiny-qwen3-vl", "small-qwen3-vl"), write_preset=_WRITE,
+                     lora_tower_prefixes=_TOWER)
 MOE_FAMILY = ModelFamily(model_type="qwen3_vl_moe", vision=_VISION, language=_LANGUAGE,
-                         presets=("tiny-qwen3-vl-moe",), write_preset=_WRITE)
+                         presets=("tiny-qwen3-vl-moe",), write_preset=_WRITE,
+                         lora_tower_prefixes=_TOWER)
