@@ -140,7 +140,7 @@ def test_what_the_encoders_cannot_apply_is_refused_naming_the_module(served, tmp
     pipe, _, folders = served
     ckpt = preset_checkpoint("tiny")
     family = family_of(ckpt)
-    tower = vision_adapter(ckpt).load_tower(torch.device("cpu"), torch.float32).model
+    tower = vision_adapter(ckpt).load_tower(torch.device("cpu"), torch.float32).lora_root
     read = lora.read_tower_adapter("tower", folders["tower"], family)
     lora.check_tower_factors(read, tower, "lora_modules.tower")
     assert set(read.factors) >= {"blocks.0.attn.qkv", "merger.mlp.0", "merger.mlp.2"}
@@ -159,45 +159,101 @@ def test_what_the_encoders_cannot_apply_is_refused_naming_the_module(served, tmp
 
 
 def test_a_tower_adapter_of_a_family_whose_encoders_take_none_is_refused_naming_module_and_family(tmp_path):
-    ckpt = preset_checkpoint("tiny-llava-ov")
-    target = r".*vision_tower\.encoder\.layers\.0\.self_attn\.q_proj"
-    folder = write_adapters(ckpt, tmp_path, {"tower": dict(r=2, lora_alpha=4, target_modules=target)})
+    ckpt = preset_checkpoint("tiny-qwen3.5")
+    folder = write_adapters(ckpt, tmp_path, {"tower": dict(r=2, lora_alpha=4, target_modules=r".*visual\.blocks\.0\.attn\.qkv")})
     decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
-    with pytest.raises(InvalidInput, match=r"model\.vision_tower\.encoder\.layers\.0\.self_attn\.q_proj.*llava_onevision") as refused:
-        lora.read_adapter("tower", folder["tower"], decoder, 16, family=family_of(ckpt))
+    without = dataclasses.replace(family_of(ckpt), lora_tower_prefixes=())  # a family whose encoders take none
+    with pytest.raises(InvalidInput, match=r"model\.visual\.blocks\.0\.attn\.qkv.*qwen3_5") as refused:
+        lora.read_adapter("tower", folder["tower"], decoder, 16, family=without)
     assert refused.value.item == "lora_modules.tower"
-    assert lora.read_tower_adapter("tower", folder["tower"], family_of(ckpt)) is None
+    assert lora.read_tower_adapter("tower", folder["tower"], without) is None
 
 
-# Qwen3-VL's tower (Qwen3.5's has no deepstack mergers): every linear of its blocks and mergers; with the
-# language model's attention (and Qwen3.5's gated delta nets) in "both"
-QWEN3_ADAPTERS = {
-    "tower": dict(r=4, lora_alpha=8, target_modules=r".*visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
-                                                     r"|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])"),
-    "both": dict(r=8, lora_alpha=6, use_rslora=True,
-                 target_modules=r".*(visual\.blocks\.\d+\.attn\.qkv|visual\.merger\.linear_fc2"
-                                r"|language_model.*\.(q_proj|v_proj|in_proj_qkv|out_proj))"),
+def _family_adapters(tower: str, both: str) -> dict:
+    """A tower-only adapter on the linears `tower` matches, and one (rsLoRA) on `both` tower and language ones."""
+    return {"tower": dict(r=4, lora_alpha=8, target_modules=tower),
+            "both": dict(r=8, lora_alpha=6, use_rslora=True, target_modules=both)}
+
+
+_QWEN3_BOTH = r".*(visual\.blocks\.\d+\.attn\.qkv|visual\.merger\.linear_fc2|language_model.*\.(q_proj|v_proj|in_proj_qkv|out_proj))"
+_SIGLIP = r"encoder\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|mlp\.fc[12])"
+# Every linear of each family's tower and projector in "tower"; the language model's attention (and gated delta
+# nets, on the hybrid ones) in "both"
+FAMILY_ADAPTERS = {
+    "tiny-qwen3-vl": _family_adapters(  # deepstack mergers too
+        r".*visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])",
+        _QWEN3_BOTH),
+    "tiny-qwen3.5": _family_adapters(
+        r".*visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])|merger\.linear_fc[12])", _QWEN3_BOTH),
+    "tiny-llava-ov": _family_adapters(
+        rf".*(vision_tower\.{_SIGLIP}|multi_modal_projector\.linear_[12])",
+        r".*(vision_tower\.encoder\.layers\.\d+\.self_attn\.q_proj|multi_modal_projector\.linear_2"
+        r"|language_model.*\.(q_proj|v_proj))"),
+    "tiny-minicpmv": _family_adapters(  # the tower's own vit_merger too
+        rf".*(vision_tower\.({_SIGLIP}|vit_merger\.linear_[12])|model\.merger\.mlp\.\d+\.linear_[12])",
+        r".*(vision_tower\.encoder\.layers\.\d+\.self_attn\.q_proj|model\.merger\.mlp\.0\.linear_2"
+        r"|language_model.*\.(q_proj|v_proj|in_proj_qkv|out_proj))"),
 }
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-vl", "tiny-qwen3.5"])
-def test_a_qwen3_tower_adapter_equals_peft_generate(ray_local, tmp_path, preset):
-    """The same product path on Qwen3-VL (deepstack mergers too) and Qwen3.5 (the hybrid language model): one
-    batch of tower-only, tower + language and base rows, the same image under each, over one encoder actor,
-    equals PEFT's `generate()` given the pixels; every adapter row differs from the base model's."""
+def _peft_features_generate(ckpt, peft, i: int, name: str | None, eos: int) -> list[int]:
+    """PEFT's greedy tokens for prompt `i` on LLaVA-OneVision or MiniCPM-V: the family's transformers reference
+    (features from `get_image_features`, then `generate()`) run on the PeftModel's wrapped model, `name` active
+    (None: disabled), so the adapter's tower part computes the features and its language part the tokens."""
+    from tests import llava_ov_reference, minicpmv_reference
+
+    model = peft.base_model.model
+    prompt = ref.prepare(i, language_adapter(ckpt).tokenizer, vision_adapter(ckpt))
+    images = random_images(ref.REQUESTS[i][1], seed=i)  # those of ref.request(i)
+    if name is None:
+        active = peft.disable_adapter()
+    else:
+        peft.set_adapter(name)
+        active = contextlib.nullcontext()
+    with active:
+        if family_of(ckpt).model_type == "llava_onevision":
+            features = llava_ov_reference.image_features(model, ckpt, images)
+            tokens = llava_ov_reference.generate(model, prompt.prompt_token_ids, features, MAX_NEW)
+        else:
+            features = minicpmv_reference.image_embeddings(model, ckpt, images)
+            tokens = minicpmv_reference.hf_generate(model, prompt.prompt_token_ids, features, MAX_NEW)
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@pytest.mark.parametrize("preset", list(FAMILY_ADAPTERS))
+def test_a_tower_adapter_equals_peft_generate_on_every_family_that_takes_one(ray_local, tmp_path, preset):
+    """The same product path on Qwen3-VL (deepstack mergers), Qwen3.5 (a hybrid language model), LLaVA-OneVision
+    (SigLIP tower and projector) and MiniCPM-V 4.6 (tower, its vit_merger and the merger): one batch of tower-only,
+    tower + language and base rows, the same image under each, over one encoder actor, equals PEFT's `generate()`
+    with the adapter's tower part computing the image features; every adapter row differs from the base model's."""
     ckpt = preset_checkpoint(preset)
-    folders = write_adapters(ckpt, tmp_path, QWEN3_ADAPTERS)
-    reference = Reference(ckpt, folders, QWEN3_ADAPTERS)
+    adapters = FAMILY_ADAPTERS[preset]
+    folders = write_adapters(ckpt, tmp_path, adapters)
     rows = [(1, "tower"), (1, None), (3, "both"), (1, "both"), (3, None)]
-    expected = [reference.generate(i, name) for i, name in rows]
-    assert all(expected[n] != reference.generate(i, None) for n, (i, name) in enumerate(rows) if name)
+    if family_of(ckpt).model_type.startswith("qwen"):
+        expected = Reference(ckpt, folders, adapters).generate
+    else:
+        from peft import PeftModel
+
+        first, *rest = adapters
+        peft = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(ckpt).eval(), folders[first],
+                                         adapter_name=first).eval()
+        for name in rest:
+            peft.load_adapter(folders[name], adapter_name=name)
+        eos = language_adapter(ckpt).eos_token_ids[0]
+
+        def expected(i, name):
+            return _peft_features_generate(ckpt, peft, i, name, eos)
+
+    want = [expected(i, name) for i, name in rows]
+    assert all(want[n] != expected(i, None) for n, (i, name) in enumerate(rows) if name)
     pipe = Pipeline.from_pretrained(ckpt, num_encoders=1, lora_modules={n: str(f) for n, f in folders.items()},
                                     max_num_seqs=8, max_model_len=512, block_size=8)
     try:
         assert sorted(pipe.tower_loras.configured) == ["both", "tower"]
         outs = pipe.generate([ref.request(i) for i, _ in rows], SamplingParams(max_tokens=MAX_NEW),
                              lora=[name for _, name in rows])
-        assert [o.token_ids for o in outs] == expected
+        assert [o.token_ids for o in outs] == want
     finally:
         pipe.shutdown()
 

@@ -106,8 +106,8 @@ class EncoderWorker:
         self._tower_adapters().factors(lora, where)
 
     def _tower_adapters(self) -> TowerAdapters:
-        if self.tower_loras is None:  # only families with `lora_tower_prefixes` get here: their towers keep `model`
-            self.tower_loras = TowerAdapters(self.tower.model, self.device, self.dtype)
+        if self.tower_loras is None:  # only families with `lora_tower_prefixes` get here: their towers have a root
+            self.tower_loras = TowerAdapters(self.tower.lora_root, self.device, self.dtype)
         return self.tower_loras
 
     @ray.method(concurrency_group="join", num_returns=2)

@@ -125,6 +125,12 @@ class VisionTower(abc.ABC):
         """The tensor work of a prepared forward: every row, padding's last (`PreparedForward.split` cuts)."""
         raise NotImplementedError(f"{type(self).__name__} has no budgeted forwards")
 
+    @property
+    def lora_root(self) -> torch.nn.Module:
+        """The module whose submodules' names LoRA adapters on this tower use (`ModelFamily.lora_tower_prefixes`
+        maps checkpoint names onto them); `encode` must run those submodules' own forwards."""
+        raise NotImplementedError(f"{type(self).__name__} takes no LoRA adapters")
+
 
 class PlaceholderTokens:
     """The placeholder token of each kind of visual item: one answer for both sides of a family."""

@@ -21,9 +21,10 @@ class ModelFamily:
     # how a chat answer's reasoning is told from its content (`models/reasoning.py`): "qwen3" (a
     # `<think>` block the template opens), or "" (no reasoning output)
     reasoning: str = ""
-    # checkpoint prefixes of the vision tower's modules that the encoders apply LoRA adapters on
-    # (`models/lora.py`, `encode/tower_lora.py`); empty: an adapter on this family's tower is refused
-    lora_tower_prefixes: tuple[str, ...] = ()
+    # the vision tower's modules that the encoders apply LoRA adapters on (`models/lora.py`,
+    # `encode/tower_lora.py`): (checkpoint prefix, the same modules' prefix inside the tower's `lora_root`)
+    # pairs; empty: an adapter on this family's tower is refused
+    lora_tower_prefixes: tuple[tuple[str, str], ...] = ()
 
     def vision_adapter(self, checkpoint):
         return _load(self.vision)(checkpoint)

@@ -95,12 +95,11 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
         raise InvalidInput(f"{type(decoder).__name__} does not take LoRA adapters", item=where,
                            code="invalid_lora_adapter")
     save = _read_save(str(folder), where, max_lora_rank)
-    tower_prefixes = family.lora_tower_prefixes if family else ()
     modules = dict(decoder.model.named_modules())
     pairs, tower = {}, []
     for module, pair in save.pairs.items():
         inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
-        if inside is None and strip_prefix(module, tower_prefixes, ()) is not None:
+        if inside is None and family is not None and tower_module(module, family) is not None:
             tower.append(module)  # the encoder's part
             continue
         if inside is None or inside not in modules:
@@ -124,15 +123,24 @@ def read_tower_adapter(name: str, folder: str | pathlib.Path, family: ModelFamil
     save = _read_save(str(folder), where, max_lora_rank)
     factors = {}
     for module, (a, b) in save.pairs.items():
-        inside = strip_prefix(module, family.lora_tower_prefixes, ())
+        inside = tower_module(module, family)
         if inside is not None:
             factors[inside] = (_factor(a, module, "A", where).t().float(),
                                _factor(b, module, "B", where).t().float() * save.scaling)
     return LoraWeights(name, factors, save.fingerprint) if factors else None
 
 
+def tower_module(module: str, family: ModelFamily) -> str | None:
+    """`module`'s name inside the encoders' tower (`VisionTower.lora_root`), by `family.lora_tower_prefixes`; None
+    when it is no tower module the encoders apply adapters on."""
+    for prefix, inside in family.lora_tower_prefixes:
+        if module.startswith(prefix):
+            return inside + module[len(prefix):]
+    return None
+
+
 def check_tower_factors(adapter: LoraWeights, tower: torch.nn.Module, where: str) -> None:
-    """Every module of a tower adapter is a linear layer of `tower` with the factors' shapes."""
+    """Every module of a tower adapter is a linear layer of `tower` (its `lora_root`) with the factors' shapes."""
     _fitted(adapter.factors, dict(tower.named_modules()), 1.0, where, transposed=True)
 
 

@@ -7,5 +7,8 @@ FAMILY = ModelFamily(
     vision="raypipe.models.llava_onevision.vision:LlavaOnevisionVisionAdapter",
     language="raypipe.models.llava_onevision.language:LlavaOnevisionLanguageAdapter",
     presets=("tiny-llava-ov", "small-llava-ov"),
+    # LoRA on the SigLIP tower's layers and the projector (the tower's `lora_root` names both)
+    lora_tower_prefixes=(("model.vision_tower.", "vision_tower."),
+                         ("model.multi_modal_projector.", "multi_modal_projector.")),
     write_preset="raypipe.models.llava_onevision.preset:write",
 )

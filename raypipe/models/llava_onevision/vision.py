@@ -192,6 +192,10 @@ class LlavaOnevisionVisionTower(VisionTower):
         self.tower = tower.to(self.device).eval()
         self.projector = projector.to(self.device).eval()
 
+    @property
+    def lora_root(self) -> torch.nn.Module:
+        return torch.nn.ModuleDict({"vision_tower": self.tower, "multi_modal_projector": self.projector})
+
     def pixel_values(self, units: list[VisionItem]) -> torch.Tensor:
         """The processors' own rescale and normalize, on views and frames they already resized (and cut)."""
         p = self.adapter.processor

@@ -7,5 +7,7 @@ FAMILY = ModelFamily(
     vision="raypipe.models.minicpmv4_6.vision:MiniCPMV4_6VisionAdapter",
     language="raypipe.models.minicpmv4_6.language:MiniCPMV4_6LanguageAdapter",
     presets=("tiny-minicpmv", "small-minicpmv"),
+    # LoRA on the tower's layers (its vit_merger too) and the merger (the tower's `lora_root` names both)
+    lora_tower_prefixes=(("model.vision_tower.", "vision_tower."), ("model.merger.", "merger.")),
     write_preset="raypipe.models.minicpmv4_6.preset:write",
 )

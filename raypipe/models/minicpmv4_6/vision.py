@@ -252,6 +252,10 @@ class MiniCPMV4_6VisionTower(VisionTower):
         self.merger = merger.to(self.device).eval()
         self.use_vit_merger = adapter.config.downsample_mode != "4x"
 
+    @property
+    def lora_root(self) -> torch.nn.Module:
+        return torch.nn.ModuleDict({"vision_tower": self.tower, "merger": self.merger})
+
     def pack(self, units: list[VisionItem]) -> _Packed:
         """The processor's own rescale, normalize and patch layout, on already resized units."""
         p = self.adapter.processor

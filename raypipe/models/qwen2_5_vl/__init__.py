@@ -8,5 +8,5 @@ FAMILY = ModelFamily(
     language="raypipe.models.qwen2_5_vl.language:Qwen2_5_VLLanguageAdapter",
     presets=("tiny", "small"),
     write_preset="raypipe.models.qwen2_5_vl.preset:write",
-    lora_tower_prefixes=("model.visual.", "visual."),  # the tower's blocks and merger (its checkpoint names)
+    lora_tower_prefixes=(("model.visual.", ""), ("visual.", "")),  # the tower's blocks and merger
 )

@@ -194,6 +194,10 @@ class Qwen2_5_VLVisionTower(VisionTower):
         self.model = model.to(self.device).eval()
         self.dtype = dtype
 
+    @property
+    def lora_root(self) -> torch.nn.Module:
+        return self.model
+
     @torch.inference_mode()
     def encode(self, items: list[VisionItem]) -> list[torch.Tensor]:
         """One forward over a shard mixing images and video chunks: pixel rows and grids in shard order."""

@@ -14,7 +14,7 @@ from raypipe.models.family import ModelFamily
 _VISION = "raypipe.models.qwen3_5.vision:Qwen3_5VisionAdapter"
 _LANGUAGE = "raypipe.models.qwen3_5.language:Qwen3_5LanguageAdapter"
 _WRITE = "raypipe.models.qwen3_5.preset:write"
-_TOWER = ("model.visual.", "visual.")  # LoRA on the tower's blocks and mergers (checkpoint names)
+_TOWER = (("model.visual.", ""), ("visual.", ""))  # LoRA on the tower's blocks and mergers
 
 FAMILY = ModelFamily(model_type="qwen3_5", vision=_VISION, language=_LANGUAGE,
                      presets=("tiny-qwen3.5", "small-qwen3.5"), write_preset=_WRITE, reasoning="qwen3",

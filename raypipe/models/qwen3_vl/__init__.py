@@ -12,7 +12,7 @@ from raypipe.models.family import ModelFamily
 _VISION = "raypipe.models.qwen3_vl.vision:Qwen3VLVisionAdapter"
 _LANGUAGE = "raypipe.models.qwen3_vl.language:Qwen3VLLanguageAdapter"
 _WRITE = "raypipe.models.qwen3_vl.preset:write"
-_TOWER = ("model.visual.", "visual.")  # LoRA on the tower's blocks and mergers (checkpoint names)
+_TOWER = (("model.visual.", ""), ("visual.", ""))  # LoRA on the tower's blocks and mergers
 
 FAMILY = ModelFamily(model_type="qwen3_vl", vision=_VISION, language=_LANGUAGE,
                      presets=("tiny-qwen3-vl", "small-qwen3-vl"), write_preset=_WRITE,

@@ -122,6 +122,10 @@ class Qwen3VLVisionTower(VisionTower):
         load_module_weights(model, state, what=f"{adapter.checkpoint} vision tower")
         self.model = model.to(self.device).eval()
 
+    @property
+    def lora_root(self) -> torch.nn.Module:
+        return self.model
+
     @torch.inference_mode()
     def encode(self, items: list[VisionItem]) -> list[torch.Tensor]:
         """One forward over a shard; per item its rows with every deepstack level on the columns."""
