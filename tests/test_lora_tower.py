@@ -7,7 +7,7 @@ each with base rows, the same image under several adapters among them; every row
 `generate()` of `PeftModel.from_pretrained` (unmerged) given the request's pixels, so PEFT's own tower runs
 the adapter. Neither the embedding cache nor the prefix cache hands an image's rows encoded under one tower
 adapter to a request under another adapter or the base model, and what cannot be applied is refused naming the
-module (and the family). A smaller batch holds the same on Qwen3-VL (deepstack mergers) and Qwen3.5.
+module (and the family). A smaller batch holds the same on every other family.
 """
 
 from __future__ import annotations
@@ -189,6 +189,9 @@ FAMILY_ADAPTERS = {
         rf".*(vision_tower\.{_SIGLIP}|multi_modal_projector\.linear_[12])",
         r".*(vision_tower\.encoder\.layers\.\d+\.self_attn\.q_proj|multi_modal_projector\.linear_2"
         r"|language_model.*\.(q_proj|v_proj))"),
+    "tiny-step3": _family_adapters(  # the projector is one linear; the language model's gated attention too
+        r".*(vision_model\.layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|mlp\.fc[12])|multi_modal_projector)",
+        r".*(vision_model\.layers\.\d+\.self_attn\.q_proj|multi_modal_projector|language_model.*\.(q_proj|v_proj|g_proj))"),
     "tiny-minicpmv": _family_adapters(  # the tower's own vit_merger too
         rf".*(vision_tower\.({_SIGLIP}|vit_merger\.linear_[12])|model\.merger\.mlp\.\d+\.linear_[12])",
         r".*(vision_tower\.encoder\.layers\.\d+\.self_attn\.q_proj|model\.merger\.mlp\.0\.linear_2"
@@ -197,10 +200,15 @@ FAMILY_ADAPTERS = {
 
 
 def _peft_features_generate(ckpt, peft, i: int, name: str | None, eos: int) -> list[int]:
-    """PEFT's greedy tokens for prompt `i` on LLaVA-OneVision or MiniCPM-V: the family's transformers reference
+    """PEFT's greedy tokens for prompt `i` on LLaVA-OneVision, MiniCPM-V or Step3: the family's transformers reference
     (features from `get_image_features`, then `generate()`) run on the PeftModel's wrapped model, `name` active
     (None: disabled), so the adapter's tower part computes the features and its language part the tokens."""
-    from tests import llava_ov_reference, minicpmv_reference
+    from tests import llava_ov_reference, minicpmv_reference, step3_reference
+
+    features_of, generate = {"llava_onevision": (llava_ov_reference.image_features, llava_ov_reference.generate),
+                             "step3p7": (step3_reference.image_features, step3_reference.generate),
+                             "minicpmv4_6": (minicpmv_reference.image_embeddings, minicpmv_reference.hf_generate),
+                             }[family_of(ckpt).model_type]
 
     model = peft.base_model.model
     prompt = ref.prepare(i, language_adapter(ckpt).tokenizer, vision_adapter(ckpt))
@@ -211,25 +219,21 @@ def _peft_features_generate(ckpt, peft, i: int, name: str | None, eos: int) -> l
         peft.set_adapter(name)
         active = contextlib.nullcontext()
     with active:
-        if family_of(ckpt).model_type == "llava_onevision":
-            features = llava_ov_reference.image_features(model, ckpt, images)
-            tokens = llava_ov_reference.generate(model, prompt.prompt_token_ids, features, MAX_NEW)
-        else:
-            features = minicpmv_reference.image_embeddings(model, ckpt, images)
-            tokens = minicpmv_reference.hf_generate(model, prompt.prompt_token_ids, features, MAX_NEW)
+        tokens = generate(model, prompt.prompt_token_ids, features_of(model, ckpt, images), MAX_NEW)
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
 @pytest.mark.parametrize("preset", list(FAMILY_ADAPTERS))
 def test_a_tower_adapter_equals_peft_generate_on_every_family_that_takes_one(ray_local, tmp_path, preset):
     """The same product path on Qwen3-VL (deepstack mergers), Qwen3.5 (a hybrid language model), LLaVA-OneVision
-    (SigLIP tower and projector) and MiniCPM-V 4.6 (tower, its vit_merger and the merger): one batch of tower-only,
+    (SigLIP tower and projector), Step3 (tower, a one-linear projector, MoE language model) and MiniCPM-V 4.6
+    (tower, its vit_merger and the merger): one batch of tower-only,
     tower + language and base rows, the same image under each, over one encoder actor, equals PEFT's `generate()`
     with the adapter's tower part computing the image features; every adapter row differs from the base model's."""
     ckpt = preset_checkpoint(preset)
     adapters = FAMILY_ADAPTERS[preset]
     folders = write_adapters(ckpt, tmp_path, adapters)
-    rows = [(1, "tower"), (1, None), (3, "both"), (1, "both"), (3, None)]
+    rows = [(3, "tower"), (3, None), (1, "both"), (3, "both"), (1, None)]
     if family_of(ckpt).model_type.startswith("qwen"):
         expected = Reference(ckpt, folders, adapters).generate
     else:

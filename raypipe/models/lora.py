@@ -91,9 +91,6 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
     part, `read_tower_adapter`), and every listed target must match one. Errors name `where` (default
     `lora_modules.<name>`) and the field."""
     where = where or f"lora_modules.{name}"
-    if not hasattr(decoder, "key_prefixes"):  # loaded by a family's own loader (Step3), not TextDecoder's
-        raise InvalidInput(f"{type(decoder).__name__} does not take LoRA adapters", item=where,
-                           code="invalid_lora_adapter")
     save = _read_save(str(folder), where, max_lora_rank)
     modules = dict(decoder.model.named_modules())
     pairs, tower = {}, []
@@ -136,6 +133,8 @@ def tower_module(module: str, family: ModelFamily) -> str | None:
     for prefix, inside in family.lora_tower_prefixes:
         if module.startswith(prefix):
             return inside + module[len(prefix):]
+        if module + "." == prefix and inside:  # the prefix's module itself (Step3's projector is one linear)
+            return inside[:-1]
     return None
 
 

@@ -19,6 +19,11 @@ LM_HEAD_PREFIXES = ("lm_head.",)
 
 
 class TextDecoder(torch.nn.Module):
+    # How the whole model names this text model's modules (a LoRA adapter names them so, `lora.py`): the prefixes
+    # in front of them, and those of modules that are not the text model's though they start with one.
+    key_prefixes: tuple[str, ...] = ()
+    key_excluded: tuple[str, ...] = ()
+
     def __init__(self, adapter, model: torch.nn.Module, lm_head: torch.nn.Module, device: torch.device,
                  dtype: torch.dtype):
         super().__init__()
@@ -73,7 +78,6 @@ class TextDecoder(torch.nn.Module):
             head = load_tensors(adapter.checkpoint, head_prefixes, dtype=load_dtype)
             load_module_weights(lm_head, head, what=f"{adapter.checkpoint} lm_head")
         decoder = cls(adapter, model, lm_head, device, dtype)
-        # How the whole checkpoint names this model's modules: a LoRA adapter names them so (`lora.py`).
         decoder.key_prefixes, decoder.key_excluded = prefixes, exclude + head_prefixes
         if plan is not None:
             decoder.quantization = f"{plan.description}: {quantized} quantized layers (linears, fused experts)"

@@ -24,7 +24,7 @@ from raypipe.models.base import LanguageAdapter
 from raypipe.models.step3.geometry import IMAGE_TOKEN, Step3Geometry
 from raypipe.models.step3.image_processor import load_image_processor
 from raypipe.models.checkpoint import load_module_weights
-from raypipe.models.step3.loading import language_shard_tensors, load_step3_model
+from raypipe.models.step3.loading import LANGUAGE_PREFIX, language_shard_tensors, load_step3_model
 from raypipe.models.text_decoder import TextDecoder
 
 
@@ -56,6 +56,7 @@ class Step3LanguageModel(TextDecoder):
     """
 
     checkpoint_bytes_read: int | None = None  # a rank's shard: bytes its process read from the checkpoint
+    key_prefixes = (LANGUAGE_PREFIX,)  # transformers' Step3p7ForConditionalGeneration's names (a LoRA adapter's)
 
     @classmethod
     def load_shard(cls, adapter: Step3LanguageAdapter, device: torch.device, dtype: torch.dtype,

@@ -103,6 +103,10 @@ class Step3VisionTower(VisionTower):
         self.vision = model.model.vision_model.to(self.device).eval()
         self.projector = model.model.multi_modal_projector.to(self.device).eval()
 
+    @property
+    def lora_root(self) -> torch.nn.Module:
+        return torch.nn.ModuleDict({"vision_model": self.vision, "multi_modal_projector": self.projector})
+
     def _process(self, unit: VisionItem) -> _Views:
         processed = self.adapter.processor(images=[unit.pixels], return_tensors="pt")
         nx, ny = unit.grid
