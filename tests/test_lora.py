@@ -14,6 +14,7 @@ to the base model, and PEFT saves raypipe cannot apply exactly are refused namin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 
@@ -168,6 +169,81 @@ def test_adapters_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
     with pytest.raises(InvalidInput) as refused:  # adapters on the vision tower: tests/test_lora_tower.py
         lora.read_adapter("bad", folders["table"], decoder, max_lora_rank=16, family=family_of(ckpt))
     assert refused.value.item == "lora_modules.bad" and "embed_tokens" in str(refused.value)
+
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # PEFT: every adapter of a model the same list
+EXPERT_ADAPTERS = {  # names no module path contains: PEFT picks tensors by substring
+    "amber": dict(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERTS),
+    "teal": dict(r=2, lora_alpha=6, use_rslora=True, target_modules=LANGUAGE + r"(q_proj|v_proj)",
+                  target_parameters=EXPERTS),
+}
+EXPERT_TEXTS = ["Tell me a story about a lighthouse.", "a b c d e f", "What is the capital of France?"]
+EXPERT_ROWS = [(0, "amber"), (1, None), (2, "teal"), (1, "amber"), (0, None), (2, "amber")]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-vl-moe", "tiny-qwen3.5-moe", "tiny-step3"])
+def test_adapters_on_moe_experts_equal_peft_generate(preset, tmp_path):
+    """PEFT's `target_parameters` on the fused experts (`models/lora_experts.py`), alone and with attention
+    linears (rsLoRA), on the three MoE families (Step3's clamped SwiGLU too): a staggered K=8 batch mixing both
+    adapters with base rows equals `PeftModel.generate()` per row, and every adapter changes the base tokens."""
+    from peft import PeftModel
+
+    ckpt = preset_checkpoint(preset)
+    folders = write_adapters(ckpt, tmp_path, EXPERT_ADAPTERS)
+    peft = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(ckpt).eval(), folders["amber"],
+                                     adapter_name="amber").eval()
+    peft.load_adapter(folders["teal"], adapter_name="teal")
+    language = language_adapter(ckpt)
+    prompts = [language.tokenizer.encode(text) for text in EXPERT_TEXTS]
+
+    def expected(i, name):
+        ids = torch.tensor([prompts[i]])
+        if name is None:
+            active = peft.disable_adapter()
+        else:
+            peft.set_adapter(name)
+            active = contextlib.nullcontext()
+        with active, torch.no_grad():
+            out = peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+        tokens = out[0, ids.shape[1]:].tolist()
+        ends = [n for n, t in enumerate(tokens) if t in language.eos_token_ids]
+        return tokens[: ends[0] + 1] if ends else tokens
+
+    want = [expected(i, name) for i, name in EXPERT_ROWS]
+    assert all(want[n] != expected(i, None) for n, (i, name) in enumerate(EXPERT_ROWS) if name)
+    engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8,
+                                          lora_modules={n: str(f) for n, f in folders.items()}))
+    try:
+        async def one(n, i, name):
+            await asyncio.sleep(0.004 * n)
+            out = await engine.generate_output(f"experts-{n}", prompts[i], (), SamplingParams(max_tokens=MAX_NEW),
+                                               lora=name)
+            return out.token_ids
+
+        async def every():
+            return await asyncio.gather(*(one(n, i, name) for n, (i, name) in enumerate(EXPERT_ROWS)))
+
+        assert asyncio.run(every()) == want
+    finally:
+        engine.shutdown()
+
+
+def test_adapters_on_experts_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
+    """A target parameter other than the experts' two, and experts that are a tensor-parallel rank's part."""
+    ckpt = preset_checkpoint("tiny-qwen3-vl-moe")
+    decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
+    folder = write_adapters(ckpt, tmp_path / "saved", {"amber": EXPERT_ADAPTERS["amber"]})["amber"]
+    read = lora.read_adapter("amber", folder, decoder, max_lora_rank=16)
+    assert set(read.factors) == {f"layers.{n}.{p}" for n in range(decoder.model.config.num_hidden_layers)
+                                 for p in EXPERTS}
+    with pytest.raises(InvalidInput) as refused:
+        lora.read_adapter("bad", _edited(folder, tmp_path / "router", target_parameters=["mlp.gate.weight"]), decoder, 16)
+    assert refused.value.item == "lora_modules.bad.target_parameters" and "mlp.gate.weight" in str(refused.value)
+    experts = decoder.model.get_submodule("layers.0.mlp.experts")
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj[: experts.gate_up_proj.shape[0] // 2])  # a rank's
+    with pytest.raises(InvalidInput, match="tensor parallelism") as refused:
+        lora.read_adapter("amber", folder, decoder, max_lora_rank=16)
+    assert refused.value.item == "lora_modules.amber"
 
 
 def test_engine_start_refuses_what_it_cannot_serve(tmp_path):

@@ -55,6 +55,7 @@ import safetensors.torch
 import torch
 
 from raypipe.errors import InvalidInput
+from raypipe.models import lora_experts
 from raypipe.models.checkpoint import strip_prefix
 from raypipe.models.family import ModelFamily
 
@@ -63,8 +64,8 @@ PEFT_KEY_PREFIX = "base_model.model."  # every module of a PEFT save sits under 
 FACTORS = {"lora_A.weight": 0, "lora_B.weight": 1}
 # LoraConfig fields whose non-default value changes what PEFT computes beyond plain LoRA on linears.
 UNSUPPORTED_FIELDS = ("use_dora", "modules_to_save", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern",
-                      "layer_replication", "target_parameters", "trainable_token_indices", "alora_invocation_tokens",
-                      "use_qalora", "use_bdlora", "arrow_config")
+                      "layer_replication", "trainable_token_indices", "alora_invocation_tokens", "use_qalora",
+                      "use_bdlora", "arrow_config")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,8 +94,15 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
     where = where or f"lora_modules.{name}"
     save = _read_save(str(folder), where, max_lora_rank)
     modules = dict(decoder.model.named_modules())
-    pairs, tower = {}, []
+    pairs, tower, experts = {}, [], {}
     for module, pair in save.pairs.items():
+        owner = strip_prefix(lora_experts.module_of(module), decoder.key_prefixes, decoder.key_excluded)
+        if lora_experts.is_experts(modules.get(owner)):  # a parameter adapter on fused experts (`target_parameters`)
+            name, factors = lora_experts.expert_factors(owner, lora_experts.unwrapped(modules[owner]), decoder.model.config,
+                                                        *(_factor(t, module, w, where) for t, w in zip(pair, "AB")),
+                                                        save.config.r, save.scaling, where)
+            experts[name] = factors
+            continue
         inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
         if inside is None and family is not None and tower_module(module, family) is not None:
             tower.append(module)  # the encoder's part
@@ -106,8 +114,9 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
                                "no tower adapters)",
                                item=where, code="invalid_lora_adapter")
         pairs[inside] = pair
-    _check_targets(save.config.target_modules, [*pairs, *tower], where)
-    return LoraWeights(name, _fitted(pairs, modules, save.scaling, where, rank=save.config.r), save.fingerprint)
+    _check_targets(save.config.target_modules, [*pairs, *tower, *experts], where)
+    return LoraWeights(name, _fitted(pairs, modules, save.scaling, where, rank=save.config.r) | experts,
+                       save.fingerprint)
 
 
 def read_tower_adapter(name: str, folder: str | pathlib.Path, family: ModelFamily,
@@ -249,6 +258,11 @@ def _check_config(config, where: str, max_lora_rank: int | None) -> None:
         if getattr(config, field, None):
             raise InvalidInput(f"{field}={getattr(config, field)!r} is not supported (plain LoRA on linear layers only)",
                                item=f"{where}.{field}", code="invalid_lora_adapter")
+    for parameter in config.target_parameters or ():
+        if parameter.rpartition(".")[2] not in lora_experts.PARAMETERS:
+            raise InvalidInput(f"target parameter {parameter!r} is not supported (only MoE experts' "
+                               f"{' and '.join(lora_experts.PARAMETERS)})", item=f"{where}.target_parameters",
+                               code="invalid_lora_adapter")
     if config.bias != "none":
         raise InvalidInput(f"bias={config.bias!r} is not supported (only 'none')", item=f"{where}.bias",
                            code="invalid_lora_adapter")
@@ -405,10 +419,22 @@ class LoraSlots:
         for name in new:
             parent_name, _, child = name.rpartition(".")
             parent = self.decoder.model.get_submodule(parent_name)
+            if child in lora_experts.PARAMETERS and lora_experts.is_experts(parent):
+                self.layers[name] = self._experts(parent_name, parent).parameter(child)  # a fused experts' parameter
+                continue
             self.layers[name] = LoraLinear(getattr(parent, child), self.rows, self.num_slots, self.max_lora_rank,
                                            self.dtype, self.device)
             setattr(parent, child, self.layers[name])
         return bool(new)
+
+    def _experts(self, name: str, module: torch.nn.Module) -> lora_experts.LoraExperts:
+        """The `LoraExperts` wrapping experts module `name` (made the first time one of its parameters is targeted)."""
+        if isinstance(module, lora_experts.LoraExperts):
+            return module
+        wrapped = lora_experts.LoraExperts(module, self.rows, self.num_slots, self.max_lora_rank, self.dtype, self.device)
+        parent_name, _, child = name.rpartition(".")
+        setattr(self.decoder.model.get_submodule(parent_name), child, wrapped)
+        return wrapped
 
     def write(self, slot: int, adapter: LoraWeights) -> bool:
         """Put `adapter` into `slot`; whether that wrapped new layers (`wrap`)."""

@@ -1,0 +1,150 @@
+"""LoRA adapters on a mixture-of-experts layer's fused experts (PEFT's `target_parameters`).
+
+transformers keeps a MoE layer's experts as two 3-D parameters of one module (`*.experts`): `gate_up_proj`
+(experts, 2 x width, hidden) and `down_proj` (experts, hidden, width), each expert's weight laid out (out, in).
+PEFT adapts such a parameter with `target_parameters` (its `ParamWrapper`): `lora_A` is (r x experts, in) and
+`lora_B` (out, r x experts); expert e's delta weight is `B_e A_e` times the scaling, with `A_e` the rows
+`e*r .. e*r + r - 1` of `lora_A` and `B_e` the columns `e, e + E, e + 2E, ...` of `lora_B` (its
+`reshape(out, r, E)[..., e]`), added to the weight for the forward (merged). Several parameters of one module
+nest as `experts.base_layer` in the save; which parameter a pair adapts is told by its shapes (`hidden` and
+`width` differ).
+
+Here the delta is applied unmerged, as on linears (`lora.py`): `LoraExperts` wraps the experts module and, when
+a forward's rows use adapters, runs transformers' per-expert loop itself with each routed token's
+`x @ A_e @ B_e` (its row's adapter slot) added to both projections, the module's own gate function between
+(`_apply_gate` where it has one: Step3's clamped SwiGLU). A forward of base rows only runs the module as is.
+Slots sit side by side as `lora.py`'s do: A `(experts, in, slots * r)`, B `(experts, slots * r, out)`: an adapter
+on experts holds `experts x r x (in + out)` numbers per parameter, experts times a linear's.
+
+Not on a tensor-parallel rank (its experts are a part of the layer's) or quantized experts: refused when read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from raypipe.errors import InvalidInput
+
+PARAMETERS = ("gate_up_proj", "down_proj")  # transformers' fused experts, (experts, out, in) each
+
+
+def unwrapped(module: torch.nn.Module | None) -> torch.nn.Module | None:
+    return module.base if isinstance(module, LoraExperts) else module
+
+
+def is_experts(module: torch.nn.Module | None) -> bool:
+    """A transformers fused-experts module whose parameters this applies adapters to (or one already wrapped)."""
+    module = unwrapped(module)
+    return (module is not None and all(isinstance(getattr(module, p, None), torch.nn.Parameter)
+                                       and getattr(module, p).dim() == 3 for p in PARAMETERS)
+            and not getattr(module, "is_transposed", False) and getattr(module, "is_concatenated", True)
+            and not getattr(module, "has_bias", False))
+
+
+def module_of(name: str) -> str:
+    """A PEFT save's module name for a parameter adapter, without the `base_layer` nesting of a second one."""
+    while name.endswith(".base_layer"):
+        name = name[: -len(".base_layer")]
+    return name
+
+
+def expert_factors(module_name: str, experts: torch.nn.Module, config, a: torch.Tensor, b: torch.Tensor, rank: int,
+                   scaling: float, where: str) -> tuple[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`(f"{module_name}.{parameter}", (A (experts, in, r), B scaled (experts, r, out)))` from PEFT's saved
+    `lora_A (r x experts, in)`, `lora_B (out, r x experts)` of one of `experts`' parameters (`config`: the text
+    model's, which says the whole layer's shapes)."""
+    count = experts.gate_up_proj.shape[0]
+    whole = getattr(config, "num_experts", None) or config.num_local_experts
+    width, hidden = config.moe_intermediate_size, config.hidden_size
+    if experts.gate_up_proj.shape != (whole, 2 * width, hidden) or experts.down_proj.shape != (whole, hidden, width):
+        raise InvalidInput(f"module {module_name!r} holds a part of its layer's experts (a tensor-parallel rank's): "
+                           "LoRA adapters on experts are not supported with tensor parallelism", item=where,
+                           code="invalid_lora_adapter")
+    for parameter in PARAMETERS:
+        out_features, in_features = getattr(experts, parameter).shape[1:]
+        if a.dim() == b.dim() == 2 and a.shape == (rank * count, in_features) and b.shape == (out_features, rank * count):
+            a3 = a.float().reshape(count, rank, in_features).transpose(1, 2)
+            b3 = b.float().reshape(out_features, rank, count).permute(2, 1, 0) * scaling
+            return f"{module_name}.{parameter}", (a3.contiguous(), b3.contiguous())
+    raise InvalidInput(f"module {module_name!r}: lora_A/lora_B shapes {tuple(a.shape)}/{tuple(b.shape)} fit neither "
+                       f"of its experts' parameters {PARAMETERS} at r={rank}", item=where, code="invalid_lora_adapter")
+
+
+class LoraExperts(torch.nn.Module):
+    """An experts module plus each routed token's adapter delta on both projections (see the top)."""
+
+    def __init__(self, base: torch.nn.Module, rows, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.base = base
+        self.rows = rows  # `lora.LoraRows`: the forward's slots and row mask
+        self.max_rank = max_rank
+        self.num_experts = base.gate_up_proj.shape[0]
+        for parameter in PARAMETERS:
+            out_features, in_features = getattr(base, parameter).shape[1:]
+            width = num_slots * max_rank
+            self.register_buffer(f"{parameter}_a", torch.zeros(self.num_experts, in_features, width, dtype=dtype,
+                                                               device=device))
+            self.register_buffer(f"{parameter}_b", torch.zeros(self.num_experts, width, out_features, dtype=dtype,
+                                                               device=device))
+
+    def parameter(self, name: str) -> "ExpertParameter":
+        return ExpertParameter(self, name)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        used = self.rows.used
+        if not used:
+            return self.base(hidden_states, top_k_index, top_k_weights)
+        first = self.rows.first * self.max_rank
+        columns = slice(first, first + used * self.max_rank)
+        mask = self.rows.mask  # [rows, 1, used, 1]: one row's tokens are consecutive in the flattened batch
+        if mask is not None:
+            mask = mask.expand(mask.shape[0], hidden_states.shape[0] // mask.shape[0], used, 1).reshape(-1, used, 1)
+        base = self.base
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            routed = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in hit:
+            expert = expert[0]
+            if expert == self.num_experts:
+                continue
+            position, token = torch.where(routed[expert])
+            rows = None if mask is None else mask[token]
+            x = hidden_states[token]
+            gate_up = F.linear(x, base.gate_up_proj[expert]) + self._delta("gate_up_proj", expert, x, columns, rows)
+            if hasattr(base, "_apply_gate"):
+                current = base._apply_gate(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                current = base.act_fn(gate) * up
+            current = F.linear(current, base.down_proj[expert]) + self._delta("down_proj", expert, current, columns,
+                                                                                rows)
+            current = current * top_k_weights[token, position, None]
+            final.index_add_(0, token, current.to(final.dtype))
+        return final
+
+    def _delta(self, parameter: str, expert, x: torch.Tensor, columns: slice, rows: torch.Tensor | None):
+        h = x @ getattr(self, f"{parameter}_a")[expert][:, columns]
+        if rows is not None:
+            h = (h.view(h.shape[0], -1, self.max_rank) * rows).view(h.shape)
+        return h @ getattr(self, f"{parameter}_b")[expert][columns]
+
+
+class ExpertParameter:
+    """One parameter's slots of a `LoraExperts`, as `LoraSlots` writes and counts a linear's."""
+
+    def __init__(self, experts: LoraExperts, name: str):
+        self.experts, self.name = experts, name
+        self.lora_a, self.lora_b = getattr(experts, f"{name}_a"), getattr(experts, f"{name}_b")
+
+    def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Slot `slot` holds `(a (experts, in, r), b (experts, r, out))`; None: zeros."""
+        rank = self.experts.max_rank
+        first = slot * rank
+        self.lora_a[:, :, first: first + rank] = 0
+        self.lora_b[:, first: first + rank] = 0
+        if a is not None:
+            self.lora_a[:, :, first: first + a.shape[2]] = a
+            self.lora_b[:, first: first + a.shape[2]] = b
