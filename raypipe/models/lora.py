@@ -298,10 +298,34 @@ def _shape(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else tuple(t.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """A mixed forward's rows grouped by slot, for a one-token-per-row (decode) forward to run each slot's factors
+    on its own rows only, as batched GEMMs (`torch.bmm`, one matrix per used slot), instead of every used slot's on
+    every row: the masked GEMMs compute `used` times the columns, which at 16 adapters in a round cost twice the
+    grouped form on a CPU. Position `k * width + j` is the j-th row of slot `first + k`; `rows` names each
+    position's row (row 0 for a position no row fills), and `filled` is 1 where a row does, 0 elsewhere (None when
+    every position is filled), so an empty position's delta is zeros wherever it is added."""
+
+    width: int
+    rows: torch.Tensor
+    filled: torch.Tensor | None
+
+    @classmethod
+    def of(cls, slots: list[int], first: int, used: int, dtype: torch.dtype, device: torch.device) -> "Segments":
+        members = [[row for row, slot in enumerate(slots) if slot == first + k] for k in range(used)]
+        width = max(len(rows) for rows in members)
+        rows = [rows[j] if j < len(rows) else 0 for rows in members for j in range(width)]
+        filled = [float(j < len(rows)) for rows in members for j in range(width)]
+        return cls(width, torch.tensor(rows, device=device),
+                   None if all(filled) else torch.tensor(filled, dtype=dtype, device=device).view(used, width, 1))
+
+
 class LoraRows:
     """Which slots this thread's current forward uses: slots `first .. first + used - 1`, and the mask
-    `[rows, 1, used, 1]` (1 where row i uses the slot) that picks each row's own; no mask when every row
-    uses one slot. `used` is 0 when every row is the base model's."""
+    `[rows, 1, used, 1]` (1 where row i uses the slot) that picks each row's own, with the rows grouped by slot
+    (`Segments`) for a decode forward; no mask when every row uses one slot. `used` is 0 when every row is the
+    base model's."""
 
     def __init__(self):
         self._local = threading.local()
@@ -318,6 +342,10 @@ class LoraRows:
     def mask(self) -> torch.Tensor | None:
         return getattr(self._local, "mask", None)
 
+    @property
+    def segments(self) -> Segments | None:
+        return getattr(self._local, "segments", None)
+
     @contextlib.contextmanager
     def using(self, slots: list[int], dtype: torch.dtype, device: torch.device):
         named = [s for s in slots if s]
@@ -327,10 +355,11 @@ class LoraRows:
         if len(named) < len(slots) or local.first != last:
             span = torch.arange(local.first, last + 1)
             local.mask = (torch.tensor(slots)[:, None] == span).to(device, dtype)[:, None, :, None]
+            local.segments = Segments.of(slots, local.first, local.used, dtype, device)
         try:
             yield
         finally:
-            local.first, local.used, local.mask = 0, 0, None
+            local.first, local.used, local.mask, local.segments = 0, 0, None, None
 
     @contextlib.contextmanager
     def every_slot(self, mask: torch.Tensor):
@@ -338,12 +367,12 @@ class LoraRows:
         on each row's own. Its shapes never change, so one compiled graph or CUDA graph serves any mix of adapters:
         the caller refills `mask` in place between steps (a captured graph reads it by address)."""
         local = self._local
-        saved = self.first, self.used, self.mask
-        local.first, local.used, local.mask = 0, mask.shape[2], mask
+        saved = self.first, self.used, self.mask, self.segments
+        local.first, local.used, local.mask, local.segments = 0, mask.shape[2], mask, None
         try:
             yield
         finally:
-            local.first, local.used, local.mask = saved
+            local.first, local.used, local.mask, local.segments = saved
 
 
 class LoraLinear(torch.nn.Module):
@@ -386,14 +415,29 @@ class LoraLinear(torch.nn.Module):
         out = self.base.partial(x) if self.row_parallel else self.base(x)
         used = self.rows.used
         if used:
-            first = self.rows.first * self.max_rank
-            columns = slice(first, first + used * self.max_rank)  # a view of the used slots, no copy
-            h = x.reshape(-1, x.shape[-1]) @ self.lora_a[:, columns]
-            mask = self.rows.mask
-            if mask is not None:
-                h = (h.view(mask.shape[0], -1, used, self.max_rank) * mask).view(h.shape)
-            out = torch.addmm(out.reshape(-1, out.shape[-1]), h, self.lora_b[columns]).view_as(out)
+            mask, segments = self.rows.mask, self.rows.segments
+            if segments is not None and x.numel() == mask.shape[0] * x.shape[-1]:  # one token per row: decode
+                out = self._grouped_delta(x, out, used, segments)
+            else:
+                first = self.rows.first * self.max_rank
+                columns = slice(first, first + used * self.max_rank)  # a view of the used slots, no copy
+                h = x.reshape(-1, x.shape[-1]) @ self.lora_a[:, columns]
+                if mask is not None:
+                    h = (h.view(mask.shape[0], -1, used, self.max_rank) * mask).view(h.shape)
+                out = torch.addmm(out.reshape(-1, out.shape[-1]), h, self.lora_b[columns]).view_as(out)
         return self.base.finish(out) if self.row_parallel else out
+
+    def _grouped_delta(self, x: torch.Tensor, out: torch.Tensor, used: int, segments: Segments) -> torch.Tensor:
+        """`out` plus each row's delta from its own slot's factors only (`Segments`)."""
+        rank, slots = self.max_rank, slice(self.rows.first, self.rows.first + used)
+        rows = x.reshape(-1, x.shape[-1]).index_select(0, segments.rows)
+        a = self.lora_a.view(self.lora_a.shape[0], -1, rank).permute(1, 0, 2)[slots]  # (used, in, r), a view
+        h = torch.bmm(rows.view(used, segments.width, -1), a)
+        if segments.filled is not None:
+            h.mul_(segments.filled)
+        delta = torch.bmm(h, self.lora_b.view(-1, rank, self.lora_b.shape[1])[slots])  # (used, width, out)
+        return out.reshape(-1, out.shape[-1]).index_add_(0, segments.rows, delta.view(-1, delta.shape[-1])
+                                                         ).view_as(out)
 
 
 class LoraSlots:
