@@ -45,14 +45,19 @@ ROWS = [(0, "red"), (1, None), (2, "green"), (3, "blue"), (0, None), (1, "red"),
 
 
 class Served:
-    """A preset's adapters, PEFT's greedy tokens for every row and the engines serving them."""
+    """A preset's adapters, PEFT's greedy tokens for every row and the engines serving them. A compressed-tensors
+    quantized preset (`base`: the preset it quantizes, whose modules the adapters are written on) is PEFT's model
+    as transformers decompresses it (`CompressedTensorsConfig(dequantize=True)`, the quantized tests' oracle)."""
 
-    def __init__(self, preset: str, folder):
+    def __init__(self, preset: str, folder, base: str | None = None):
         from peft import PeftModel
+        from transformers import CompressedTensorsConfig
 
         self.ckpt = preset_checkpoint(preset)
-        self.folders = write_adapters(self.ckpt, folder, ADAPTERS)
-        hf = AutoModelForImageTextToText.from_pretrained(self.ckpt).eval()
+        self.adapters_on = preset_checkpoint(base or preset)  # the checkpoint adapters are written on
+        self.folders = write_adapters(self.adapters_on, folder, ADAPTERS)
+        decompressed = dict(quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32) if base else {}
+        hf = AutoModelForImageTextToText.from_pretrained(self.ckpt, **decompressed).eval()
         tokenizer, vision = language_adapter(self.ckpt).tokenizer, vision_adapter(self.ckpt)
         self.prompts = [ref.prepare(i, tokenizer, vision) for i in range(4)]
         self.embeds = [ref.embeddings(hf, self.ckpt, p) for p in self.prompts]  # the tower takes no adapter

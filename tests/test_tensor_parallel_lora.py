@@ -2,7 +2,9 @@
 (gloo on CPU) serving a mixed batch of three adapters (ranks 4, 8 with rsLoRA, 2; attention, MLP, every
 linear) and base rows, with images, gives every row the greedy tokens of the one-device engine and of
 PEFT's `generate()` with that adapter, K=1 and K=8, on Qwen2.5-VL (column- and row-parallel attention and
-MLP) and Qwen3.5 (its gated delta net's fused q | k | v projection split by heads, `out_proj` row-parallel).
+MLP) and Qwen3.5 (its gated delta net's fused q | k | v projection split by heads, `out_proj` row-parallel),
+and on Qwen2.5-VL's compressed-tensors W4A16 preset (LoRA over packed int4 layers, PEFT over transformers'
+decompressed model).
 An adapter loaded at run time on the group, into a slot another adapter held, serves the one-device
 engine's tokens.
 
@@ -27,12 +29,15 @@ LATE = {"violet": dict(r=16, lora_alpha=12, target_modules=LANGUAGE + r"(v_proj|
 LATE_ROWS = [(1, "violet"), (0, None), (2, "violet"), (0, "red")]
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-qwen3.5"])
+@pytest.fixture(scope="module", params=[("tiny", None), ("tiny-qwen3.5", None), ("tiny-w4a16", "tiny")],
+                ids=["tiny", "tiny-qwen3.5", "tiny-w4a16"])
 def served(request, tmp_path_factory, ray_local):
-    """PEFT's tokens per row, and a one-device engine and a group of two, both started with ADAPTERS."""
-    folder = tmp_path_factory.mktemp(f"tp-lora-{request.param}")
-    made = Served(request.param, folder)
-    made.late = write_adapters(made.ckpt, folder / "late", LATE)
+    """PEFT's tokens per row, and a one-device engine and a group of two, both started with ADAPTERS (on the
+    int4 preset, over its packed layers: each rank cuts them on group boundaries, its adapter parts alike)."""
+    preset, base = request.param
+    folder = tmp_path_factory.mktemp(f"tp-lora-{preset}")
+    made = Served(preset, folder, base)
+    made.late = write_adapters(made.adapters_on, folder / "late", LATE)
     engines = []
     for tp in (1, 2):
         config = EngineConfig(max_num_seqs=4, max_model_len=512, block_size=8, num_threads=1, max_loras=3,
