@@ -126,3 +126,61 @@ def test_the_experts_hold_about_half_of_their_bf16_bytes(moe):
     stored = sum(getattr(m, name).untyped_storage().nbytes() for m in layers for name in m.stored)
     bf16 = sum(getattr(m, name).numel() * 2 for m in layers for name in EXPERT_WEIGHTS)
     assert 0.5 <= stored / bf16 <= 0.52, stored / bf16
+
+
+def _experts_apart(fused, folder):
+    """`fused`'s checkpoint with every layer's experts stored one tensor per expert and projection, each with its
+    own grid of block scales (Qwen's Qwen3-VL-MoE -FP8 layout, `mlp.experts.<e>.gate_proj.weight` and
+    `.weight_scale_inv`), every other file and tensor as they are."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(fused, folder)
+    tensors = {}
+    for path in safetensors_files(fused):
+        with safe_open(str(path), framework="pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+        (folder / path.name).unlink()
+    apart = {}
+    for key, tensor in tensors.items():
+        prefix, _, name = key.rpartition(".mlp.experts.")
+        if not prefix:
+            apart[key] = tensor
+            continue
+        weight, _, scale = name.partition("_scale_inv")
+        suffix = "weight_scale_inv" if name != weight else "weight"
+        for e, part in enumerate(tensor):
+            if weight == "gate_up_proj":
+                gate, up = part.chunk(2)
+                apart[f"{prefix}.mlp.experts.{e}.gate_proj.{suffix}"] = gate.contiguous()
+                apart[f"{prefix}.mlp.experts.{e}.up_proj.{suffix}"] = up.contiguous()
+            else:
+                apart[f"{prefix}.mlp.experts.{e}.down_proj.{suffix}"] = part.contiguous()
+    save_file(apart, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_experts_stored_apart_as_qwens_fp8_releases_load_as_the_fused_checkpoint(tmp_path):
+    """The same weights and scales stored one expert at a time load into the engine's language model bit for bit
+    as the fused checkpoint's (whose tokens the tests above hold against transformers); a width that is no whole
+    number of scale blocks is refused, naming the layer."""
+    from raypipe.models.expert_layout import fused_experts
+    from raypipe.models.registry import language_adapter
+
+    fused = preset_checkpoint(PRESET)
+    apart = _experts_apart(fused, tmp_path / "apart")
+    assert any(".mlp.experts.0.gate_proj.weight_scale_inv" in key for key in stored_experts(apart))
+    want = language_adapter(fused).load_model(torch.device("cpu"), torch.bfloat16).state_dict()
+    got = language_adapter(apart).load_model(torch.device("cpu"), torch.bfloat16).state_dict()
+    assert want.keys() == got.keys() and any(t.dtype == torch.float8_e4m3fn for t in got.values())
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    width = 24  # 1.5 blocks of 16 rows
+    state = {f"layers.0.mlp.experts.0.{p}.{kind}": torch.zeros(shape)
+             for p, shape in (("gate_proj", (width, 16)), ("up_proj", (width, 16)), ("down_proj", (16, width)))
+             for kind in ("weight",)}
+    state |= {f"layers.0.mlp.experts.0.{p}.weight_scale_inv": torch.ones(2, 1) for p in ("gate_proj", "up_proj")}
+    state["layers.0.mlp.experts.0.down_proj.weight_scale_inv"] = torch.ones(1, 2)
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts: an expert width of 24 rows .* 16-row"):
+        fused_experts(state, scale_block_rows=16)

@@ -10,18 +10,17 @@ state rows for `linear_attention`, the paged pool for `full_attention`, as for M
 model this is. Visual rows are the tower's merger output alone (no deepstack), so the plain
 `TextDecoder` scatters them.
 
-MoE checkpoints store each expert's projections apart (`mlp.experts.<e>.gate_proj.weight`, as the
-released checkpoints and transformers' own `save_pretrained` write them); transformers' module holds
-them fused per layer (`gate_up_proj`, `down_proj`) and converts on load (its `qwen2_moe` conversion:
-experts stacked, gate rows before up rows). `fused_experts` does the same for the tensors raypipe reads.
+MoE checkpoints store each expert's projections apart; `expert_layout.fused_experts` fuses them as
+transformers' module holds them.
 """
 
 from __future__ import annotations
 
-import re
+import functools
 
 import torch
 
+from raypipe.models.expert_layout import block_rows, fused_experts
 from raypipe.models.qwen2_5_vl.language import LANGUAGE_PREFIXES, VISION_EXCLUDE
 from raypipe.models.qwen3_vl.language import Qwen3VLLanguageAdapter
 from raypipe.models.text_decoder import TextDecoder
@@ -33,28 +32,7 @@ class Qwen3_5LanguageAdapter(Qwen3VLLanguageAdapter):
             from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel as text_model
         else:
             from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel as text_model
+        convert = functools.partial(fused_experts, scale_block_rows=block_rows(self.config))
         return TextDecoder.from_checkpoint(self, text_model, device, dtype, prefixes=LANGUAGE_PREFIXES,
-                                           exclude=VISION_EXCLUDE, convert=fused_experts, shard=shard)
+                                           exclude=VISION_EXCLUDE, shard=shard, convert=convert)
 
-
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
-def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` with per-expert projections fused as transformers' MoE experts hold them: per layer
-    `gate_up_proj` (experts, 2 x intermediate, hidden; gate rows first) and `down_proj` (experts, hidden,
-    intermediate), the experts present in index order (a tensor-parallel rank reads only its own:
-    `raypipe.parallel.shards.ExpertSplit`). Tensors already fused, and every other tensor, pass unchanged."""
-    out, experts = {}, {}
-    for key, tensor in state.items():
-        match = _EXPERT.fullmatch(key)
-        if match is None:
-            out[key] = tensor
-        else:
-            experts.setdefault(match.group(1), {})[(int(match.group(2)), match.group(3))] = tensor
-    for prefix, parts in experts.items():
-        held = sorted({e for e, _ in parts})  # every expert, or a tensor-parallel rank's consecutive share
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat((parts[e, "gate_proj"], parts[e, "up_proj"]))
-                                                     for e in held])
-        out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in held])
-    return out
