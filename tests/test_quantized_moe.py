@@ -184,3 +184,29 @@ def test_experts_stored_apart_as_qwens_fp8_releases_load_as_the_fused_checkpoint
     state["layers.0.mlp.experts.0.down_proj.weight_scale_inv"] = torch.ones(1, 2)
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts: an expert width of 24 rows .* 16-row"):
         fused_experts(state, scale_block_rows=16)
+
+
+def test_a_forward_rebuilds_only_the_experts_it_routes_to_and_equals_rebuilding_all(moe, monkeypatch):
+    """Tokens routed to two of the four experts: the layer dequantizes those two only (the rebuilt tensors'
+    leading size), and its output equals transformers' experts module over every expert rebuilt, bit for bit."""
+    import copy
+
+    from raypipe.models.quantized import fp8_block
+
+    _, _, _, engines = moe
+    layer = next(m for m in engines(1).runner.model.modules() if isinstance(m, Fp8BlockExperts))
+    hidden = torch.randn(6, layer.gate_up_proj.shape[2], dtype=torch.bfloat16)
+    top_k_index = torch.tensor([[3, 1], [1, 3], [3, 3], [1, 1], [3, 1], [1, 3]])
+    top_k_weights = torch.rand(6, 2, dtype=torch.bfloat16)
+    rebuilt = []
+    real = fp8_block.dequantize_blocks
+    monkeypatch.setattr(fp8_block, "dequantize_blocks", lambda w, *rest: rebuilt.append(w.shape[0]) or real(w, *rest))
+    with torch.inference_mode():
+        got = layer(hidden, top_k_index, top_k_weights)
+        every = copy.copy(layer.experts)
+        for name in EXPERT_WEIGHTS:
+            setattr(every, name, real(getattr(layer, name), getattr(layer, f"{name}_scale_inv"), layer.block,
+                                      torch.bfloat16))
+        want = every(hidden, top_k_index, top_k_weights)
+    assert rebuilt == [2, 2] and layer.gate_up_proj.shape[0] == 4
+    assert torch.equal(got, want)

@@ -61,7 +61,7 @@ class Fp8BlockExperts(torch.nn.Module):
     """transformers' fused-experts module (`experts`: its routing loop or grouped GEMMs, as the unquantized
     model runs) over weights rebuilt per forward from the stored e4m3 tensors and their block scales, one grid
     per expert (`gate_up_proj_scale_inv`, `down_proj_scale_inv`: the names transformers' `FP8Experts` loads).
-    One layer's experts exist in full precision during its forward only."""
+    Only the experts a forward routes to exist in full precision, during that forward only."""
 
     def __init__(self, experts: torch.nn.Module, block: tuple[int, int]):
         super().__init__()
@@ -80,13 +80,24 @@ class Fp8BlockExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
+        # Only the experts this call routes to are rebuilt (a decode step's few rows reach a few of a layer's
+        # experts), numbered 0.. in expert order, every other index becoming the skipped sentinel: each routed
+        # expert sees the same rows, in the same order, as with all of them rebuilt.
+        count = self.experts.num_experts  # this module's experts (a tensor-parallel rank's share)
+        routed = torch.unique(top_k_index)
+        routed = routed[routed < count]  # a rank's sentinel for other ranks' experts is not one of them
+        if not len(routed):  # every row went to other ranks' experts: this rank's share of the sum is zero
+            return torch.zeros_like(hidden_states)
+        renumber = torch.full((count + 1,), len(routed), dtype=top_k_index.dtype, device=top_k_index.device)
+        renumber[routed] = torch.arange(len(routed), dtype=top_k_index.dtype, device=top_k_index.device)
         # A copy per call holds this call's weights: the engine's prefill thread and its decode loop may run the
         # same layer at once. Its tensors die with it.
         run = copy.copy(self.experts)
+        run.num_experts, run._is_expert_parallel = len(routed), True  # transformers skips the sentinel's rows
         for name in EXPERT_WEIGHTS:
-            setattr(run, name, dequantize_blocks(getattr(self, name), getattr(self, f"{name}_scale_inv"), self.block,
-                                                 hidden_states.dtype))
-        return run(hidden_states, top_k_index, top_k_weights)
+            setattr(run, name, dequantize_blocks(getattr(self, name)[routed], getattr(self, f"{name}_scale_inv")[routed],
+                                                 self.block, hidden_states.dtype))
+        return run(hidden_states, renumber[top_k_index], top_k_weights)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
