@@ -186,55 +186,65 @@ EXPERT_TEXTS = ["Tell me a story about a lighthouse.", "a b c d e f", "What is t
 EXPERT_ROWS = [(0, "amber"), (1, None), (2, "teal"), (1, "amber"), (0, None), (2, "amber")]
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-vl-moe", "tiny-qwen3.5-moe", "tiny-step3"])
-def test_adapters_on_moe_experts_equal_peft_generate(preset, tmp_path):
-    """PEFT's `target_parameters` on the fused experts (`models/lora_experts.py`), alone and with attention
-    linears (rsLoRA), on the three MoE families (Step3's clamped SwiGLU too): a staggered K=8 batch mixing both
-    adapters with base rows equals `PeftModel.generate()` per row, and every adapter changes the base tokens."""
-    from peft import PeftModel
+class ExpertCase:
+    """EXPERT_ADAPTERS written on a MoE preset, its prompts, and PEFT's greedy tokens for every EXPERT_ROWS row."""
 
-    ckpt = preset_checkpoint(preset)
-    folders = write_adapters(ckpt, tmp_path, EXPERT_ADAPTERS)
-    peft = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(ckpt).eval(), folders["amber"],
-                                     adapter_name="amber").eval()
-    peft.load_adapter(folders["teal"], adapter_name="teal")
-    language = language_adapter(ckpt)
-    prompts = [language.tokenizer.encode(text) for text in EXPERT_TEXTS]
+    def __init__(self, preset: str, folder):
+        from peft import PeftModel
 
-    def expected(i, name):
-        ids = torch.tensor([prompts[i]])
+        self.ckpt = preset_checkpoint(preset)
+        self.folders = write_adapters(self.ckpt, folder, EXPERT_ADAPTERS)
+        self.peft = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(self.ckpt).eval(),
+                                              self.folders["amber"], adapter_name="amber").eval()
+        self.peft.load_adapter(self.folders["teal"], adapter_name="teal")
+        self.language = language_adapter(self.ckpt)
+        self.prompts = [self.language.tokenizer.encode(text) for text in EXPERT_TEXTS]
+        self.want = [self.peft_tokens(i, name) for i, name in EXPERT_ROWS]
+
+    def peft_tokens(self, i: int, name: str | None) -> list[int]:
+        ids = torch.tensor([self.prompts[i]])
         if name is None:
-            active = peft.disable_adapter()
+            active = self.peft.disable_adapter()
         else:
-            peft.set_adapter(name)
+            self.peft.set_adapter(name)
             active = contextlib.nullcontext()
         with active, torch.no_grad():
-            out = peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+            out = self.peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
         tokens = out[0, ids.shape[1]:].tolist()
-        ends = [n for n, t in enumerate(tokens) if t in language.eos_token_ids]
+        ends = [n for n, t in enumerate(tokens) if t in self.language.eos_token_ids]
         return tokens[: ends[0] + 1] if ends else tokens
 
-    want = [expected(i, name) for i, name in EXPERT_ROWS]
-    assert all(want[n] != expected(i, None) for n, (i, name) in enumerate(EXPERT_ROWS) if name)
-    engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8,
-                                          lora_modules={n: str(f) for n, f in folders.items()}))
-    try:
+    def run(self, engine, tag: str) -> list[list[int]]:
+        """Every EXPERT_ROWS row's tokens from `engine`, submitted 4 ms apart (K=8: rows join a running batch)."""
         async def one(n, i, name):
             await asyncio.sleep(0.004 * n)
-            out = await engine.generate_output(f"experts-{n}", prompts[i], (), SamplingParams(max_tokens=MAX_NEW),
+            out = await engine.generate_output(f"{tag}-{n}", self.prompts[i], (), SamplingParams(max_tokens=MAX_NEW),
                                                lora=name)
             return out.token_ids
 
         async def every():
             return await asyncio.gather(*(one(n, i, name) for n, (i, name) in enumerate(EXPERT_ROWS)))
 
-        assert asyncio.run(every()) == want
+        return asyncio.run(every())
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-vl-moe", "tiny-qwen3.5-moe", "tiny-step3"])
+def test_adapters_on_moe_experts_equal_peft_generate(preset, tmp_path):
+    """PEFT's `target_parameters` on the fused experts (`models/lora_experts.py`), alone and with attention
+    linears (rsLoRA), on the three MoE families (Step3's clamped SwiGLU too): a staggered K=8 batch mixing both
+    adapters with base rows equals `PeftModel.generate()` per row, and every adapter changes the base tokens."""
+    case = ExpertCase(preset, tmp_path)
+    assert all(case.want[n] != case.peft_tokens(i, None) for n, (i, name) in enumerate(EXPERT_ROWS) if name)
+    engine = LLMEngine(case.ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8,
+                                               lora_modules={n: str(f) for n, f in case.folders.items()}))
+    try:
+        assert case.run(engine, "experts") == case.want
     finally:
         engine.shutdown()
 
 
 def test_adapters_on_experts_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
-    """A target parameter other than the experts' two, and experts that are a tensor-parallel rank's part."""
+    """A target parameter other than the experts' two, and experts a tensor-parallel rank holds a part of each of."""
     ckpt = preset_checkpoint("tiny-qwen3-vl-moe")
     decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
     folder = write_adapters(ckpt, tmp_path / "saved", {"amber": EXPERT_ADAPTERS["amber"]})["amber"]
@@ -245,8 +255,10 @@ def test_adapters_on_experts_raypipe_cannot_apply_are_refused_naming_the_field(t
         lora.read_adapter("bad", _edited(folder, tmp_path / "router", target_parameters=["mlp.gate.weight"]), decoder, 16)
     assert refused.value.item == "lora_modules.bad.target_parameters" and "mlp.gate.weight" in str(refused.value)
     experts = decoder.model.get_submodule("layers.0.mlp.experts")
-    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj[: experts.gate_up_proj.shape[0] // 2])  # a rank's
-    with pytest.raises(InvalidInput, match="tensor parallelism") as refused:
+    width = experts.gate_up_proj.shape[1] // 2  # a rank's share of every expert's width (Step3's "width" split)
+    experts.gate_up_proj = torch.nn.Parameter(torch.cat((experts.gate_up_proj[:, : width // 2],
+                                                         experts.gate_up_proj[:, width: width + width // 2]), 1))
+    with pytest.raises(InvalidInput, match="split by width") as refused:
         lora.read_adapter("amber", folder, decoder, max_lora_rank=16)
     assert refused.value.item == "lora_modules.amber"
 

@@ -20,7 +20,7 @@ from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.parallel import runner_factory
 from raypipe.testing.lora_adapters import write_adapters
-from tests.test_lora import ADAPTERS, LANGUAGE, ROWS, Served, run_on
+from tests.test_lora import ADAPTERS, LANGUAGE, ROWS, ExpertCase, Served, run_on
 from tests.test_tensor_parallel import with_k
 
 # Loaded at run time, into the slot of one of ADAPTERS (max_loras 3): the full rank, layers of every split
@@ -73,3 +73,20 @@ def test_adapter_loaded_at_run_time_on_a_group_equals_one_device(served):
     one, two = outs
     assert two == one
     assert one[0] != served.expected[1, None] and one[1:4:2] == [served.expected[0, None], served.expected[0, "red"]]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-vl-moe", "tiny-step3"])
+def test_adapters_on_experts_on_a_group_equal_one_device_and_peft(preset, tmp_path, ray_local):
+    """Each rank holds whole experts (its share) and keeps its experts' factors of every adapter; the layer's
+    routing and its sum over ranks wrap the adapted experts as they wrapped the plain ones."""
+    case = ExpertCase(preset, tmp_path)
+    outs = []
+    for tp in (1, 2):
+        config = EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8, num_threads=1,
+                              tensor_parallel_size=tp, lora_modules={n: str(f) for n, f in case.folders.items()})
+        engine = LLMEngine(case.ckpt, config, runner_factory=runner_factory(config))
+        try:
+            outs.append(case.run(engine, f"experts-tp{tp}"))
+        finally:
+            engine.shutdown()
+    assert outs[1] == outs[0] == case.want

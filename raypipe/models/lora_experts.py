@@ -16,7 +16,8 @@ a forward's rows use adapters, runs transformers' per-expert loop itself with ea
 Slots sit side by side as `lora.py`'s do: A `(experts, in, slots * r)`, B `(experts, slots * r, out)`: an adapter
 on experts holds `experts x r x (in + out)` numbers per parameter, experts times a linear's.
 
-Not on a tensor-parallel rank (its experts are a part of the layer's) or quantized experts: refused when read.
+On a tensor-parallel rank holding whole experts (`expert_split="experts"`) each rank keeps its experts'
+factors. Refused when read: experts split by width (Step3's `expert_split="width"`) and quantized experts.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ def expert_factors(module_name: str, experts: torch.nn.Module, config, a: torch.
     """`(f"{module_name}.{parameter}", (A (experts, in, r), B scaled (experts, r, out)))` from PEFT's saved
     `lora_A (r x experts, in)`, `lora_B (out, r x experts)` of one of `experts`' parameters (`config`: the text
     model's, which says the whole layer's shapes)."""
-    count = experts.gate_up_proj.shape[0]
-    whole = getattr(config, "num_experts", None) or config.num_local_experts
+    count = getattr(config, "num_experts", None) or config.num_local_experts  # the whole layer's
     width, hidden = config.moe_intermediate_size, config.hidden_size
-    if experts.gate_up_proj.shape != (whole, 2 * width, hidden) or experts.down_proj.shape != (whole, hidden, width):
-        raise InvalidInput(f"module {module_name!r} holds a part of its layer's experts (a tensor-parallel rank's): "
-                           "LoRA adapters on experts are not supported with tensor parallelism", item=where,
-                           code="invalid_lora_adapter")
+    held = getattr(experts, "expert_share", (0, count))[1]  # a tensor-parallel rank's whole experts
+    if experts.gate_up_proj.shape != (held, 2 * width, hidden) or experts.down_proj.shape != (held, hidden, width):
+        raise InvalidInput(f"module {module_name!r} holds a part of each expert (a tensor-parallel rank's, experts "
+                           "split by width): LoRA adapters on experts need them split whole (expert_split='experts')",
+                           item=where, code="invalid_lora_adapter")
     for parameter in PARAMETERS:
         out_features, in_features = getattr(experts, parameter).shape[1:]
         if a.dim() == b.dim() == 2 and a.shape == (rank * count, in_features) and b.shape == (out_features, rank * count):
@@ -72,11 +73,19 @@ def expert_factors(module_name: str, experts: torch.nn.Module, config, a: torch.
 
 
 class LoraExperts(torch.nn.Module):
-    """An experts module plus each routed token's adapter delta on both projections (see the top)."""
+    """An experts module plus each routed token's adapter delta on both projections (see the top).
+
+    On a tensor-parallel rank the module holds a share of whole experts (`expert_share`: first, count), with hooks
+    that number the routed experts locally before its forward and sum the ranks' outputs after it: the hooks move
+    to this wrapper, so the loop here sees local numbers and its output is summed as the module's was."""
 
     def __init__(self, base: torch.nn.Module, rows, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
+        for hooks in ("_forward_pre_hooks", "_forward_hooks"):  # torch keeps a module's hooks in these dicts
+            getattr(self, hooks).update(getattr(base, hooks))
+            getattr(base, hooks).clear()
+        self.share = getattr(base, "expert_share", None)
         self.base = base
         self.rows = rows  # `lora.LoraRows`: the forward's slots and row mask
         self.max_rank = max_rank
@@ -95,7 +104,7 @@ class LoraExperts(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         used = self.rows.used
         if not used:
-            return self.base(hidden_states, top_k_index, top_k_weights)
+            return self.base.forward(hidden_states, top_k_index, top_k_weights)  # its hooks are this module's
         first = self.rows.first * self.max_rank
         columns = slice(first, first + used * self.max_rank)
         mask = self.rows.mask  # [rows, 1, used, 1]: one row's tokens are consecutive in the flattened batch
@@ -140,11 +149,15 @@ class ExpertParameter:
         self.lora_a, self.lora_b = getattr(experts, f"{name}_a"), getattr(experts, f"{name}_b")
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        """Slot `slot` holds `(a (experts, in, r), b (experts, r, out))`; None: zeros."""
+        """Slot `slot` holds `(a (experts, in, r), b (experts, r, out))`, every expert's (a tensor-parallel rank
+        keeps its share); None: zeros."""
         rank = self.experts.max_rank
         first = slot * rank
         self.lora_a[:, :, first: first + rank] = 0
         self.lora_b[:, first: first + rank] = 0
         if a is not None:
+            if self.experts.share is not None:
+                start, count = self.experts.share
+                a, b = a[start: start + count], b[start: start + count]
             self.lora_a[:, :, first: first + a.shape[2]] = a
             self.lora_b[:, first: first + a.shape[2]] = b

@@ -248,6 +248,7 @@ class ExpertSplit:
                                                                       dtype=param.dtype)))
             experts.num_experts = self.count
             experts._is_expert_parallel = True  # transformers' kernels skip the sentinel index `num_experts`
+        experts.expert_share = (self.first, self.count)  # a LoRA adapter's experts are cut so (`lora_experts.py`)
         experts.register_forward_pre_hook(self._local_indices)
         experts.register_forward_hook(self._sum_over_ranks)
 
