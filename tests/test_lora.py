@@ -249,7 +249,7 @@ def test_adapters_on_experts_raypipe_cannot_apply_are_refused_naming_the_field(t
     decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
     folder = write_adapters(ckpt, tmp_path / "saved", {"amber": EXPERT_ADAPTERS["amber"]})["amber"]
     read = lora.read_adapter("amber", folder, decoder, max_lora_rank=16)
-    assert set(read.factors) == {f"layers.{n}.{p}" for n in range(decoder.model.config.num_hidden_layers)
+    assert read.name == "amber" and set(read.factors) == {f"layers.{n}.{p}" for n in range(decoder.model.config.num_hidden_layers)
                                  for p in EXPERTS}
     with pytest.raises(InvalidInput) as refused:
         lora.read_adapter("bad", _edited(folder, tmp_path / "router", target_parameters=["mlp.gate.weight"]), decoder, 16)

@@ -18,7 +18,9 @@ back onto the output. That is Punica / S-LoRA's batched LoRA done with dense GEM
 slots x r` columns instead of `r`, but copies no weights and adds two or three operations a layer, where gathering each row's A and B (a copy of
 every row's factors per layer) cost a third of a decode step on a CPU. Never one forward per adapter.
 
-A static-shape decode step (`decode/compiled_step.py`) cannot let `used slots` vary: it runs every slot
+A decode forward (one token per row) mixing adapters groups its rows by slot instead (`Segments`): batched
+GEMMs of each used slot's factors over that slot's rows, `r` columns per row. A static-shape decode step
+(`decode/compiled_step.py`) cannot let `used slots` vary: it runs every slot
 (`LoraRows.every_slot`) with a one-hot mask buffer it refills in place, one graph for any mix.
 
 Which adapter a slot holds is the engine's choice (`decode/lora_pool.py`); `LoraSlots.write` puts it
@@ -98,10 +100,10 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
     for module, pair in save.pairs.items():
         owner = strip_prefix(lora_experts.module_of(module), decoder.key_prefixes, decoder.key_excluded)
         if lora_experts.is_experts(modules.get(owner)):  # a parameter adapter on fused experts (`target_parameters`)
-            name, factors = lora_experts.expert_factors(owner, lora_experts.unwrapped(modules[owner]), decoder.model.config,
-                                                        *(_factor(t, module, w, where) for t, w in zip(pair, "AB")),
-                                                        save.config.r, save.scaling, where)
-            experts[name] = factors
+            parameter, factors = lora_experts.expert_factors(
+                owner, lora_experts.unwrapped(modules[owner]), decoder.model.config,
+                *(_factor(t, module, w, where) for t, w in zip(pair, "AB")), save.config.r, save.scaling, where)
+            experts[parameter] = factors
             continue
         inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
         if inside is None and family is not None and tower_module(module, family) is not None:
@@ -313,10 +315,10 @@ class Segments:
 
     @classmethod
     def of(cls, slots: list[int], first: int, used: int, dtype: torch.dtype, device: torch.device) -> "Segments":
-        members = [[row for row, slot in enumerate(slots) if slot == first + k] for k in range(used)]
-        width = max(len(rows) for rows in members)
-        rows = [rows[j] if j < len(rows) else 0 for rows in members for j in range(width)]
-        filled = [float(j < len(rows)) for rows in members for j in range(width)]
+        groups = [[row for row, slot in enumerate(slots) if slot == first + k] for k in range(used)]
+        width = max(len(group) for group in groups)
+        rows = [group[j] if j < len(group) else 0 for group in groups for j in range(width)]
+        filled = [float(j < len(group)) for group in groups for j in range(width)]
         return cls(width, torch.tensor(rows, device=device),
                    None if all(filled) else torch.tensor(filled, dtype=dtype, device=device).view(used, width, 1))
 
