@@ -14,7 +14,6 @@ to the base model, and PEFT saves raypipe cannot apply exactly are refused namin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shutil
 
@@ -28,7 +27,7 @@ from raypipe.decode.engine import LLMEngine
 from raypipe.errors import InvalidInput
 from raypipe.models import lora
 from raypipe.models.registry import family_of, language_adapter, preset_checkpoint, vision_adapter
-from raypipe.testing.lora_adapters import write_adapters
+from raypipe.testing.lora_adapters import active_adapter, peft_model, write_adapters
 from tests import decode_reference as ref
 
 MAX_NEW = 12
@@ -50,7 +49,6 @@ class Served:
     as transformers decompresses it (`CompressedTensorsConfig(dequantize=True)`, the quantized tests' oracle)."""
 
     def __init__(self, preset: str, folder, base: str | None = None):
-        from peft import PeftModel
         from transformers import CompressedTensorsConfig
 
         self.ckpt = preset_checkpoint(preset)
@@ -63,17 +61,10 @@ class Served:
         self.embeds = [ref.embeddings(hf, self.ckpt, p) for p in self.prompts]  # the tower takes no adapter
         eos = hf.generation_config.eos_token_id
         self.eos = eos[0] if isinstance(eos, list) else eos
-        first, *rest = ADAPTERS
-        peft = PeftModel.from_pretrained(hf, self.folders[first], adapter_name=first).eval()
-        for name in rest:
-            peft.load_adapter(self.folders[name], adapter_name=name)
+        peft = peft_model(hf, self.folders)
         self.expected = {}
         for i, name in set(ROWS) | {(i, None) for i, _ in ROWS}:
-            if name is None:
-                with peft.disable_adapter():
-                    self.expected[i, name] = self._generate(peft, i)
-            else:
-                peft.set_adapter(name)
+            with active_adapter(peft, name):
                 self.expected[i, name] = self._generate(peft, i)
         self.engines = ref.engine_pool(self.ckpt, max_num_seqs=4, max_model_len=512, block_size=8,
                                        lora_modules={n: str(f) for n, f in self.folders.items()})
@@ -190,25 +181,16 @@ class ExpertCase:
     """EXPERT_ADAPTERS written on a MoE preset, its prompts, and PEFT's greedy tokens for every EXPERT_ROWS row."""
 
     def __init__(self, preset: str, folder):
-        from peft import PeftModel
-
         self.ckpt = preset_checkpoint(preset)
         self.folders = write_adapters(self.ckpt, folder, EXPERT_ADAPTERS)
-        self.peft = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(self.ckpt).eval(),
-                                              self.folders["amber"], adapter_name="amber").eval()
-        self.peft.load_adapter(self.folders["teal"], adapter_name="teal")
+        self.peft = peft_model(AutoModelForImageTextToText.from_pretrained(self.ckpt).eval(), self.folders)
         self.language = language_adapter(self.ckpt)
         self.prompts = [self.language.tokenizer.encode(text) for text in EXPERT_TEXTS]
         self.want = [self.peft_tokens(i, name) for i, name in EXPERT_ROWS]
 
     def peft_tokens(self, i: int, name: str | None) -> list[int]:
         ids = torch.tensor([self.prompts[i]])
-        if name is None:
-            active = self.peft.disable_adapter()
-        else:
-            self.peft.set_adapter(name)
-            active = contextlib.nullcontext()
-        with active, torch.no_grad():
+        with active_adapter(self.peft, name), torch.no_grad():
             out = self.peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
         tokens = out[0, ids.shape[1]:].tolist()
         ends = [n for n, t in enumerate(tokens) if t in self.language.eos_token_ids]

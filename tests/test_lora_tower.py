@@ -12,7 +12,6 @@ module (and the family). A smaller batch holds the same on every other family.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
 
@@ -25,7 +24,7 @@ from raypipe import Pipeline, SamplingParams
 from raypipe.errors import InvalidInput
 from raypipe.models import lora
 from raypipe.models.registry import family_of, language_adapter, preset_checkpoint, vision_adapter
-from raypipe.testing.lora_adapters import write_adapters
+from raypipe.testing.lora_adapters import active_adapter, peft_model, write_adapters
 from tests import decode_reference as ref
 from tests.conftest import random_images, reference_embeddings
 
@@ -46,17 +45,12 @@ CACHE_SEEDS = (100, 200)  # images no other request of this module shows
 class Reference:
     """PEFT's greedy tokens, the tower running the adapter on the request's own pixels."""
 
-    def __init__(self, ckpt, folders, adapters=ADAPTERS):
-        from peft import PeftModel
-
+    def __init__(self, ckpt, folders):
         hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
         self.processor = AutoImageProcessor.from_pretrained(ckpt)
         self.tokenizer, self.vision = language_adapter(ckpt).tokenizer, vision_adapter(ckpt)
         self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        first, *rest = adapters
-        self.peft = PeftModel.from_pretrained(hf, folders[first], adapter_name=first).eval()
-        for name in rest:
-            self.peft.load_adapter(folders[name], adapter_name=name)
+        self.peft = peft_model(hf, folders)
 
     def generate(self, i: int, name: str | None, seed: int = 0) -> list[int]:
         return self.generate_prompt(ref.prepare(i, self.tokenizer, self.vision, seed), name)
@@ -69,12 +63,7 @@ class Reference:
             assert processed["image_grid_thw"].tolist() == [list(g) for g in prompt.visual_grids]
             kwargs = dict(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
                           mm_token_type_ids=(ids == self.peft.config.image_token_id).int())
-        if name is None:
-            active = self.peft.disable_adapter()
-        else:
-            self.peft.set_adapter(name)
-            active = contextlib.nullcontext()
-        with active, torch.no_grad():
+        with active_adapter(self.peft, name), torch.no_grad():
             out = self.peft.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                      do_sample=False, **kwargs)
         tokens = out[0, ids.shape[1]:].tolist()
@@ -213,12 +202,7 @@ def _peft_features_generate(ckpt, peft, i: int, name: str | None, eos: int) -> l
     model = peft.base_model.model
     prompt = ref.prepare(i, language_adapter(ckpt).tokenizer, vision_adapter(ckpt))
     images = random_images(ref.REQUESTS[i][1], seed=i)  # those of ref.request(i)
-    if name is None:
-        active = peft.disable_adapter()
-    else:
-        peft.set_adapter(name)
-        active = contextlib.nullcontext()
-    with active:
+    with active_adapter(peft, name):
         tokens = generate(model, prompt.prompt_token_ids, features_of(model, ckpt, images), MAX_NEW)
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
@@ -235,15 +219,9 @@ def test_a_tower_adapter_equals_peft_generate_on_every_family_that_takes_one(ray
     folders = write_adapters(ckpt, tmp_path, adapters)
     rows = [(3, "tower"), (3, None), (1, "both"), (3, "both"), (1, None)]
     if family_of(ckpt).model_type.startswith("qwen"):
-        expected = Reference(ckpt, folders, adapters).generate
+        expected = Reference(ckpt, folders).generate
     else:
-        from peft import PeftModel
-
-        first, *rest = adapters
-        peft = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(ckpt).eval(), folders[first],
-                                         adapter_name=first).eval()
-        for name in rest:
-            peft.load_adapter(folders[name], adapter_name=name)
+        peft = peft_model(AutoModelForImageTextToText.from_pretrained(ckpt).eval(), folders)
         eos = language_adapter(ckpt).eos_token_ids[0]
 
         def expected(i, name):

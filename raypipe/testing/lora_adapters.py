@@ -21,3 +21,25 @@ def write_adapters(checkpoint, folder: pathlib.Path, adapters: dict[str, dict]) 
         model.add_adapter(name, configs[name])
     model.save_pretrained(folder)  # each adapter in a folder of its name
     return {name: folder / name for name in adapters}
+
+
+def peft_model(model, folders: dict):
+    """transformers `model` under every adapter of `folders` (name -> PEFT save), unmerged: PEFT's own `PeftModel`,
+    the oracle raypipe's adapters are compared with."""
+    from peft import PeftModel
+
+    first, *rest = folders
+    peft = PeftModel.from_pretrained(model, folders[first], adapter_name=first).eval()
+    for name in rest:
+        peft.load_adapter(folders[name], adapter_name=name)
+    return peft
+
+
+def active_adapter(peft, name: str | None):
+    """The context under which `peft` runs adapter `name` (None: with its adapters disabled, the base model)."""
+    import contextlib
+
+    if name is None:
+        return peft.disable_adapter()
+    peft.set_adapter(name)
+    return contextlib.nullcontext()
