@@ -86,12 +86,14 @@ def test_an_unsupported_quantization_config_is_refused_naming_the_field(config, 
         quantization_plan({"quantization_config": config})
 
 
-def test_the_language_model_load_refuses_a_malformed_config(tmp_path):
-    source = preset_checkpoint("tiny-fp8")
+@pytest.mark.parametrize("preset, block", [("tiny-fp8", [0, 128]), ("tiny-qwen3-vl-moe-fp8", 128)])
+def test_the_language_model_load_refuses_a_malformed_config(tmp_path, preset, block):
+    """Also where the loader fuses per-expert FP8 scales (Qwen3-VL, Qwen3.5): the plan's message, not a TypeError."""
+    source = preset_checkpoint(preset)
     for path in source.iterdir():
         (tmp_path / path.name).symlink_to(path)
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"]["weight_block_size"] = [0, 128]
+    config["quantization_config"]["weight_block_size"] = block
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"quantization_config\.weight_block_size"):

@@ -12,6 +12,8 @@ the engine's process must be about half of bf16's.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -183,7 +185,7 @@ def test_experts_stored_apart_as_qwens_fp8_releases_load_as_the_fused_checkpoint
     state |= {f"layers.0.mlp.experts.0.{p}.weight_scale_inv": torch.ones(2, 1) for p in ("gate_proj", "up_proj")}
     state["layers.0.mlp.experts.0.down_proj.weight_scale_inv"] = torch.ones(1, 2)
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts: an expert width of 24 rows .* 16-row"):
-        fused_experts(state, scale_block_rows=16)
+        fused_experts(state, types.SimpleNamespace(quantization_config={"weight_block_size": [16, 16]}))
 
 
 def test_a_forward_rebuilds_only_the_experts_it_routes_to_and_equals_rebuilding_all(moe, monkeypatch):

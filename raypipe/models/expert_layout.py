@@ -19,16 +19,17 @@ _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\
 _FUSED = {"weight": "", "weight_scale_inv": "_scale_inv"}  # suffix of the fused tensor's name
 
 
-def block_rows(config) -> int | None:
-    """The rows of a checkpoint's FP8 scale block (`quantization_config.weight_block_size`), if it has one."""
+def _block_rows(config) -> int | None:
+    """The rows of a checkpoint's FP8 scale block (`quantization_config.weight_block_size`, which the FP8 plan has
+    checked by the time a state is converted), if it has one."""
     quant = getattr(config, "quantization_config", None) or {}
     block = quant.get("weight_block_size") if isinstance(quant, dict) else getattr(quant, "weight_block_size", None)
     return block[0] if block else None
 
 
-def fused_experts(state: dict[str, torch.Tensor], scale_block_rows: int | None = None) -> dict[str, torch.Tensor]:
-    """`state` with per-expert projections (and their FP8 block scales, whose blocks have `scale_block_rows`
-    rows) fused: the experts present in index order (a tensor-parallel rank reads only its own:
+def fused_experts(state: dict[str, torch.Tensor], config=None) -> dict[str, torch.Tensor]:
+    """`state` with per-expert projections (and their FP8 block scales, by the block of `config`, the checkpoint's
+    config) fused: the experts present in index order (a tensor-parallel rank reads only its own:
     `raypipe.parallel.shards.ExpertSplit`). Tensors already fused, and every other tensor, pass unchanged."""
     out, experts = {}, {}
     for key, tensor in state.items():
@@ -42,6 +43,7 @@ def fused_experts(state: dict[str, torch.Tensor], scale_block_rows: int | None =
         held = sorted({e for e, _ in parts})  # every expert, or a tensor-parallel rank's consecutive share
         if kind == "weight_scale_inv":
             width = state[f"{prefix}.{held[0]}.gate_proj.weight"].shape[0]
+            scale_block_rows = _block_rows(config)
             if scale_block_rows is None or width % scale_block_rows:
                 raise ValueError(f"{prefix}: an expert width of {width} rows is not a whole number of "
                                  f"{scale_block_rows}-row FP8 scale blocks: the fused gate | up weight's blocks "

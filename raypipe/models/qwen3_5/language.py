@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from raypipe.models.expert_layout import block_rows, fused_experts
+from raypipe.models.expert_layout import fused_experts
 from raypipe.models.qwen2_5_vl.language import LANGUAGE_PREFIXES, VISION_EXCLUDE
 from raypipe.models.qwen3_vl.language import Qwen3VLLanguageAdapter
 from raypipe.models.text_decoder import TextDecoder
@@ -32,7 +32,7 @@ class Qwen3_5LanguageAdapter(Qwen3VLLanguageAdapter):
             from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel as text_model
         else:
             from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel as text_model
-        convert = functools.partial(fused_experts, scale_block_rows=block_rows(self.config))
+        convert = functools.partial(fused_experts, config=self.config)
         return TextDecoder.from_checkpoint(self, text_model, device, dtype, prefixes=LANGUAGE_PREFIXES,
                                            exclude=VISION_EXCLUDE, shard=shard, convert=convert)
 

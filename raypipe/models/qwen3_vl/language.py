@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from raypipe.models.base import VisualLayout
-from raypipe.models.expert_layout import block_rows, fused_experts
+from raypipe.models.expert_layout import fused_experts
 from raypipe.models.prompt import token_runs
 from raypipe.models.qwen2_5_vl.language import LANGUAGE_PREFIXES, VISION_EXCLUDE, Qwen2_5_VLLanguageAdapter
 from raypipe.models.qwen3_vl.positions import qwen3_positions
@@ -50,7 +50,7 @@ class Qwen3VLLanguageAdapter(Qwen2_5_VLLanguageAdapter):
         else:
             from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel as text_model
         # Qwen's -FP8 releases store the experts apart: fused on load (`expert_layout.py`)
-        convert = functools.partial(fused_experts, scale_block_rows=block_rows(self.config))
+        convert = functools.partial(fused_experts, config=self.config)
         return DeepstackTextDecoder.from_checkpoint(self, text_model, device, dtype, prefixes=LANGUAGE_PREFIXES,
                                                     exclude=VISION_EXCLUDE, shard=shard, convert=convert)
 
