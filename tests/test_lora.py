@@ -226,13 +226,18 @@ def test_adapters_on_moe_experts_equal_peft_generate(preset, tmp_path):
 
 
 def test_adapters_on_experts_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
-    """A target parameter other than the experts' two, and experts a tensor-parallel rank holds a part of each of."""
+    """Quantized experts, a target parameter other than the experts' two, and experts a tensor-parallel rank holds a
+    part of each of."""
     ckpt = preset_checkpoint("tiny-qwen3-vl-moe")
     decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
     folder = write_adapters(ckpt, tmp_path / "saved", {"amber": EXPERT_ADAPTERS["amber"]})["amber"]
     read = lora.read_adapter("amber", folder, decoder, max_lora_rank=16)
     assert read.name == "amber" and set(read.factors) == {f"layers.{n}.{p}" for n in range(decoder.model.config.num_hidden_layers)
                                  for p in EXPERTS}
+    fp8 = language_adapter(preset_checkpoint("tiny-qwen3-vl-moe-fp8")).load_model(torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(InvalidInput, match=r"layers\.\d+\.mlp\.experts' is a Fp8BlockExperts") as refused:
+        lora.read_adapter("amber", folder, fp8, max_lora_rank=16)  # the same adapter on the FP8 checkpoint
+    assert refused.value.item == "lora_modules.amber.target_parameters"
     with pytest.raises(InvalidInput) as refused:
         lora.read_adapter("bad", _edited(folder, tmp_path / "router", target_parameters=["mlp.gate.weight"]), decoder, 16)
     assert refused.value.item == "lora_modules.bad.target_parameters" and "mlp.gate.weight" in str(refused.value)

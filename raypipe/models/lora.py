@@ -105,6 +105,10 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
                 *(_factor(t, module, w, where) for t, w in zip(pair, "AB")), save.config.r, save.scaling, where)
             experts[parameter] = factors
             continue
+        if save.config.target_parameters and owner in modules and not _is_linear(modules[owner]):
+            raise InvalidInput(f"module {owner!r} is a {type(modules[owner]).__name__}: target_parameters adapt only "
+                               "transformers' fused experts as stored unquantized (not quantized ones, e.g. FP8)",
+                               item=f"{where}.target_parameters", code="invalid_lora_adapter")
         inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
         if inside is None and family is not None and tower_module(module, family) is not None:
             tower.append(module)  # the encoder's part
