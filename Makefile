@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean wheel gpu-wheels
+.PHONY: demo test test-autoscaling install bench clean wheel gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ demo: $(STAMP)
 	$(VENV)/bin/raypipe demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 tests
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 -m "not autoscaling" tests
+
+# The fake multi-node autoscaling cycles (~5 min on 2 cores): run them when the cluster benches, the fake
+# cluster or the Serve/batch scaling paths change. Kept out of `make test` to hold CI under 45 minutes.
+test-autoscaling: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m autoscaling tests
 
 # The wheel cluster.yaml syncs to every node (file_mounts): exactly this checkout's code.
 wheel: $(STAMP)

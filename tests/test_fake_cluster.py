@@ -12,6 +12,9 @@ whose encoder pool (1 to 2 actors with `--quick`, a GPU each) grows onto the GPU
 Each runs in a subprocess, so its Ray driver joins its own fake cluster without disturbing the
 session's local Ray. That subprocess inherits RAY_AUTH_MODE=token from this one once any test has
 called `ray.init()`; the benches restart themselves in the cluster's mode (`run_as_driver`).
+
+The two cycles take ~5 min on 2 cores: they are marked `autoscaling` and run by `make test-autoscaling`,
+not `make test` (CI's time). The token-mode driver test stays in `make test`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
@@ -33,6 +37,7 @@ from raypipe.testing.fake_cluster import AUTH_MODE
 from tests.conftest import reference_embeddings
 
 
+@pytest.mark.autoscaling
 def test_serve_scales_gpu_nodes_up_and_down_without_failed_requests(tmp_path):
     run = subprocess.run([sys.executable, "-m", "raypipe.cli", "bench", "cluster", "--quick", "--json",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
@@ -93,6 +98,7 @@ def test_a_token_mode_driver_keeps_its_actors_and_stop_ends_only_the_clusters_pr
         bystander.wait()
 
 
+@pytest.mark.autoscaling
 def test_batch_encoder_pool_grows_onto_new_gpu_nodes_and_writes_each_input_once(tmp_path, tiny_ckpt, hf_model):
     """`raypipe batch --num-encoders 1:3 --encoder-gpus 1` on a head with no GPUs: the pool's actors
     bring up GPU nodes, the pool grows onto them, and the output holds every input exactly once
