@@ -176,14 +176,20 @@ def test_every_family_language_model_in_bf16_matches_transformers(preset):
     assert sum(gap == 0 for gap in gaps) >= len(gaps) * 3 // 4, (mode, gaps)  # and most of them exactly its pick
 
 
-def test_cuda_graph_decode_in_bf16_equals_eager():
+# Every layer kind: full attention; gated-delta-net rows and MoE experts (grouped GEMMs); sliding windows beside
+# Step3's experts, whose routing loop reads values on the host, so its capture fails and the engine says why.
+CUDA_GRAPH_PRESETS = {"tiny": "cuda_graphs", "tiny-qwen3.5-moe": "cuda_graphs", "tiny-step3": "eager"}
+
+
+@pytest.mark.parametrize("preset", list(CUDA_GRAPH_PRESETS))
+def test_cuda_graph_decode_in_bf16_equals_eager(preset):
     """The static-shape step (CUDA graphs) against the eager step, same engine code, bf16: padding rows and KV
     columns change GEMM shapes only, so the greedy tokens agree."""
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
     from raypipe.models.registry import preset_checkpoint
 
-    ckpt = preset_checkpoint("tiny")
+    ckpt = preset_checkpoint(preset)
     outputs, modes = [], []
     for compiled in (True, False):
         engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, dtype="bfloat16",
@@ -198,9 +204,11 @@ def test_cuda_graph_decode_in_bf16_equals_eager():
 
         try:
             outputs.append([out.token_ids for out in asyncio.run(all_requests())])
-            modes.append(engine.stats()["decode_step"]["mode"])
+            modes.append(engine.stats()["decode_step"])
         finally:
             engine.shutdown()
-    assert modes == ["cuda_graphs", "eager"]
+    assert [m["mode"] for m in modes] == [CUDA_GRAPH_PRESETS[preset], "eager"], modes
+    if CUDA_GRAPH_PRESETS[preset] == "eager":
+        assert "did not warm up" in modes[0]["reason"], modes
     agreeing = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), len(g)) for g, e in zip(*outputs)]
     assert sum(agreeing) >= 0.75 * sum(len(g) for g in outputs[0]), (agreeing, outputs)  # bf16 near ties aside

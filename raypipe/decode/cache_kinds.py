@@ -42,14 +42,17 @@ class WritePattern:
     Prefill: rows `rows` (a tensor of row indices, not always consecutive) get positions
     `starts[b] .. starts[b] + lengths[b] - 1` (right-padded to `width`; `starts` are tokens each row
     already has cached, 0 for a fresh prompt).
-    Decode: rows `rows` (always `0..n-1`) each write one token at `write_index[row]`.
+    Decode: rows `rows` (`0..n-1`) each write one token at `write_index[row]`. An eager step's `rows` is
+    the slice, so row-state kinds hand out views of their rows; a static-shape step's is an index tensor of
+    its bucket's width whose padding rows name the spare row (`compiled_step.py`), so row state is read as
+    a copy and written back (`LinearAttentionRows.keep_decode_rows`).
     Paged layers write the token slots `write_slots` (prefill: the `real` tokens, row-major) and read
     the blocks `read_blocks`, each row's first `kv_len / block_size` table entries, row-major (so
     `kv_len` is a whole number of blocks; not needed by a prefill without a past). Sliding-window
     layers do the same through the rows' window tables (`window_slots` / `window_blocks`).
     """
 
-    rows: slice | torch.Tensor = dataclasses.field(default_factory=lambda: slice(0, 0))  # prefill: row indices
+    rows: slice | torch.Tensor = dataclasses.field(default_factory=lambda: slice(0, 0))  # row indices or a slice
     lengths: torch.Tensor | None = None  # prefill only
     starts: torch.Tensor | None = None  # prefill only
     has_past: bool = False  # prefill only: some row starts after token 0
@@ -147,7 +150,7 @@ class LinearAttentionRows(LayerCache):
         return [self.conv, self.recurrent]
 
     def conv_state(self, pattern: WritePattern) -> torch.Tensor | None:
-        # Decode updates this view in place (transformers' `causal_conv1d_update`).
+        # Decode updates this view (a copy in a static step: `keep_decode_rows`) in place.
         return None if pattern.is_prefill else self.conv[pattern.rows]
 
     def recurrent_state(self, pattern: WritePattern) -> torch.Tensor | None:
@@ -185,6 +188,15 @@ class LinearAttentionRows(LayerCache):
         self.recurrent[pattern.rows] = state.to(self.recurrent.dtype)
         for b, offset, slot in pattern.captures:
             stored[1][slot] = captured[offset][b]
+
+    def keep_decode_rows(self, conv: torch.Tensor, recurrent: torch.Tensor, pattern: WritePattern) -> None:
+        """After a decode step updated `conv_state` / `recurrent_state` in place: a static step's rows were
+        copies (an index tensor's rows), so write them back; its padding rows all write the spare row, which
+        only a swap between rounds uses. An eager step's were views of the rows: nothing to do."""
+        if isinstance(pattern.rows, slice):
+            return
+        self.conv.index_copy_(0, pattern.rows, conv)
+        self.recurrent.index_copy_(0, pattern.rows, recurrent)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.conv[dst] = self.conv[src]

@@ -21,9 +21,17 @@ With LoRA adapters every step computes every slot's delta (`LoraRows.every_slot`
 bucket, refilled per step, picks each row's adapter, so one graph serves any mix (base-model and padding rows
 take slot 0, whose factors are zeros).
 
-Only for caches where every layer is paged full attention; anything else (linear attention state,
-sliding-window layers' window tables) runs eager (`supports` says why). Greedy tokens equal the eager step's, which the tests check
-against transformers' `generate()`.
+Every layer kind of the cache (`cache_kinds.py`) runs in it:
+- full attention reads its rows' blocks through the padded block tables (above);
+- sliding-window layers read theirs through window tables padded the same way (null blocks for the
+  padding rows and for blocks that left the window, which the window mask hides anyway);
+- gated-delta-net layers (row state: conv inputs and recurrent state) read their rows through an index
+  buffer, `state_rows`: row i's own for the running rows, the spare row (`max_num_seqs`, which only a
+  swap between rounds uses) for the padding rows, so a padding row never writes a row that a prefill
+  running beside the step may be filling. The rows are read as copies and written back after the step
+  (`KVCache.keep_decode_rows`), where the eager step updates them in place.
+A cache with a kind not listed in `STATIC_KINDS` runs eager (`supports` says why). Greedy tokens equal
+the eager step's, which the tests check against transformers' `generate()`.
 """
 
 from __future__ import annotations
@@ -55,16 +63,19 @@ def kv_buckets_for(max_model_len: int, smallest: int = KV_BUCKET_MIN) -> tuple[i
     return (*out, max_model_len)
 
 
+STATIC_KINDS = frozenset({"full_attention", "sliding_attention", "linear_attention"})
+
+
 def supports(cache) -> str | None:
     """None if the static step can run on `cache`, else the reason it cannot."""
-    kinds = sorted(set(cache.layer_types) - {"full_attention"})
+    kinds = sorted(set(cache.layer_types) - STATIC_KINDS)
     if kinds:
-        return f"layer kinds {kinds} are not paged full-attention KV"
+        return f"layer kinds {kinds} have no static-shape decode step"
     return None
 
 
 class StaticDecodeStep:
-    """`step(tokens, positions, write_index, kv_len, tables) -> logits (n, vocab)` through bucketed static shapes."""
+    """`step(tokens, positions, write_index, kv_len, tables, ...) -> logits (n, vocab)` through bucketed static shapes."""
 
     def __init__(self, model, cache: KVCache, *, batch_buckets: tuple[int, ...], kv_buckets: tuple[int, ...],
                  use_cuda_graphs: bool | None = None):
@@ -106,18 +117,22 @@ class StaticDecodeStep:
                 # Warm-up rows have null-block tables: their writes land where no sequence reads.
                 write_index = torch.full((n,), self.pad_index, dtype=torch.long, device=self.device)
                 tables = torch.zeros((n, 1), dtype=torch.long, device=self.device)  # the null block
-                self(tokens, positions, write_index, k, tables)
+                # Row-state rows 0..n-1 take garbage here: at start no sequence holds them, and a row
+                # that starts at token 0 ignores what its row held.
+                self(tokens, positions, write_index, k, tables, window_tables=tables if self.cache.window_blocks else None)
         return time.perf_counter() - start
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
-                 kv_len: int, tables: torch.Tensor, lora_slots: list[int] | None = None) -> torch.Tensor:
-        """Logits of one step; `lora_slots`: each row's LoRA adapter slot (None: every row the base model's)."""
+                 kv_len: int, tables: torch.Tensor, lora_slots: list[int] | None = None,
+                 window_tables: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of one step; `lora_slots`: each row's LoRA adapter slot (None: every row the base model's);
+        `window_tables`: the rows' sliding-window tables, where the model has sliding layers."""
         n = tokens.shape[0]
         key = self.bucket(n, kv_len)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(self, *key)
-        return bucket.run(tokens, positions, write_index, tables, n, lora_slots)
+        return bucket.run(tokens, positions, write_index, tables, window_tables, n, lora_slots)
 
     def model_changed(self) -> None:
         """The model's modules changed (LoRA wrapped more linears): captured CUDA graphs replay the old ones, so
@@ -141,28 +156,39 @@ class _Bucket:
         self.positions = torch.zeros((3, batch, 1), dtype=torch.long, device=device)
         self.write_index = torch.full((batch,), step.pad_index, dtype=torch.long, device=device)
         self.tables = torch.zeros((batch, -(-kv_len // step.cache.block_size)), dtype=torch.long, device=device)
+        self.window_tables = torch.zeros_like(self.tables) if step.cache.window_blocks else None
+        self.row_range = torch.arange(batch, device=device)
+        self.spare_row = step.cache.max_num_seqs  # padding rows' row state (see the module's docstring)
+        self.state_rows = torch.full((batch,), self.spare_row, dtype=torch.long, device=device)
         self.cache = step.cache.view()
-        self.cache.prepare_decode(batch, self.write_index, kv_len, self.tables)
+        self.cache.prepare_decode(batch, self.write_index, kv_len, self.tables, self.window_tables,
+                                  self.state_rows if step.cache.row_state_kinds else None)
         self.mask = self.cache.masks(step.cache.dtype)  # {layer type: tensor}, refilled in place per step
         self.kv_len = kv_len
         self.lora_mask = None  # [batch, 1, slots, 1], one-hot on each row's adapter slot (models/lora.py)
         self.graph = None
         self.logits = None
 
-    def run(self, tokens, positions, write_index, tables, n: int, lora_slots: list[int] | None) -> torch.Tensor:
+    def run(self, tokens, positions, write_index, tables, window_tables, n: int,
+            lora_slots: list[int] | None) -> torch.Tensor:
         self.tokens[:n].copy_(tokens)
         self.positions[:, :n].copy_(positions)
         self.write_index[:n].copy_(write_index)
         self.write_index[n:].fill_(self.step.pad_index)
-        width = min(tables.shape[1], self.tables.shape[1])
-        self.tables.zero_()
-        self.tables[:n, :width].copy_(tables[:, :width])
+        _fill_rows(self.tables, tables, n)
+        if self.window_tables is not None:
+            _fill_rows(self.window_tables, window_tables, n)
+        self.state_rows[:n].copy_(self.row_range[:n])
+        self.state_rows[n:].fill_(self.spare_row)
         pattern = self.cache.pattern
-        fresh = self.cache.decode_pattern(len(self.tokens), self.write_index, self.kv_len, self.tables)
-        pattern.write_slots.copy_(fresh.write_slots)
-        pattern.read_blocks.copy_(fresh.read_blocks)
+        fresh = self.cache.decode_pattern(len(self.tokens), self.write_index, self.kv_len, self.tables,
+                                          window_tables=self.window_tables)
+        for name in ("write_slots", "read_blocks", "window_slots", "window_blocks"):
+            if getattr(pattern, name) is not None:
+                getattr(pattern, name).copy_(getattr(fresh, name))
         for name, mask in self.cache.masks(self.step.cache.dtype).items():
-            self.mask[name].copy_(mask)
+            if mask is not None:  # row-state kinds take none in decode
+                self.mask[name].copy_(mask)
         with self._lora_rows(n, lora_slots):
             if not self.step.use_cuda_graphs:
                 return self.step._compiled(self.tokens, self.positions, self.mask, self.cache)[:n]
@@ -196,6 +222,13 @@ class _Bucket:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=step._pool):
             self.logits = step._forward(self.tokens, self.positions, self.mask, self.cache)
+
+
+def _fill_rows(buffer: torch.Tensor, tables: torch.Tensor, n: int) -> None:
+    """The bucket's table buffer: the running rows' tables (cut or padded to its width), null blocks elsewhere."""
+    width = min(tables.shape[1], buffer.shape[1])
+    buffer.zero_()
+    buffer[:n, :width].copy_(tables[:, :width])
 
 
 def use_compile_cache() -> pathlib.Path:

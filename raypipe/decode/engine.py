@@ -317,7 +317,13 @@ class LLMEngine:
             log.info("decode steps run eager: %s", reason)
             return {"mode": "eager", "reason": reason}
         step = self.runner.static_step
-        seconds = step.warmup()
+        try:
+            seconds = step.warmup()
+        except RuntimeError as exc:  # a capture or compile that failed: e.g. a module reading tensor values on the host
+            self.runner.static_step = None
+            reason = f"the static-shape decode step did not warm up: {str(exc).strip().splitlines()[0]}"
+            log.warning("decode steps run eager: %s", reason)
+            return {"mode": "eager", "reason": reason}
         mode = "cuda_graphs" if step.use_cuda_graphs else "torch.compile"
         log.info("decode step: %s, %d batch x %d KV buckets warmed up in %.1f s", mode, len(step.batch_buckets),
                  len(step.kv_buckets), seconds)

@@ -152,15 +152,18 @@ class KVCache(Cache):
                                     captures=tuple(captures))
 
     def prepare_decode(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor,
-                       window_tables: torch.Tensor | None = None) -> None:
+                       window_tables: torch.Tensor | None = None, state_rows: torch.Tensor | None = None) -> None:
         """Rows `0..num_rows-1` each write one token at their own `write_index[row]` and attend over their
         first `kv_len` positions, rounded up to whole blocks; `tables` are their block tables
         `(num_rows, >= kv_len / block_size)`, padded with the null block (`window_tables` likewise, for
-        sliding-window layers)."""
-        self.pattern = self.decode_pattern(num_rows, write_index, kv_len, tables, self.pattern.row_ids, window_tables)
+        sliding-window layers). `state_rows`: the row-state rows each batch row uses (a static step's,
+        `compiled_step.py`); by default row i's own."""
+        self.pattern = self.decode_pattern(num_rows, write_index, kv_len, tables, self.pattern.row_ids, window_tables,
+                                           state_rows)
 
     def decode_pattern(self, num_rows: int, write_index: torch.Tensor, kv_len: int, tables: torch.Tensor,
-                       row_ids: torch.Tensor | None = None, window_tables: torch.Tensor | None = None) -> WritePattern:
+                       row_ids: torch.Tensor | None = None, window_tables: torch.Tensor | None = None,
+                       state_rows: torch.Tensor | None = None) -> WritePattern:
         if row_ids is None or row_ids.numel() != num_rows:
             row_ids = torch.arange(num_rows, device=self.device)
         kv_blocks = -(-kv_len // self.block_size)
@@ -173,7 +176,8 @@ class KVCache(Cache):
 
         write_slots, read_blocks = access(tables)
         window_slots, window_blocks = access(window_tables)
-        return WritePattern(rows=slice(0, num_rows), write_index=write_index, row_ids=row_ids,
+        return WritePattern(rows=slice(0, num_rows) if state_rows is None else state_rows, write_index=write_index,
+                            row_ids=row_ids,
                             kv_len=kv_blocks * self.block_size, write_slots=write_slots, read_blocks=read_blocks,
                             window_slots=window_slots, window_blocks=window_blocks, in_round=self.in_round)
 
@@ -224,6 +228,10 @@ class KVCache(Cache):
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                                captured: dict[int, torch.Tensor] | None = None, **kwargs):
         self.caches[layer_idx].update_recurrent(recurrent_states, self.pattern, self.snapshots[layer_idx], captured)
+
+    def keep_decode_rows(self, layer_idx: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+        """A decode step's rows of a row-state layer, updated in place: kept (`LinearAttentionRows.keep_decode_rows`)."""
+        self.caches[layer_idx].keep_decode_rows(conv_state, recurrent_state, self.pattern)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False  # rows keep only the latest state (no speculative rollback)

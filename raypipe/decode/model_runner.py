@@ -275,7 +275,7 @@ class ModelRunner:
             kv_len = min(longest + step, self.max_model_len - 1) + 1
             positions = (cache_len + step + rope_delta).view(1, n, 1).expand(3, n, 1)
             if self.static_step is not None:
-                logits = self.static_step(tokens, positions, write_index, kv_len, tables, lora_slots)
+                logits = self.static_step(tokens, positions, write_index, kv_len, tables, lora_slots, window_tables)
             else:
                 self.cache.prepare_decode(n, write_index, kv_len, tables, window_tables)
                 hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),

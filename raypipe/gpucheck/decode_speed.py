@@ -5,7 +5,8 @@ Every request makes exactly `decode_max_tokens` tokens (EOS ignored, `min_new_to
 so the three make the same number of tokens from the same prompts; tokens/s counts them over the wall
 time of the whole batch, prefill included. Each mode is warmed up once on other prompts first (graph
 capture and the first kernels' autotuning are start-up costs, reported as `start_s`). A mode the model
-cannot run (CUDA graphs for a hybrid model's layer kinds) is listed as skipped with the engine's reason.
+cannot run (CUDA graphs for a model with a module that cannot be captured, as Step3's experts routing loop) is
+listed as skipped with the engine's reason.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ broadcast multiplies and sums, each making a new state-sized tensor, and hands t
 cache, which copies it into the row: at batch 32 with 8 value heads of 64 x 64 that is ~6 passes over
 4 MiB per layer per step. Here the cache's rows are the state (`get_recurrent_state` returns a view
 of them): one in-place scale, the read and the output as batched GEMVs, the write as one in-place
-batched outer product (`baddbmm_`). The conv state is rolled in place and the causal conv's one new
+batched outer product (`baddbmm_`). (A static-shape step's rows are copies, its padding rows included,
+written back once at the end: `KVCache.keep_decode_rows`.) The conv state is rolled in place and the causal conv's one new
 output computed as a multiply and a sum (`_conv_step`); projections, gated norm and output projection
 are the layer's own modules, so a tensor-parallel rank's head slice runs the same code.
 
@@ -29,7 +30,8 @@ def decode_forward(net, hidden_states: torch.Tensor, cache) -> torch.Tensor:
     (views of its rows, updated in place) advance by that token."""
     batch = hidden_states.shape[0]
     state = cache.get_recurrent_state(net.layer_idx)  # (B, Hv, dk, dv), fp32, the cache's rows
-    mixed = _conv_step(net, net.in_proj_qkv(hidden_states)[:, 0], cache.get_conv_state(net.layer_idx))
+    conv_state = cache.get_conv_state(net.layer_idx)
+    mixed = _conv_step(net, net.in_proj_qkv(hidden_states)[:, 0], conv_state)
     query, key, value = mixed.float().split([net.key_dim, net.key_dim, net.value_dim], -1)
     heads = net.num_v_heads
     repeat = heads // net.num_k_heads  # each key head serves `repeat` consecutive value heads
@@ -46,6 +48,7 @@ def decode_forward(net, hidden_states: torch.Tensor, cache) -> torch.Tensor:
     delta = (value - read) * beta
     rows.baddbmm_(key.reshape(-1, net.head_k_dim, 1), delta.reshape(-1, 1, net.head_v_dim))
     out = torch.bmm(query.reshape(-1, 1, net.head_k_dim), rows)  # (B * Hv, 1, dv)
+    cache.keep_decode_rows(net.layer_idx, conv_state, state)  # a static step's rows are copies: written back
 
     gate = net.in_proj_z(hidden_states).reshape(-1, net.head_v_dim)
     out = net.norm(out.reshape(-1, net.head_v_dim).to(hidden_states.dtype), gate)
