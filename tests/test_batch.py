@@ -324,12 +324,6 @@ def test_minicpmv_slices_and_videos_local_folders_match_pipeline(tmp_path, three
                                        rtol=0)
 
 
-def test_llava_ov_tiles_local_folder_matches_pipeline(tmp_path, three_worker_pipelines, llava_ckpt):
-    """LLaVA-OneVision (base view + AnyRes tiles, packed per image) through the same batch job."""
-    _multi_unit_batch_matches_pipeline(tmp_path, "tiny-llava-ov", llava_ckpt, [(100, 60), (300, 290), (40, 170)],
-                                       three_worker_pipelines)
-
-
 def test_qwen3_vl_rows_carry_deepstack_levels(tmp_path, three_worker_pipelines):
     """Qwen3-VL through the same batch job: a row's embedding is the merger's mean then each deepstack level's
     (the item's embedding columns, pooled), equal to `Pipeline`'s (itself checked against transformers)."""

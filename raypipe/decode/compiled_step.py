@@ -119,7 +119,8 @@ class StaticDecodeStep:
                 tables = torch.zeros((n, 1), dtype=torch.long, device=self.device)  # the null block
                 # Row-state rows 0..n-1 take garbage here: at start no sequence holds them, and a row
                 # that starts at token 0 ignores what its row held.
-                self(tokens, positions, write_index, k, tables, window_tables=tables if self.cache.window_blocks else None)
+                window_tables = tables if self.cache.window_blocks else None
+                self(tokens, positions, write_index, k, tables, window_tables=window_tables)
         return time.perf_counter() - start
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, write_index: torch.Tensor,
