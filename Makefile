@@ -22,7 +22,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 -m "not autoscaling" tests
 
-# The fake multi-node autoscaling cycles (~5 min on 2 cores): run them when the cluster benches, the fake
+# The fake multi-node autoscaling cycles and their fake cluster (~5.5 min on 2 cores): run them when the cluster benches, the fake
 # cluster or the Serve/batch scaling paths change. Kept out of `make test` to hold CI under 45 minutes.
 test-autoscaling: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m autoscaling tests

@@ -14,7 +14,7 @@ session's local Ray. That subprocess inherits RAY_AUTH_MODE=token from this one 
 called `ray.init()`; the benches restart themselves in the cluster's mode (`run_as_driver`).
 
 The two cycles take ~5 min on 2 cores: they are marked `autoscaling` and run by `make test-autoscaling`,
-not `make test` (CI's time). The token-mode driver test stays in `make test`.
+not `make test` (CI's time), with the token-mode driver test, which holds the fake cluster they run on.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def test_serve_scales_gpu_nodes_up_and_down_without_failed_requests(tmp_path):
     assert summary["failed"] == 0
 
 
+@pytest.mark.autoscaling
 def test_a_token_mode_driver_keeps_its_actors_and_stop_ends_only_the_clusters_processes():
     """A process that starts with RAY_AUTH_MODE=token (as every subprocess of a test session does
     after a `ray.init()`) and then drives a fake cluster. Without `run_as_driver` it never joins

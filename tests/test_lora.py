@@ -263,11 +263,14 @@ def test_engine_start_refuses_what_it_cannot_serve(tmp_path):
     assert refused.value.item == "lora_modules.bad.use_dora"
 
 
+# One preset: compiling costs a minute a model on 2 cores, and the hybrid family's static step has its own test
+# (tests/test_static_step_kinds.py); the adapter rows work the same over every layer kind.
+@pytest.mark.parametrize("served", ["tiny"], indirect=True)
 def test_the_compiled_decode_step_serves_mixed_adapters_equal_to_peft_and_takes_run_time_loads(served):
     """The static-shape step (`decode/compiled_step.py`, torch.compile on CPU) with adapter slots: started with
     "red" (attention layers) and given "green" (MLP layers, wrapped after the step compiled) and "blue" at run time,
     the mixed batch equals PEFT at K=8; a second batch mixing the adapters otherwise compiles nothing new (one
-    graph per bucket serves any mix). On Qwen3.5 the step runs the gated-delta-net rows too."""
+    graph per bucket serves any mix)."""
     from torch._dynamo.utils import counters
 
     engine = LLMEngine(served.ckpt, EngineConfig(

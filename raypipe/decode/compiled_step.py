@@ -6,8 +6,8 @@ small GEMMs, and its shapes change every step (the batch as requests come and go
 one per step), which defeats both `torch.compile` and CUDA graphs. Here every step is padded to a
 bucket `(B, K)`: `B` rows from `batch_buckets` (the running rows, then padding rows), `K` KV
 columns from `kv_buckets`. On GPU each bucket is one captured CUDA graph, replayed with its input
-buffers refilled. On CPU the batch dimension is left dynamic to inductor, so one compiled forward serves
-every batch bucket (dynamo compiles batch 1 apart, as it specializes sizes 0 and 1; at the second KV
+buffers refilled. On CPU, with two batch buckets or more above 1, the batch dimension is left dynamic to
+inductor, so one compiled forward serves every batch bucket (dynamo compiles batch 1 apart, as it specializes sizes 0 and 1; at the second KV
 bucket its automatic dynamic shapes make the KV length dynamic too): on `small-qwen3.5` with batch buckets
 (1, 8, 32), 2 graphs compiled in 139 s against 3 in 184 s with a graph per bucket, the steps as fast
 (measured side by side, 2 cores). Only the model forward and the logits are in it; sampling stays outside.
@@ -95,8 +95,11 @@ class StaticDecodeStep:
         self.loras = None  # the model's `LoraSlots` once it serves LoRA adapters (the runner sets it)
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
+        # A dynamic batch dimension pays where it saves compiles: two batch buckets or more above 1 (dynamo
+        # compiles batch 1 apart anyway); a graph for one static shape compiles sooner.
+        self.dynamic_batch = not self.use_cuda_graphs and sum(b > 1 for b in self.batch_buckets) > 1
         self._compiled = None if self.use_cuda_graphs else _compile(self._forward, len(self.batch_buckets)
-                                                                     * len(self.kv_buckets))
+                                                                     * len(self.kv_buckets), self.dynamic_batch)
 
     def bucket(self, n: int, kv_len: int) -> tuple[int, int]:
         return (self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)],
@@ -173,7 +176,7 @@ class _Bucket:
         self.lora_mask = None  # [batch, 1, slots, 1], one-hot on each row's adapter slot (models/lora.py)
         self.graph = None
         self.logits = None
-        if not step.use_cuda_graphs:
+        if step.dynamic_batch:
             self._batch_dynamic(self.tokens, self.write_index, self.state_rows, *self.mask.values(),
                                 *(getattr(self.cache.pattern, name) for name in _PER_ROW_PATTERN))
             torch._dynamo.maybe_mark_dynamic(self.positions, 1)
@@ -223,7 +226,7 @@ class _Bucket:
         if self.lora_mask is None:
             self.lora_mask = torch.zeros((len(self.tokens), 1, loras.num_slots, 1), dtype=self.step.cache.dtype,
                                          device=self.step.device)
-            if not self.step.use_cuda_graphs:
+            if self.step.dynamic_batch:
                 self._batch_dynamic(self.lora_mask)
         self.lora_mask.zero_()
         rows = torch.tensor(slots or [0] * n, device=self.step.device)
@@ -263,12 +266,14 @@ def use_compile_cache() -> pathlib.Path:
     return pathlib.Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-def _compile(fn, num_graphs: int):
+def _compile(fn, num_graphs: int, dynamic_batch: bool):
     use_compile_cache()  # compiled buckets persist under raypipe's cache: a restart compiles nothing new
     # At most one graph per bucket: allow that many recompiles of this function instead of falling back to eager.
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, num_graphs + 1)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, num_graphs + 1)
+    if not dynamic_batch:
+        return torch.compile(fn, dynamic=False)
     # Dynamic from the first compile: the batch dimensions the buckets mark (`_Bucket._batch_dynamic`); a
     # dimension that changes later (the KV length, at the next KV bucket) becomes dynamic on its recompile.
     return torch.compile(fn)
