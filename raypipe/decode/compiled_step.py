@@ -1,5 +1,5 @@
 """A decode step with static shapes: bucketed batch and KV length, captured once per bucket (CUDA graphs) or
-compiled once per KV bucket (torch.compile on CPU).
+compiled (torch.compile on CPU, the batch buckets sharing a graph).
 
 An eager decode step at batch 32 on a CPU spends most of its time in Python and dispatch around
 small GEMMs, and its shapes change every step (the batch as requests come and go, the KV length by
@@ -7,10 +7,10 @@ one per step), which defeats both `torch.compile` and CUDA graphs. Here every st
 bucket `(B, K)`: `B` rows from `batch_buckets` (the running rows, then padding rows), `K` KV
 columns from `kv_buckets`. On GPU each bucket is one captured CUDA graph, replayed with its input
 buffers refilled. On CPU, with two batch buckets or more above 1, the batch dimension is left dynamic to
-inductor, so one compiled forward serves every batch bucket (dynamo compiles batch 1 apart, as it specializes sizes 0 and 1; at the second KV
-bucket its automatic dynamic shapes make the KV length dynamic too): on `small-qwen3.5` with batch buckets
-(1, 8, 32), 2 graphs compiled in 139 s against 3 in 184 s with a graph per bucket, the steps as fast
-(measured side by side, 2 cores). Only the model forward and the logits are in it; sampling stays outside.
+inductor, so one compiled forward serves every batch bucket (dynamo compiles batch 1 apart, as it
+specializes sizes 0 and 1; at the second KV bucket its automatic dynamic shapes make the KV length
+dynamic too): on `small-qwen3.5` with batch buckets (1, 8, 32), 2 graphs compiled in 139 s against 3 in
+184 s with a graph per bucket, the steps as fast (measured side by side, 2 cores). Only the model forward and the logits are in it; sampling stays outside.
 
 Why padding is harmless:
 - KV columns past a row's own length are masked (additive mask at the dtype's minimum, so their
@@ -168,9 +168,10 @@ class _Bucket:
         self.row_range = torch.arange(batch, device=device)
         self.spare_row = step.cache.max_num_seqs  # padding rows' row state (see the module's docstring)
         self.state_rows = torch.full((batch,), self.spare_row, dtype=torch.long, device=device)
+        self.row_state = bool(step.cache.row_state_kinds)  # whether the forward reads `state_rows`
         self.cache = step.cache.view()
         self.cache.prepare_decode(batch, self.write_index, kv_len, self.tables, self.window_tables,
-                                  self.state_rows if step.cache.row_state_kinds else None)
+                                  self.state_rows if self.row_state else None)
         self.mask = self.cache.masks(step.cache.dtype)  # {layer type: tensor}, refilled in place per step
         self.kv_len = kv_len
         self.lora_mask = None  # [batch, 1, slots, 1], one-hot on each row's adapter slot (models/lora.py)
@@ -198,12 +199,13 @@ class _Bucket:
         _fill_rows(self.tables, tables, n)
         if self.window_tables is not None:
             _fill_rows(self.window_tables, window_tables, n)
-        self.state_rows[:n].copy_(self.row_range[:n])
-        self.state_rows[n:].fill_(self.spare_row)
+        if self.row_state:
+            self.state_rows[:n].copy_(self.row_range[:n])
+            self.state_rows[n:].fill_(self.spare_row)
         pattern = self.cache.pattern
         fresh = self.cache.decode_pattern(len(self.tokens), self.write_index, self.kv_len, self.tables,
                                           window_tables=self.window_tables)
-        for name in ("write_slots", "read_blocks", "window_slots", "window_blocks"):
+        for name in _TABLE_PATTERN:
             if getattr(pattern, name) is not None:
                 getattr(pattern, name).copy_(getattr(fresh, name))
         for name, mask in self.cache.masks(self.step.cache.dtype).items():
@@ -246,8 +248,10 @@ class _Bucket:
             self.logits = step._forward(self.tokens, self.positions, self.mask, self.cache)
 
 
-# The write pattern's per-row tensors (their first dimension follows the bucket's batch)
-_PER_ROW_PATTERN = ("write_slots", "read_blocks", "window_slots", "window_blocks", "row_ids")
+# The write pattern's tensors computed from the step's tables (refilled per step), and all its per-row ones
+# (their first dimension follows the bucket's batch)
+_TABLE_PATTERN = ("write_slots", "read_blocks", "window_slots", "window_blocks")
+_PER_ROW_PATTERN = (*_TABLE_PATTERN, "row_ids")
 
 
 def _fill_rows(buffer: torch.Tensor, tables: torch.Tensor, n: int) -> None:
