@@ -75,15 +75,25 @@ class _Attention(torch.nn.Module):
     training = False
 
 
+def _laid_out(layout: str, rows: int, length: int, kv_heads: int, dim: int) -> torch.Tensor:
+    """`(rows, kv_heads, length, dim)` keys as the cache hands them over: a decode round's head-major rows
+    (a prefix of longer rows), or a per-step gather's token-major rows transposed."""
+    if layout == "head-major":
+        return torch.randn(rows, kv_heads, length + 7, dim)[:, :, :length]
+    return torch.randn(rows, length + 7, kv_heads, dim)[:, :length].transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
 @pytest.mark.parametrize("length", [16, 300])
-def test_decode_attention_equals_sdpa_with_masked_keys_weighted_zero(length):
-    """One query per row, 8 query heads over 2 KV heads, keys laid out as a decode round keeps them
-    (rows, length, kv heads, head dim) and handed over transposed, a padded mask per row."""
+def test_decode_attention_equals_sdpa_with_masked_keys_weighted_zero(length, layout):
+    """One query per row, 8 query heads over 2 KV heads, keys laid out as the cache keeps them, a padded
+    mask per row."""
     torch.manual_seed(1)
     rows, heads, kv_heads, dim = 5, 8, 2, 32
     query = torch.randn(rows, heads, 1, dim)
-    keys = torch.randn(rows, length + 7, kv_heads, dim)[:, :length].transpose(1, 2)
-    values = torch.randn(rows, length + 7, kv_heads, dim)[:, :length].transpose(1, 2)
+    keys = _laid_out(layout, rows, length, kv_heads, dim)
+    values = _laid_out(layout, rows, length, kv_heads, dim)
+    assert attention._heads_merge(keys) == (layout == "head-major")
     lengths = torch.tensor([1, length // 3, length, 2, length - 1])
     allowed = torch.arange(length)[None, :] < lengths[:, None]
     mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]

@@ -16,11 +16,13 @@ torch, and the gather is one copy of the keys a step attends over, next to atten
 them anyway (`raypipe bench kv` measures it against a contiguous cache). Columns past a row's own
 length read whatever their blocks hold (the null block for table padding) and are masked.
 
-A decode round of K eager steps gathers its rows' blocks once (`begin_round`: one row-major copy
-per layer, `(rows, round length, kv_heads, head_dim)`), then every step appends its token to those
+A decode round of K eager steps gathers its rows' blocks once (`begin_round`: one copy per layer,
+head-major `(rows, kv_heads, round length, head_dim)`), then every step appends its token to those
 rows as well as to the pool and attends over a prefix view of them: a gather per step copied every
-row's whole K/V each step, which at batch 32 cost more than the rest of the step on a CPU. The
-rows are dropped when the round ends; the pool stays the only K/V that outlives a round.
+row's whole K/V each step, which at batch 32 cost more than the rest of the step on a CPU. Head-major
+because the decode attention (`attention.py`) then runs every (row, KV head) pair as one batched
+GEMM over contiguous keys. The rows are dropped when the round ends; the pool stays the only K/V
+that outlives a round.
 
 A prefill with no cached past (every row starts at token 0) attends over its own fresh K/V, as
 before paging; a prefill that continues a cached prefix or an earlier chunk reads through the table.
@@ -72,19 +74,19 @@ class PagedAttentionLayer(LayerCache):
             values.index_copy_(0, write_slots, value_states[:, :, 0])
             if pattern.in_round:
                 round_keys, round_values = self.round
-                round_keys[pattern.row_ids, pattern.write_index] = key_states[:, :, 0]
-                round_values[pattern.row_ids, pattern.write_index] = value_states[:, :, 0]
-                return (round_keys[:, : pattern.kv_len].transpose(1, 2),
-                        round_values[:, : pattern.kv_len].transpose(1, 2))
+                round_keys[pattern.row_ids, :, pattern.write_index] = key_states[:, :, 0]
+                round_values[pattern.row_ids, :, pattern.write_index] = value_states[:, :, 0]
+                return round_keys[:, :, : pattern.kv_len], round_values[:, :, : pattern.kv_len]
         shape = (key_states.shape[0], pattern.kv_len, self.heads, self.head_dim)
         return (self.keys.index_select(0, read_blocks).view(shape).transpose(1, 2),
                 self.values.index_select(0, read_blocks).view(shape).transpose(1, 2))
 
     def begin_round(self, tables: torch.Tensor) -> None:
-        """Gather the K/V of the blocks in `tables` `(rows, blocks)` into this round's rows."""
+        """Gather the K/V of the blocks in `tables` `(rows, blocks)` into this round's rows, head-major."""
         shape = (tables.shape[0], -1, self.heads, self.head_dim)
         blocks = tables.reshape(-1)
-        self.round = (self.keys.index_select(0, blocks).view(shape), self.values.index_select(0, blocks).view(shape))
+        self.round = tuple(pool.index_select(0, blocks).view(shape).transpose(1, 2).contiguous()
+                           for pool in (self.keys, self.values))
 
     def end_round(self) -> None:
         self.round = None
