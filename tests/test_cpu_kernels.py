@@ -4,12 +4,14 @@ are checked by every decode test, which run with both)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from raypipe.decode import attention
-from raypipe.models import packed_linear
+from raypipe.models import packed_linear, packed_siblings
 
 
 class _Layer(torch.nn.Module):
@@ -45,6 +47,63 @@ def test_packed_linears_compute_what_the_plain_ones_did_and_skip_tied_and_other_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rows, torch.nn.functional.linear(x[:, 1:3], model.up.packed_weight.to_dense(),
                                                                 model.up.bias), rtol=1e-5, atol=1e-5)
+
+
+class _Block(torch.nn.Module):
+    """q/k/v with biases, gate/up without, and a q/k/v set whose widths differ (not fused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(16, n) for n in (16, 8, 8))
+        self.gate_proj, self.up_proj = (torch.nn.Linear(16, 24, bias=False) for _ in range(2))
+        self.odd = torch.nn.Module()
+        self.odd.q_proj, self.odd.k_proj, self.odd.v_proj = (torch.nn.Linear(k, 8) for k in (16, 16, 12))
+
+
+@pytest.mark.skipif(CPU_FP32 is None, reason="oneDNN cannot pack fp32 weights here")
+def test_sibling_linears_share_one_gemm_and_stay_exact_however_they_are_called(monkeypatch):
+    torch.manual_seed(0)
+    block = _Block()
+    names = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    plain = {name: getattr(block, name) for name in names}
+    own = {name: packed_linear.PackedLinear(linear, torch.float32) for name, linear in plain.items()}
+    x, other = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+    gemms = []  # (thread, group) per shared GEMM run
+    gemm = packed_siblings.PackedSiblings.gemm
+    monkeypatch.setattr(packed_siblings.PackedSiblings, "gemm",
+                        lambda group, inputs: gemms.append((threading.get_ident(), group)) or gemm(group, inputs))
+    with torch.inference_mode():
+        assert packed_siblings.pack_siblings(block, torch.float32) == 5
+        assert all(isinstance(getattr(block, name), packed_siblings.SiblingLinear) for name in names)
+        assert type(block.odd.q_proj) is torch.nn.Linear  # input widths differ: left alone
+        assert block.q_proj.group is block.v_proj.group is not block.up_proj.group
+
+        def check(name, inputs, new_gemms):
+            """Bit-identical to the sibling's own packed GEMM, close to nn.Linear, after `new_gemms` shared GEMMs."""
+            before = len(gemms)
+            got = getattr(block, name)(inputs)
+            assert torch.equal(got, own[name](inputs))
+            torch.testing.assert_close(got, plain[name](inputs), rtol=1e-5, atol=1e-5)
+            assert len(gemms) - before == new_gemms, name
+
+        for name, new in zip(names, [1, 0, 0, 1, 0]):  # the order models call them in: a GEMM per set
+            check(name, x, new)
+        for name, new in zip(["v_proj", "q_proj", "k_proj", "up_proj", "gate_proj"], [1, 0, 0, 1, 0]):
+            check(name, x, new)  # another order
+        check("q_proj", x, 1)
+        check("k_proj", other, 1)  # another input between siblings: computed again
+        check("v_proj", x, 1)
+        check("gate_proj", x, 1)
+        x.add_(1.0)  # the same tensor modified in place: what was kept for it is stale
+        check("up_proj", x, 1)
+        # The engine's prefill and decode threads call the same modules: each thread keeps its own outputs.
+        check("q_proj", x, 1)
+        worker = threading.Thread(target=lambda: [block.q_proj(other), block.k_proj(other), block.v_proj(other)])
+        worker.start()
+        worker.join()
+        assert len({thread for thread, _ in gemms[-2:]}) == 2  # the worker ran its own GEMM
+        check("k_proj", x, 0)  # this thread's kept outputs survived it
+        check("v_proj", x, 0)
 
 
 def test_packing_says_why_not_where_it_cannot():

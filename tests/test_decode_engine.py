@@ -230,12 +230,18 @@ def test_a_burst_answers_each_prefill_group_as_it_finishes(engines, cases, monke
 def test_the_cpu_engine_runs_packed_linears_and_says_so(engines):
     """Every decode test here compares against `generate()` with these packed linears in place."""
     from raypipe.models.packed_linear import PackedLinear
+    from raypipe.models.packed_siblings import SiblingLinear
 
     engine = engines(8)
-    packed = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    modules = list(engine.runner.model.modules())
+    packed = [m for m in modules if isinstance(m, PackedLinear)]
+    siblings = [m for m in modules if isinstance(m, SiblingLinear)]
     layers = engine.adapter.text_config.num_hidden_layers
-    assert len(packed) >= 7 * layers  # q, k, v, o, gate, up, down in every layer
-    assert engine.stats()["linear_weights"] == f"{len(packed)} linear layers packed in torch.float32 for oneDNN"
+    assert len(siblings) == 5 * layers  # q, k, v and gate, up in every layer, each set one GEMM
+    assert len(packed) >= 2 * layers  # o, down
+    assert engine.stats()["linear_weights"] == (
+        f"{len(packed) + len(siblings)} linear layers packed in torch.float32 for oneDNN "
+        f"({len(siblings)} of them as q/k/v or gate/up siblings sharing a GEMM)")
 
 
 def test_a_prefill_beside_a_decode_takes_every_thread_once_the_decode_is_done(engines, cases, monkeypatch):

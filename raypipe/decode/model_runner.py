@@ -34,7 +34,7 @@ from raypipe.decode.kv_pool_size import PoolShape, pool_blocks
 from raypipe.decode.sampler import SamplingBatch, sample
 from raypipe.decode.sequence import Sequence, TokenLogprob
 from raypipe.decode.sliding_window import window_bytes_per_token, window_pool_shape
-from raypipe.models import lora, packed_linear
+from raypipe.models import lora, packed_linear, packed_siblings
 
 PROMPT_LOGPROB_POSITIONS = 256  # positions whose full-vocabulary log-probabilities are held at once
 
@@ -125,11 +125,14 @@ class ModelRunner:
         return self.lora_slots.rows.using([s.lora_slot for s in seqs], self.dtype, self.device)
 
     def use_packed_weights(self) -> str:
-        """Pack the language model's linears for oneDNN's CPU kernels (`models/packed_linear.py`); what was done."""
+        """Pack the language model's linears for oneDNN's CPU kernels (`models/packed_linear.py`; siblings
+        sharing an input as one GEMM: `models/packed_siblings.py`); what was done."""
         dtype, how = packed_linear.compute_dtype(self.device, self.dtype)
         if dtype is None:
             return f"not packed: {how}"
-        return f"{packed_linear.pack_linears(self.model, dtype)} linear layers {how} for oneDNN"
+        siblings = packed_siblings.pack_siblings(self.model, dtype)  # before the rest: it takes plain linears
+        return (f"{siblings + packed_linear.pack_linears(self.model, dtype)} linear layers {how} for oneDNN "
+                f"({siblings} of them as q/k/v or gate/up siblings sharing a GEMM)")
 
     def use_static_step(self, batch_buckets: tuple[int, ...] | None = None,
                         kv_buckets: tuple[int, ...] | None = None) -> str | None:

@@ -72,7 +72,7 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype
 def pack_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Replace every plain `nn.Linear` under `model` (except linears that share their weight with another
     module, a tied lm_head) by a `PackedLinear` computing in `dtype`; how many were replaced."""
-    shared = _shared_weights(model)
+    shared = shared_weights(model)
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -82,7 +82,8 @@ def pack_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return replaced
 
 
-def _shared_weights(model: torch.nn.Module) -> set[int]:
+def shared_weights(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters more than one module holds (a tied lm_head's weight)."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
