@@ -43,3 +43,33 @@ def test_without_a_vllm_virtualenv_it_says_how_to_make_one_and_fails(tmp_path, c
     missing = tmp_path / "nope" / "python"
     assert main(["bench", "peer", "--vllm-python", str(missing), "--out", str(tmp_path)]) != 0
     assert str(missing) in capsys.readouterr().err
+
+
+def test_image_requests_arriving_together_share_a_tower_forward_and_each_gets_its_own_embedding(tiny_ckpt):
+    """The raypipe side encodes the images of requests that arrive while a forward runs in the next forward (as
+    the serve endpoint's encoder group does); each request must get back its own images' embeddings."""
+    import asyncio
+
+    import torch
+
+    side = peer.RaypipeSide(tiny_ckpt, "float32", 1, max_num_seqs=4, max_model_len=1024)
+    try:
+        tokenizer = side.engine.tokenizer
+        requests = peer.image_requests(tokenizer, peer.Sizes(image_requests=3, image_side=56), seed=7)
+        visuals = [side._prompt(request)[1] for request in requests]
+        forwards = []
+        encode = side._encode
+        side._encode = lambda batch: forwards.append(len(batch)) or encode(batch)
+
+        async def together():
+            return await asyncio.gather(*(side._embeds(v) for v in visuals))
+
+        got = asyncio.run(together())
+        assert forwards == [1, 2]  # the first request's image alone, then the two that arrived meanwhile
+        for wanted, embeds in zip(visuals, got):
+            alone = encode(wanted)
+            assert len(embeds) == len(wanted) == 1
+            torch.testing.assert_close(embeds[0], alone[0], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got[0][0], got[1][0])  # distinct images: a swap would show
+    finally:
+        side.close()

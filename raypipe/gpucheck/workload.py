@@ -28,4 +28,4 @@ def images(sizes, seed: int = 0):
 @torch.inference_mode()
 def encode_visuals(vision, tower, visuals) -> list[torch.Tensor]:
     """One embedding per visual item: its units through the tower, joined as the family lays them out."""
-    return [vision.encode_in_process(tower, visual) for visual in visuals]
+    return [vision.encode_in_process(tower, [visual])[0] for visual in visuals]

@@ -205,11 +205,14 @@ class VisionAdapter(PlaceholderTokens, abc.ABC):
         assembles them otherwise (LLaVA-OneVision lays tiles side by side)."""
         return torch.cat(parts)
 
-    def encode_in_process(self, tower: VisionTower, visual: DecodedVisual) -> torch.Tensor:
-        """`visual`'s embedding from a tower in this process (no encoder workers): its units through the tower,
-        joined as the family lays them out. The GPU check and `raypipe bench peer` encode this way."""
-        item = self.make_item(visual)
-        return self.join_units(item, tower.encode(self.units(item)))
+    def encode_in_process(self, tower: VisionTower, visuals: list[DecodedVisual]) -> list[torch.Tensor]:
+        """The embeddings of `visuals` from a tower in this process (no encoder workers): every unit of every
+        visual through one `tower.encode`, each visual's joined as the family lays them out. The GPU check and
+        `raypipe bench peer` encode this way."""
+        items = [self.make_item(visual) for visual in visuals]
+        units = [self.units(item) for item in items]
+        embeds = iter(tower.encode([unit for parts in units for unit in parts]))
+        return [self.join_units(item, [next(embeds) for _ in parts]) for item, parts in zip(items, units)]
 
     def replaced_around(self, kind: VisualKind) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Tokens a chat template puts right before and after a placeholder of `kind` that the placeholder's
