@@ -86,6 +86,43 @@ class SharedServe:
 
 SHARED_SERVE = SharedServe()
 
+# `RAYPIPE_TEST_STATIC_STEPS=1`: every in-process engine whose config leaves `compiled_decode` unset runs the
+# static-shape decode step (inductor-compiled on a CPU), so the generate()-equality tests check that step. Slow:
+# each new engine compiles its buckets. The terminal summary counts the engines by the step they ran.
+STATIC_STEPS_FORCED = os.environ.get("RAYPIPE_TEST_STATIC_STEPS") == "1"
+ENGINE_STEPS: dict[str, int] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _static_steps_forced():
+    if not STATIC_STEPS_FORCED:
+        yield
+        return
+    import dataclasses
+
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+
+    real = LLMEngine.__init__
+
+    def forced(self, checkpoint, config=None, runner_factory=None):
+        config = config or EngineConfig()
+        if config.compiled_decode is None:
+            config = dataclasses.replace(config, compiled_decode=True)
+        real(self, checkpoint, config, runner_factory)
+        step = self.stats()["decode_step"]
+        key = step["mode"] if step["mode"] != "eager" else f"eager: {step.get('reason')}"
+        ENGINE_STEPS[key] = ENGINE_STEPS.get(key, 0) + 1
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LLMEngine, "__init__", forced)
+        yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    if STATIC_STEPS_FORCED:
+        terminalreporter.write_line(f"RAYPIPE_TEST_STATIC_STEPS: engines by decode step: {ENGINE_STEPS}")
+
 
 def pytest_collection_modifyitems(items):
     """`@gpu` tests are skipped without CUDA. The modules that use the shared Serve run one after another,
