@@ -137,3 +137,18 @@ def test_compiled_buckets_are_cached_under_raypipes_cache(monkeypatch, tmp_path)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice wins
     assert use_compile_cache() == tmp_path / "mine"
+
+
+def test_every_static_step_in_a_process_may_compile_all_its_graphs(monkeypatch):
+    """Dynamo counts recompiles per code object and every engine's step compiles the same `_forward`: the
+    limit must cover the graphs of every step made in the process, or a later engine runs eager unannounced
+    (seen with 26 engines in one test process: dynamo stopped compiling at its default of 8)."""
+    from raypipe.decode import compiled_step
+
+    dynamo = torch._dynamo.config
+    monkeypatch.setattr(dynamo, "recompile_limit", 8)
+    monkeypatch.setattr(dynamo, "accumulated_recompile_limit", 8)
+    monkeypatch.setattr(compiled_step, "_graphs_asked", 0)
+    for _ in range(3):  # three engines of 6 buckets each, as a test module's engine pool makes them
+        compiled_step._compile(lambda x: x, 6, dynamic_batch=False)
+    assert dynamo.recompile_limit > 18 and dynamo.accumulated_recompile_limit > 18

@@ -270,12 +270,19 @@ def use_compile_cache() -> pathlib.Path:
     return pathlib.Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
+_graphs_asked = 0  # graphs of `_forward` every static step made in this process may compile, together
+
+
 def _compile(fn, num_graphs: int, dynamic_batch: bool):
+    global _graphs_asked
     use_compile_cache()  # compiled buckets persist under raypipe's cache: a restart compiles nothing new
-    # At most one graph per bucket: allow that many recompiles of this function instead of falling back to eager.
+    # At most one graph per bucket: allow that many recompiles instead of falling back to eager. Dynamo counts
+    # them per code object, and every engine's step shares `_forward`'s: the limit is the whole process's (an
+    # engine started after others, as in the tests, silently ran eager past dynamo's default of 8).
+    _graphs_asked += num_graphs
     dynamo = torch._dynamo.config
-    dynamo.recompile_limit = max(dynamo.recompile_limit, num_graphs + 1)
-    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, num_graphs + 1)
+    dynamo.recompile_limit = max(dynamo.recompile_limit, _graphs_asked + 1)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, _graphs_asked + 1)
     if not dynamic_batch:
         return torch.compile(fn, dynamic=False)
     # Dynamic from the first compile: the batch dimensions the buckets mark (`_Bucket._batch_dynamic`); a
