@@ -228,11 +228,12 @@ def test_a_burst_answers_each_prefill_group_as_it_finishes(engines, cases, monke
 
 
 def test_the_cpu_engine_runs_packed_linears_and_says_so(engines):
-    """Every decode test here compares against `generate()` with these packed linears in place."""
+    """Every decode test here compares against `generate()` with these packed linears in place. (Eager steps
+    named: packing is theirs, and `RAYPIPE_TEST_STATIC_STEPS=1` would force the static step otherwise.)"""
     from raypipe.models.packed_linear import PackedLinear
     from raypipe.models.packed_siblings import SiblingLinear
 
-    engine = engines(8)
+    engine = engines(8, compiled_decode=False)
     modules = list(engine.runner.model.modules())
     packed = [m for m in modules if isinstance(m, PackedLinear)]
     siblings = [m for m in modules if isinstance(m, SiblingLinear)]
@@ -248,7 +249,7 @@ def test_a_prefill_beside_a_decode_takes_every_thread_once_the_decode_is_done(en
     """While a decode runs on the engine thread, the prefill thread is on half the threads (two forwards
     asking for every core would put more OpenMP threads than cores on the machine); once the round's
     decode is done, its next group runs on all of them, not on half until the round ends."""
-    engine = engines(8, num_threads=2)
+    engine = engines(8, num_threads=2, compiled_decode=False)  # the thread split is the eager step's
     seen, decoding, decoded = [], threading.Event(), threading.Event()
     prefill, decode = engine.runner.prefill, engine.runner.decode
 
