@@ -52,6 +52,7 @@ def test_image_requests_arriving_together_share_a_tower_forward_and_each_gets_it
 
     import torch
 
+    threads = torch.get_num_threads()  # the side sets the process's torch threads, as the bench's own process
     side = peer.RaypipeSide(tiny_ckpt, "float32", 1, max_num_seqs=4, max_model_len=1024)
     try:
         tokenizer = side.engine.tokenizer
@@ -73,3 +74,4 @@ def test_image_requests_arriving_together_share_a_tower_forward_and_each_gets_it
         assert not torch.allclose(got[0][0], got[1][0])  # distinct images: a swap would show
     finally:
         side.close()
+        torch.set_num_threads(threads)

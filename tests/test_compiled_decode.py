@@ -146,9 +146,10 @@ def test_every_static_step_in_a_process_may_compile_all_its_graphs(monkeypatch):
     from raypipe.decode import compiled_step
 
     dynamo = torch._dynamo.config
-    monkeypatch.setattr(dynamo, "recompile_limit", 8)
-    monkeypatch.setattr(dynamo, "accumulated_recompile_limit", 8)
     monkeypatch.setattr(compiled_step, "_graphs_asked", 0)
-    for _ in range(3):  # three engines of 6 buckets each, as a test module's engine pool makes them
-        compiled_step._compile(lambda x: x, 6, dynamic_batch=False)
-    assert dynamo.recompile_limit > 18 and dynamo.accumulated_recompile_limit > 18
+    # torch's own patch restores the settings (pytest's monkeypatch deletes them from torch's config module)
+    with dynamo.patch(recompile_limit=8, accumulated_recompile_limit=8):
+        for _ in range(3):  # three engines of 6 buckets each, as a test module's engine pool makes them
+            compiled_step._compile(lambda x: x, 6, dynamic_batch=False)
+        assert dynamo.recompile_limit > 18 and dynamo.accumulated_recompile_limit > 18
+    assert dynamo.recompile_limit >= 8

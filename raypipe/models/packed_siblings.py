@@ -72,6 +72,9 @@ class SiblingLinear(torch.nn.Module):
         super().__init__()
         self.group, self.index = group, index
         self.in_features, self.out_features = in_features, group.sizes[index]
+        if index == 0:  # the group's tensors, registered once: what the model holds is counted (parallel/shards.py)
+            self.register_buffer("packed_weight", group.packed_weight)
+            self.bias = None if group.bias is None else torch.nn.Parameter(group.bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.output(self.index, x)
