@@ -35,13 +35,17 @@ class PackedLinear(torch.nn.Module):
                                                                         requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(x.to(self.packed_weight.dtype), self.packed_weight, self.bias,
-                                                 "none", [], "")
-        return out.to(x.dtype)
+        return packed_gemm(x, self.packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"compute_dtype={self.packed_weight.dtype}")
+
+
+def packed_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W^T + b` through oneDNN with `W` packed, computed in the packed weight's dtype, returned in `x`'s."""
+    out = torch.ops.mkldnn._linear_pointwise(x.to(packed_weight.dtype), packed_weight, bias, "none", [], "")
+    return out.to(x.dtype)
 
 
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype | None, str]:

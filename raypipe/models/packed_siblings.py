@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from raypipe.models.packed_linear import shared_weights
+from raypipe.models.packed_linear import packed_gemm, shared_weights
 
 # Child names of one module that read the same input, in the order the model calls them.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -53,9 +53,7 @@ class PackedSiblings:
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Every sibling's output, side by side in the last dimension."""
-        out = torch.ops.mkldnn._linear_pointwise(x.to(self.packed_weight.dtype), self.packed_weight, self.bias,
-                                                 "none", [], "")
-        return out.to(x.dtype)
+        return packed_gemm(x, self.packed_weight, self.bias)
 
 
 def _version(x: torch.Tensor) -> int | None:
