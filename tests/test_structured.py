@@ -195,12 +195,15 @@ def test_unconstrained_batches_carry_no_grammar(engines, prompt):
     assert SamplingBatch.build([seq], [frozenset()], engine.runner.vocab_size, engine.device).grammar is None
 
 
-def test_a_schema_over_the_compile_time_limit_is_refused_and_the_engine_goes_on(engines, tiny_ckpt, prompt):
+def test_a_schema_over_the_compile_time_limit_is_refused_and_the_engine_goes_on(engines, tiny_ckpt, prompt, caplog):
     """8000 required properties take ~0.6 s to compile here (2.6 s under load); at a 0.2 s limit the request
-    is refused when the limit passes, before its compile could end (timed in this process afterwards, under
-    the same load), its worker process killed (sent again: refused from the cache, within the limit, without
-    a second compile), and a normal request sent with it, and one after, are untouched. The limit leaves a
-    normal schema's ~1 ms compile room on a loaded machine (at 0.05 s it was refused under load)."""
+    is refused once the limit passes, its worker process killed mid-compile (the compile does end, given
+    time: compiled in this process afterwards), sent again: refused from the cache, within the limit,
+    without a second compile; a normal request sent with it, and one after, are untouched. The limit leaves
+    a normal schema's ~1 ms compile room on a loaded machine (at 0.05 s it was refused under load).
+
+    The refusal's own wall time is bounded below only: it also holds the replacement worker's start and
+    the event loop's other work, which in CI once took 2.3 s against a 1.6 s whole compile."""
     from raypipe.decode.grammar import constraint_value
     from raypipe.decode.grammar_worker import trial_compile
 
@@ -237,8 +240,10 @@ def test_a_schema_over_the_compile_time_limit_is_refused_and_the_engine_goes_on(
         start = time.perf_counter()
         compiled = trial_compile(engine.grammars.tokenizer, "json", constraint_value(_params(slow).structured))
         whole = time.perf_counter() - start
-        assert "grammar" in compiled  # it does compile, given time
-        assert limit <= waited[0] < whole and waited[1] < limit, (waited, whole)
+        assert "grammar" in compiled  # it does compile, given time: the refusal came before it could end
+        stopped = [r for r in caplog.records if "stopped after the time limit" in r.getMessage()]
+        assert len(stopped) == 1, [r.getMessage() for r in caplog.records]  # killed once, not twice
+        assert limit <= waited[0] and waited[1] < limit, (waited, whole)
     finally:
         engine.shutdown()
 
