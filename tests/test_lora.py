@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 
 import pytest
@@ -101,6 +102,36 @@ def run_on(served, engine, rows, tag: str):
     return asyncio.run(every())
 
 
+@pytest.mark.parametrize("slots", [[1, 2, 0], [2, 1, 1, 0, 2], [0, 3], [2, 2, 2], [3, 1, 2], [1, 0, 0, 3]])
+def test_a_decode_forwards_grouped_delta_is_each_rows_own_adapter(slots):
+    """Decode rows grouped by slot (`lora.Segments`: empty positions, base rows, one slot for all), through
+    sibling layers that read one input (one gather of its rows, kept for the next sibling), equal each row's
+    `x @ A_s @ B_s` computed alone, and the dense (prefill) path over the same rows."""
+    torch.manual_seed(0)
+    rows, rank, base = lora.LoraRows(), 4, [torch.nn.Linear(16, n) for n in (16, 8, 8)]
+    layers = [lora.LoraLinear(b, rows, num_slots=4, max_rank=rank, dtype=torch.float32, device="cpu") for b in base]
+    factors = {(i, s): (torch.randn(16, rank), torch.randn(rank, b.out_features)) for i, b in enumerate(base)
+               for s in (1, 2, 3)}
+    for (i, s), (a, b) in factors.items():
+        layers[i].set_slot(s, a, b)
+    x = torch.randn(len(slots), 1, 16)
+    expected = [torch.stack([base[i](x[r, 0]) + (x[r, 0] @ factors[i, s][0] @ factors[i, s][1] if s else 0)
+                             for r, s in enumerate(slots)])[:, None] for i in range(3)]
+    with torch.inference_mode(), rows.using(slots, torch.float32, torch.device("cpu")):
+        gathers = []
+        original = torch.Tensor.index_select
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.Tensor, "index_select", lambda t, *a: gathers.append(t.data_ptr()) or original(t, *a))
+            grouped = [layer(x) for layer in layers]
+        dense = [layer(x.view(1, len(slots), 16).transpose(0, 1).contiguous().view(len(slots), 1, 1, 16)[:, 0])
+                 for layer in layers]  # a (rows, 1, 1, in) input is no decode forward's shape: the dense path
+    for got, dense_got, want in zip(grouped, dense, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense_got.view_as(want), want, rtol=1e-5, atol=1e-5)
+    mixed = len(set(slots)) > 1  # one slot for every row needs no grouping: one dense GEMM pair
+    assert gathers.count(x.data_ptr()) == (1 if mixed else 0)  # x's rows gathered once for the three
+
+
 def test_every_adapter_changes_the_base_models_tokens(served):
     assert {name for _, name in ROWS} == {None, *ADAPTERS}
     for i, name in ROWS:
@@ -112,6 +143,8 @@ def test_mixed_batch_equals_peft_generate_per_adapter(served, k):
     outs = run(served, k, ROWS, f"mixed-{k}")
     assert [o.token_ids for o in outs] == [served.expected[row] for row in ROWS]
     assert served.engine(k).decode_step["mode"] == "eager"
+    siblings = re.search(r"\((\d+) of them as q/k/v or gate/up siblings", served.engine(k).weights)
+    assert siblings and int(siblings[1]) > 0, served.engine(k).weights  # the adapted layers' bases share GEMMs
 
 
 def test_prefix_cache_is_keyed_by_adapter(served):

@@ -6,17 +6,22 @@ A save is split where it is read: `read_adapter` takes the language model's part
 
 A PEFT LoRA adapter adds `scaling * B(A(x))` to chosen linear layers (`scaling` is alpha / r, or
 alpha / sqrt(r) with `use_rslora`). To serve rows of different adapters, and rows of none, in one
-forward, every linear that some adapter targets keeps all adapters' factors side by side in fixed-shape
-slot tensors, `A [in, (max_loras + 1) * max_lora_rank]` and `B [(max_loras + 1) * max_lora_rank, out]`
-(slot s is columns / rows `s * max_lora_rank` onwards): slot 0 holds zeros (the base model's rows), a
-rank below `max_lora_rank` is padded with zeros (which add exact zeros), the scaling is folded into B.
+forward, every linear that some adapter targets keeps all adapters' factors in fixed-shape slot tensors,
+`A [max_loras + 1, in, max_lora_rank]` and `B [(max_loras + 1) * max_lora_rank, out]` (slot s is `A[s]` and
+B's rows `s * max_lora_rank` onwards): slot 0 holds zeros (the base model's rows), a rank below
+`max_lora_rank` is padded with zeros (which add exact zeros), the scaling is folded into B. A is stored
+slot by slot so that a decode forward's batched GEMMs read each slot's `(in, r)` as it lies; kept as
+`[in, slots * r]` instead, every decode forward copied the used slots' A out first (a third of the LoRA
+time at 16 adapters).
 
 The delta of a batch is two GEMMs over the slots the batch uses, whatever mix of adapters its rows
-name: `x @ A[:, slots]` gives every row every used slot's `r` columns, a one-hot mask keeps the row's
+name: `x @ A[slots]` (the used slots' A side by side, `[in, used * r]`, a copy) gives every row every used
+slot's `r` columns, a one-hot mask keeps the row's
 own slot's (the rest become exact zeros; no mask when every row uses one slot), and `@ B[slots]` adds
 back onto the output. That is Punica / S-LoRA's batched LoRA done with dense GEMMs: it computes `used
-slots x r` columns instead of `r`, but copies no weights and adds two or three operations a layer, where gathering each row's A and B (a copy of
-every row's factors per layer) cost a third of a decode step on a CPU. Never one forward per adapter.
+slots x r` columns instead of `r`, but copies only the used slots' A once (not each row's factors: gathering
+each row's A and B cost a third of a decode step on a CPU) and adds a few operations a layer. Never one
+forward per adapter.
 
 A decode forward (one token per row) mixing adapters groups its rows by slot instead (`Segments`): batched
 GEMMs of each used slot's factors over that slot's rows, `r` columns per row. A static-shape decode step
@@ -311,11 +316,16 @@ class Segments:
     every row: the masked GEMMs compute `used` times the columns, which at 16 adapters in a round cost twice the
     grouped form on a CPU. Position `k * width + j` is the j-th row of slot `first + k`; `rows` names each
     position's row (row 0 for a position no row fills), and `filled` is 1 where a row does, 0 elsewhere (None when
-    every position is filled), so an empty position's delta is zeros wherever it is added."""
+    every position is filled), so an empty position's delta is zeros. `back` names each row's position, the way
+    back: a base row's is an empty one, or one past the last (`zero_row`: a row of zeros is appended there) when
+    none is empty. Taking the deltas back by gathering positions, not by scattering into rows, is an ordinary
+    indexed read: `index_add_` scattered at a third of the bmm's time."""
 
     width: int
     rows: torch.Tensor
     filled: torch.Tensor | None
+    back: torch.Tensor
+    zero_row: bool
 
     @classmethod
     def of(cls, slots: list[int], first: int, used: int, dtype: torch.dtype, device: torch.device) -> "Segments":
@@ -323,8 +333,12 @@ class Segments:
         width = max(len(group) for group in groups)
         rows = [group[j] if j < len(group) else 0 for group in groups for j in range(width)]
         filled = [float(j < len(group)) for group in groups for j in range(width)]
+        position = {row: k * width + j for k, group in enumerate(groups) for j, row in enumerate(group)}
+        empty = filled.index(0.0) if not all(filled) else len(rows)
         return cls(width, torch.tensor(rows, device=device),
-                   None if all(filled) else torch.tensor(filled, dtype=dtype, device=device).view(used, width, 1))
+                   None if all(filled) else torch.tensor(filled, dtype=dtype, device=device).view(used, width, 1),
+                   torch.tensor([position.get(row, empty) for row in range(len(slots))], device=device),
+                   zero_row=empty == len(rows) and len(position) < len(slots))
 
 
 class LoraRows:
@@ -352,6 +366,17 @@ class LoraRows:
     def segments(self) -> Segments | None:
         return getattr(self._local, "segments", None)
 
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`'s rows in `segments` order (`Segments.rows`). Kept for the next call with the same tensor: q/k/v and
+        gate/up projections read one input, so their layers share one gather (as their base GEMMs do,
+        `models/packed_siblings.py`); an inference tensor counts no in-place changes, and nothing writes a layer's
+        input between its siblings' calls."""
+        local, version = self._local, None if x.is_inference() else x._version
+        kept = getattr(local, "grouped_of", None)
+        if kept is None or kept[0] is not x or kept[1] != version:
+            kept = local.grouped_of = (x, version, x.reshape(-1, x.shape[-1]).index_select(0, self.segments.rows))
+        return kept[2]
+
     @contextlib.contextmanager
     def using(self, slots: list[int], dtype: torch.dtype, device: torch.device):
         named = [s for s in slots if s]
@@ -365,7 +390,7 @@ class LoraRows:
         try:
             yield
         finally:
-            local.first, local.used, local.mask, local.segments = 0, 0, None, None
+            local.first, local.used, local.mask, local.segments, local.grouped_of = 0, 0, None, None, None
 
     @contextlib.contextmanager
     def every_slot(self, mask: torch.Tensor):
@@ -395,7 +420,7 @@ class LoraLinear(torch.nn.Module):
         self.part = getattr(base, "part", None)  # (dim, slices of the whole layer's features) on a rank
         self.whole = _whole_shape(base)
         self.row_parallel = self.part is not None and self.part[0] == 1
-        self.register_buffer("lora_a", torch.zeros(self.in_features, num_slots * max_rank, dtype=dtype, device=device))
+        self.register_buffer("lora_a", torch.zeros(num_slots, self.in_features, max_rank, dtype=dtype, device=device))
         self.register_buffer("lora_b", torch.zeros(num_slots * max_rank, self.out_features, dtype=dtype, device=device))
 
     @property
@@ -406,14 +431,14 @@ class LoraLinear(torch.nn.Module):
         """Slot `slot` holds `(a, b)`, the whole layer's factors (cut here to this layer's `part`); None: zeros
         (the slot's adapter does not target this layer)."""
         first = slot * self.max_rank
-        self.lora_a[:, first: first + self.max_rank] = 0
+        self.lora_a[slot] = 0
         self.lora_b[first: first + self.max_rank] = 0
         if a is not None:
             if self.part is not None:
                 dim, features = self.part
                 a = torch.cat([a[cut] for cut in features]) if dim == 1 else a
                 b = torch.cat([b[:, cut] for cut in features], dim=1) if dim == 0 else b
-            self.lora_a[:, first: first + a.shape[1]] = a
+            self.lora_a[slot, :, : a.shape[1]] = a
             self.lora_b[first: first + a.shape[1]] = b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -425,9 +450,10 @@ class LoraLinear(torch.nn.Module):
             if segments is not None and x.numel() == mask.shape[0] * x.shape[-1]:  # one token per row: decode
                 out = self._grouped_delta(x, out, used, segments)
             else:
-                first = self.rows.first * self.max_rank
-                columns = slice(first, first + used * self.max_rank)  # a view of the used slots, no copy
-                h = x.reshape(-1, x.shape[-1]) @ self.lora_a[:, columns]
+                first = self.rows.first
+                a = self.lora_a[first: first + used].permute(1, 0, 2).reshape(self.in_features, -1)  # a copy
+                columns = slice(first * self.max_rank, (first + used) * self.max_rank)
+                h = x.reshape(-1, x.shape[-1]) @ a
                 if mask is not None:
                     h = (h.view(mask.shape[0], -1, used, self.max_rank) * mask).view(h.shape)
                 out = torch.addmm(out.reshape(-1, out.shape[-1]), h, self.lora_b[columns]).view_as(out)
@@ -436,14 +462,15 @@ class LoraLinear(torch.nn.Module):
     def _grouped_delta(self, x: torch.Tensor, out: torch.Tensor, used: int, segments: Segments) -> torch.Tensor:
         """`out` plus each row's delta from its own slot's factors only (`Segments`)."""
         rank, slots = self.max_rank, slice(self.rows.first, self.rows.first + used)
-        rows = x.reshape(-1, x.shape[-1]).index_select(0, segments.rows)
-        a = self.lora_a.view(self.lora_a.shape[0], -1, rank).permute(1, 0, 2)[slots]  # (used, in, r), a view
-        h = torch.bmm(rows.view(used, segments.width, -1), a)
+        a = self.lora_a[slots]  # (used, in, r), a view
+        h = torch.bmm(self.rows.grouped(x).view(used, segments.width, -1), a)
         if segments.filled is not None:
             h.mul_(segments.filled)
         delta = torch.bmm(h, self.lora_b.view(-1, rank, self.lora_b.shape[1])[slots])  # (used, width, out)
-        return out.reshape(-1, out.shape[-1]).index_add_(0, segments.rows, delta.view(-1, delta.shape[-1])
-                                                         ).view_as(out)
+        delta = delta.view(-1, delta.shape[-1])
+        if segments.zero_row:
+            delta = torch.nn.functional.pad(delta, (0, 0, 0, 1))
+        return out.reshape(-1, out.shape[-1]).add_(delta.index_select(0, segments.back)).view_as(out)
 
 
 class LoraSlots:

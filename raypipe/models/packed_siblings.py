@@ -83,21 +83,26 @@ class SiblingLinear(torch.nn.Module):
 
 
 def pack_siblings(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Replace each complete set of `SIBLINGS` under `model` (plain `nn.Linear` children of one module with one
-    input width, all with a bias or none, no weight shared elsewhere) by `SiblingLinear`s over one packed GEMM
-    in `dtype`; how many linears were replaced."""
+    """Replace each complete set of `SIBLINGS` under `model` (plain `nn.Linear` children of one module, or the
+    plain `base` linears of the LoRA layers there, with one input width, all with a bias or none, no weight
+    shared elsewhere) by `SiblingLinear`s over one packed GEMM in `dtype`; how many linears were replaced.
+    A LoRA layer (`models/lora.py`) calls its base with its own input, so its siblings' bases share the GEMM
+    as plain siblings do."""
     shared = shared_weights(model)
     replaced = 0
     for parent in list(model.modules()):
         for names in SIBLINGS:
-            linears = [getattr(parent, name, None) for name in names]
+            holders = [(parent, name) for name in names]
+            holders = [(child, "base") if type(getattr(child, "base", None)) is torch.nn.Linear else (owner, name)
+                       for (owner, name), child in zip(holders, (getattr(parent, name, None) for name in names))]
+            linears = [getattr(owner, name, None) for owner, name in holders]
             if not all(type(linear) is torch.nn.Linear and id(linear.weight) not in shared for linear in linears):
                 continue
             if len({linear.in_features for linear in linears}) != 1 or len({linear.bias is None
                                                                             for linear in linears}) != 1:
                 continue
             group = PackedSiblings(linears, dtype)
-            for index, (name, linear) in enumerate(zip(names, linears)):
-                setattr(parent, name, SiblingLinear(group, index, linear.in_features))
+            for index, ((owner, name), linear) in enumerate(zip(holders, linears)):
+                setattr(owner, name, SiblingLinear(group, index, linear.in_features))
             replaced += len(names)
     return replaced
