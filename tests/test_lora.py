@@ -123,11 +123,10 @@ def test_a_decode_forwards_grouped_delta_is_each_rows_own_adapter(slots):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.Tensor, "index_select", lambda t, *a: gathers.append(t.data_ptr()) or original(t, *a))
             grouped = [layer(x) for layer in layers]
-        dense = [layer(x.view(1, len(slots), 16).transpose(0, 1).contiguous().view(len(slots), 1, 1, 16)[:, 0])
-                 for layer in layers]  # a (rows, 1, 1, in) input is no decode forward's shape: the dense path
+        dense = [layer(torch.cat([x, x], dim=1)) for layer in layers]  # two tokens a row: the dense path
     for got, dense_got, want in zip(grouped, dense, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dense_got.view_as(want), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense_got, torch.cat([want, want], dim=1), rtol=1e-5, atol=1e-5)
     mixed = len(set(slots)) > 1  # one slot for every row needs no grouping: one dense GEMM pair
     assert gathers.count(x.data_ptr()) == (1 if mixed else 0)  # x's rows gathered once for the three
 
