@@ -65,6 +65,7 @@ from raypipe.errors import InvalidInput
 from raypipe.models import lora_experts
 from raypipe.models.checkpoint import strip_prefix
 from raypipe.models.family import ModelFamily
+from raypipe.models.packed_siblings import input_version
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_KEY_PREFIX = "base_model.model."  # every module of a PEFT save sits under the wrapped model
@@ -369,9 +370,8 @@ class LoraRows:
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """`x`'s rows in `segments` order (`Segments.rows`). Kept for the next call with the same tensor: q/k/v and
         gate/up projections read one input, so their layers share one gather (as their base GEMMs do,
-        `models/packed_siblings.py`); an inference tensor counts no in-place changes, and nothing writes a layer's
-        input between its siblings' calls."""
-        local, version = self._local, None if x.is_inference() else x._version
+        `models/packed_siblings.py`, whose `input_version` tells the same tensor unchanged)."""
+        local, version = self._local, input_version(x)
         kept = getattr(local, "grouped_of", None)
         if kept is None or kept[0] is not x or kept[1] != version:
             kept = local.grouped_of = (x, version, x.reshape(-1, x.shape[-1]).index_select(0, self.segments.rows))

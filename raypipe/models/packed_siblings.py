@@ -39,7 +39,7 @@ class PackedSiblings:
         self._kept = threading.local()  # per thread: the engine's prefill and decode threads share the model
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        kept, version = self._kept, _version(x)
+        kept, version = self._kept, input_version(x)
         if getattr(kept, "input", None) is not x or kept.version != version or index not in kept.untaken:
             kept.input, kept.version = x, version
             kept.parts = self.gemm(x).split(self.sizes, dim=-1)
@@ -56,7 +56,7 @@ class PackedSiblings:
         return packed_gemm(x, self.packed_weight, self.bias)
 
 
-def _version(x: torch.Tensor) -> int | None:
+def input_version(x: torch.Tensor) -> int | None:
     """`x`'s in-place modification count; None for an inference tensor, which counts none (the engine's
     forwards run in inference mode: there the same object is taken as the same values, which transformers'
     layers honour, since nothing writes a layer's input between its siblings' calls)."""
@@ -92,9 +92,7 @@ def pack_siblings(model: torch.nn.Module, dtype: torch.dtype) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for names in SIBLINGS:
-            holders = [(parent, name) for name in names]
-            holders = [(child, "base") if type(getattr(child, "base", None)) is torch.nn.Linear else (owner, name)
-                       for (owner, name), child in zip(holders, (getattr(parent, name, None) for name in names))]
+            holders = [_linear_holder(parent, name) for name in names]
             linears = [getattr(owner, name, None) for owner, name in holders]
             if not all(type(linear) is torch.nn.Linear and id(linear.weight) not in shared for linear in linears):
                 continue
@@ -106,3 +104,9 @@ def pack_siblings(model: torch.nn.Module, dtype: torch.dtype) -> int:
                 setattr(owner, name, SiblingLinear(group, index, linear.in_features))
             replaced += len(names)
     return replaced
+
+
+def _linear_holder(parent: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """Where child `name`'s plain linear is set: on `parent`, or on the LoRA layer there as its `base`."""
+    child = getattr(parent, name, None)
+    return (child, "base") if type(getattr(child, "base", None)) is torch.nn.Linear else (parent, name)
