@@ -1,7 +1,7 @@
 """`LLMEngine`: continuous batching with multi-step rounds, usable in any process with an event loop.
 
-One background thread owns the engine state and runs rounds while there is work; a second one
-only runs prefill forwards (the language model is driven with explicit positions and its own cache
+One background thread loads the model, owns the engine state and runs rounds while there is work; a
+second one only runs prefill forwards beside a decode (the language model is driven with explicit positions and its own cache
 view per thread, so it keeps no per-call state that two threads could share):
 
     apply aborts -> schedule (scheduler.py): blocks of the paged KV pool for the running sequences'
@@ -15,10 +15,12 @@ view per thread, so it keeps no per-call state that two threads could share):
 
 Prefill and decode overlap because, on a CPU, each is a stream of GEMMs that can have cores of
 its own; run one after the other, a round took prefill + decode time and profiling showed prefill
-at ~40% of the engine's time. While both run, the engine's torch threads are split between them:
-two forwards each asking for every core put twice as many OpenMP threads as cores on the machine,
-and every parallel op then waits at its barrier for a descheduled thread (once the decode is done,
-the prefill takes every thread from its next group on). They write disjoint rows
+at ~40% of the engine's time. While both run, the prefill thread has one core and the decode the
+others: two forwards each asking for every core put twice as many OpenMP threads as cores on the
+machine, and every parallel op then waits at its barrier for a descheduled thread. The prefill
+thread never has OpenMP workers of its own (`runtime/cpu_threads.py`: a second team slows every
+parallel op of the decode), so once the decode is done, the engine thread prefills what is left on
+every core. They write disjoint rows
 and blocks (a prefill may read cached prefix blocks, which nobody writes) and join at the round
 boundary, so rows are only moved and blocks only taken or given back while nothing runs. Joining
 requests enter the decode batch one round later; their outputs do not change.
@@ -41,6 +43,7 @@ still in the engine with `EngineClosed`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import sys
@@ -72,12 +75,13 @@ from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.lora import read_adapter
 from raypipe.models.prompt import PreparedPrompt
 from raypipe.models.registry import family_of, language_adapter
+from raypipe.runtime.cpu_threads import single_threaded
 from raypipe.runtime.device import pick_device, resolve_dtype
 
 log = logging.getLogger(__name__)
-# A prefill beside a decode runs on half the threads until that decode is done, then on all, from its next
-# forward on: while the decode runs, its groups are cut into forwards of at most this many prompt tokens
-# (still large enough for efficient GEMMs), so one big group cannot keep it on half the threads for the whole
+# A prefill beside a decode runs on the prefill thread's one core until that decode is done, then on every core
+# of the engine thread: while the decode runs, its groups are cut into forwards of at most this many prompt
+# tokens (still large enough for efficient GEMMs), so one big group cannot keep it on one core for the whole
 # round; once the decode is done, what is left of a group runs as one forward (bigger GEMMs run faster).
 OVERLAP_PIECE_TOKENS = 256
 
@@ -91,10 +95,47 @@ class LLMEngine:
         if self.config.tensor_parallel_size > 1 and runner_factory is None:
             raise ValueError("EngineConfig.tensor_parallel_size > 1 needs a decode group: pass "
                              "runner_factory=raypipe.parallel.runner_factory(config)")
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
-        self.num_threads = torch.get_num_threads()
+        self.num_threads = self.config.num_threads or torch.get_num_threads()
         self.device = pick_device()
+        self._counters = dict(rounds=0, prefills=0, prefill_tokens=0, decode_steps=0, decode_row_steps=0,
+                              max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0,
+                              prefill_seconds=0.0, decode_seconds=0.0)
+        self._cond = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._arriving: list[Sequence] = []  # submitted in the caller's current event-loop turn
+        self._aborts: set[Sequence] = set()  # objects, not ids: an id may be reused once its request ends
+        self._live: dict[str, Sequence] = {}  # submitted, not yet finished (guarded by _cond)
+        self._capacity = self.config.max_num_seqs + self.config.max_num_waiting
+        self._outbox: list[tuple[Sequence, RequestDelta]] = []  # delivered once rows are freed
+        self._stopping = False
+        self._overlapping = False  # a decode runs beside the prefill thread (`_cores_split`)
+        # One torch thread: a prefill piece beside the decode, never a second OpenMP team (cpu_threads.py)
+        self._prefill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raypipe-prefill",
+                                                  initializer=torch.set_num_threads, initargs=(1,))
+        # The engine thread loads the model, then runs rounds: every forward that uses several CPU threads
+        # runs on it (cpu_threads.py). A daemon: an engine never shut down must not hold the process open.
+        loaded = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(runner_factory, loaded), name="raypipe-decode",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            loaded.result()
+        except BaseException:
+            self._prefill_thread.shutdown(wait=False)
+            raise
+
+    def _run(self, runner_factory, loaded: concurrent.futures.Future) -> None:
+        try:
+            self._load(runner_factory)
+        except BaseException as exc:
+            loaded.set_exception(exc)
+            return
+        loaded.set_result(None)
+        self._loop()
+
+    def _load(self, runner_factory) -> None:
+        """The model, its cache and the scheduler (on the engine thread)."""
+        torch.set_num_threads(self.num_threads)
         prefix_caching = self.config.enable_prefix_caching is not False  # exact for every layer kind
         self.runner = (runner_factory or ModelRunner)(self.adapter, device=self.device, dtype=resolve_dtype(self.config.dtype, self.device),
                                   max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
@@ -141,21 +182,6 @@ class LLMEngine:
             max_bytes=c.grammar_max_bytes, max_depth=c.grammar_max_depth, max_ref_depth=c.grammar_max_ref_depth,
             max_rules=c.grammar_max_rules)
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.adapter.eos_token_ids, limits)
-        self._counters = dict(rounds=0, prefills=0, prefill_tokens=0, decode_steps=0, decode_row_steps=0,
-                              max_running=0, tokens_generated=0, finished=0, aborted=0, failed_rounds=0,
-                              prefill_seconds=0.0, decode_seconds=0.0)
-        self._cond = threading.Condition()
-        self._inbox: list[Sequence] = []
-        self._arriving: list[Sequence] = []  # submitted in the caller's current event-loop turn
-        self._aborts: set[Sequence] = set()  # objects, not ids: an id may be reused once its request ends
-        self._live: dict[str, Sequence] = {}  # submitted, not yet finished (guarded by _cond)
-        self._capacity = self.config.max_num_seqs + self.config.max_num_waiting
-        self._outbox: list[tuple[Sequence, RequestDelta]] = []  # delivered once rows are freed
-        self._stopping = False
-        self._overlapping = False  # a decode runs beside the prefill thread (`_cores_split`)
-        self._prefill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raypipe-prefill")
-        self._thread = threading.Thread(target=self._loop, name="raypipe-decode", daemon=True)
-        self._thread.start()
 
     # ---- caller side (any thread / event loop) ----
 
@@ -230,16 +256,18 @@ class LLMEngine:
         Read and checked here, in the caller's thread (a bad adapter is an `InvalidInput` naming `where`'s field);
         a name already served is refused (unload it first). Its slot is written at a round boundary, when a
         request first needs it (on every rank of a tensor-parallel group)."""
-        self.runner.use_loras(self.config.max_loras, self.config.max_lora_rank)
-        return self.loras.load(name, str(path), where).fingerprint
+        with single_threaded():  # a caller's thread: no OpenMP team beside the engine thread's (cpu_threads.py)
+            self.runner.use_loras(self.config.max_loras, self.config.max_lora_rank)
+            return self.loras.load(name, str(path), where).fingerprint
 
     def unload_lora(self, name: str) -> None:
         """Stop serving `name`: requests already holding it finish with it, new ones are refused (`lora_not_found`)."""
         self.loras.unload(name)
 
     def _read_lora(self, name: str, path: str, where: str):
-        return read_adapter(name, path, self.runner.model, self.config.max_lora_rank, where,
-                            family_of(self.adapter.checkpoint))
+        with single_threaded():  # also read again in a caller's thread, once evicted from the CPU pool (`generate`)
+            return read_adapter(name, path, self.runner.model, self.config.max_lora_rank, where,
+                                family_of(self.adapter.checkpoint))
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next round boundary and free its row; unknown ids are ignored."""
@@ -422,13 +450,15 @@ class LLMEngine:
             self._release_finished()
             return
         with self._cores_split(bool(groups)):
-            prefill = self._prefill_thread.submit(self._prefill, groups) if groups else None
+            beside = self._prefill_thread.submit(self._prefill_beside_decode, groups) if groups else None
             try:
                 self._decode(running)
             finally:
-                self._overlapping = False  # the prefill's next forward takes every thread
-                first = prefill.result() if prefill is not None else []  # never leave a prefill running
-        self._prefilled(first)
+                self._overlapping = False  # the prefill thread stops after its current piece
+                done, rest = beside.result() if beside is not None else ([], [])  # never leave a prefill running
+        self._prefilled(done)
+        if rest:  # what the prefill thread had not begun when the decode ended: here, on every thread
+            self._prefilled(self._prefill(rest))
         self._release_finished()
 
     def _prefilled(self, forwards: list[tuple[list[Sequence], list[Sequence], list[int], list]]) -> None:
@@ -445,14 +475,13 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def _cores_split(self, overlapping: bool):
-        """Half the torch threads each for prefill and decode while both run on the CPU (see top).
-
-        Not with a compiled decode step: torch.compile guards on the thread count, so every change
+        """While a prefill runs beside it on the CPU (on one thread), the decode leaves that thread's core
+        (see top). Not with a compiled decode step: torch.compile guards on the thread count, so every change
         would recompile the step's buckets."""
-        split = overlapping and self._threads_are_ours()
+        split = overlapping and self.device.type == "cpu" and self.num_threads > 1 and self.runner.static_step is None
         if split:
-            torch.set_num_threads(self.num_threads // 2)  # this (the engine) thread's forwards
-        self._overlapping = split  # the prefill thread sets its own count per group (`_prefill`)
+            torch.set_num_threads(self.num_threads - 1)
+        self._overlapping = overlapping
         try:
             yield
         finally:
@@ -460,28 +489,28 @@ class LLMEngine:
             if split:
                 torch.set_num_threads(self.num_threads)
 
-    def _threads_are_ours(self) -> bool:
-        """Whether the engine sets its forwards' torch thread counts: several CPU threads and eager steps."""
-        return self.device.type == "cpu" and self.num_threads > 1 and self.runner.static_step is None
-
     def _prefill(self, groups: list[list[Sequence]]) -> list[tuple[list[Sequence], list[Sequence], list[int], list]]:
-        """Per forward: its sequences, those whose prompt it completes, their first token ids and
-        log-probabilities (on the prefill thread: it touches only the prefilling sequences). A group is one
-        forward, or pieces while a decode runs beside it (`OVERLAP_PIECE_TOKENS`). A resumed sequence samples
-        nothing: its newest output token is already the next input."""
-        out, start = [], time.perf_counter()
-        for group in groups:
-            while group:
-                overlapping = self._overlapping  # read once: the decode may finish meanwhile
-                forward = _first_piece(group, OVERLAP_PIECE_TOKENS) if overlapping else group
-                group = group[len(forward):]
-                if self._threads_are_ours():
-                    # This thread's share: half while a decode runs beside it, all once that decode is done (a
-                    # short decode beside a long prefill left it on half the cores for the rest of the round).
-                    torch.set_num_threads(self.num_threads // 2 if overlapping else self.num_threads)
-                out.append((forward, *self._prefill_forward(forward)))
+        """Per forward (a group each, on the engine thread): its sequences, those whose prompt it completes,
+        their first token ids and log-probabilities. A resumed sequence samples nothing: its newest output
+        token is already the next input."""
+        start = time.perf_counter()
+        out = [(group, *self._prefill_forward(group)) for group in groups]
         self._counters["prefill_seconds"] += time.perf_counter() - start
         return out
+
+    def _prefill_beside_decode(self, groups: list[list[Sequence]]) -> tuple[list, list[list[Sequence]]]:
+        """`_prefill`'s forwards for as much of `groups` as it begins while the decode runs, and what is left (on
+        the prefill thread: it touches only the prefilling sequences). On the CPU a forward is a piece of at most
+        `OVERLAP_PIECE_TOKENS` prompt tokens, so the rest soon goes to the engine thread's every core."""
+        out, start, groups = [], time.perf_counter(), list(groups)
+        while groups and self._overlapping:
+            group = groups.pop(0)
+            forward = _first_piece(group, OVERLAP_PIECE_TOKENS) if self.device.type == "cpu" else group
+            if len(forward) < len(group):
+                groups.insert(0, group[len(forward):])
+            out.append((forward, *self._prefill_forward(forward)))
+        self._counters["prefill_seconds"] += time.perf_counter() - start
+        return out, groups
 
     def _prefill_forward(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list]:
         sampled = [s for s in seqs if not s.output_ids and s.num_computed + s.chunk_len == s.prompt_len]
