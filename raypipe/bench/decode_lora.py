@@ -8,8 +8,11 @@ and MLP linear of the language model, PEFT's own `save_pretrained`), starts one 
 - base rows on the LoRA engine: every row names no adapter (the price of merely serving LoRA);
 - mixed: row i uses adapter i mod N, so N=16 puts 16 different adapters in every round.
 
-The three run in turn, three times after a warm-up pass, each run with new prompt texts, and each ratio
-is the median of the three runs' ratios, so load drift hits them alike. Memory per adapter is what its slot holds in every
+Each engine runs alone in the process, as in a deployment (one engine per actor): two engines' threads would
+put two OpenMP teams in one process, and more OpenMP threads than CPUs slow every parallel op of both
+(`runtime/cpu_threads.py`). So each pass starts every engine in turn (the base engine, then one per N), warms it
+up, runs it and shuts it down; three passes, each run with new prompt texts, and each ratio is the median of the
+three passes' ratios, so load drift hits them alike. Memory per adapter is what its slot holds in every
 wrapped linear (`max_lora_rank` padded A and B), beside the adapter file's bytes. The issue's target
 is >= 0.8x of base at N=16 on CPU.
 """
@@ -60,6 +63,7 @@ def main(args) -> int:
     from raypipe.decode.config import EngineConfig
     from raypipe.decode.engine import LLMEngine
     from raypipe.models.registry import language_adapter, resolve_model
+    from raypipe.runtime.cpu_threads import single_threaded
     from raypipe.testing.lora_adapters import write_adapters
 
     name = args.model or "small"
@@ -69,44 +73,49 @@ def main(args) -> int:
     tokenizer = language_adapter(checkpoint).tokenizer
     config = EngineConfig(max_num_seqs=REQUESTS, num_scheduler_steps=8, compiled_decode=False, max_model_len=256)
     load_before = os.getloadavg()
-    base = LLMEngine(checkpoint, config)
-    rows, fresh = [], iter(range(1, 10**6))  # a new prompt seed for every run: no run reuses another's prefix
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            fields = dict(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS)
+    fresh = iter(range(1, 10**6))  # a new prompt seed for every run: no run reuses another's prefix
+
+    def one_engine(engine_config, runs: dict) -> tuple[dict, int]:
+        """tok/s of each run (its rows' adapters) on an engine started for them, shut down after; bytes per slot."""
+        engine = LLMEngine(checkpoint, engine_config)
+        try:
+            for loras in runs.values():  # warm-up
+                tok_s(engine, make_prompts(tokenizer, REQUESTS, seed=next(fresh)), loras, 4)
+            return ({key: tok_s(engine, make_prompts(tokenizer, REQUESTS, seed=next(fresh)), loras, max_tokens)
+                     for key, loras in runs.items()}, slot_bytes(engine, engine_config.max_loras + 1))
+        finally:
+            engine.shutdown()
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        fields = dict(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS)
+        with single_threaded():  # no OpenMP team on this thread beside the engines' (cpu_threads.py)
             adapters = {name: str(path) for name, path in write_adapters(
                 checkpoint, pathlib.Path(folder), {f"bench{i}": fields for i in range(max(counts))}).items()}
-            file_bytes = sum(f.stat().st_size for f in pathlib.Path(adapters["bench0"]).iterdir())
+        file_bytes = sum(f.stat().st_size for f in pathlib.Path(adapters["bench0"]).iterdir())
+        lora_configs = {n: dataclasses.replace(config, lora_modules=dict(list(adapters.items())[:n]), max_loras=n,
+                                               max_lora_rank=RANK) for n in counts}
+        base_runs, speeds, slots = [], {n: {"base_rows": [], "mixed": []} for n in counts}, {}
+        for _ in range(repeats):
+            base_runs.append(one_engine(config, {"base": [None] * REQUESTS})[0]["base"])
             for n in counts:
-                engine = LLMEngine(checkpoint, dataclasses.replace(
-                    config, lora_modules=dict(list(adapters.items())[:n]), max_loras=n, max_lora_rank=RANK))
-                try:
-                    names = engine.loras.names()
-                    mixed_loras = [names[i % n] for i in range(REQUESTS)]
-                    runs = {"base": (base, [None] * REQUESTS), "base_rows": (engine, [None] * REQUESTS),
-                            "mixed": (engine, mixed_loras)}
-                    speeds = {key: [] for key in runs}
-                    for repeat in range(repeats + 1):  # interleaved, so load drift hits all three alike
-                        for key, (which, loras) in runs.items():
-                            prompts = make_prompts(tokenizer, REQUESTS, seed=next(fresh))
-                            speed = tok_s(which, prompts, loras, max_tokens if repeat else 4)
-                            if repeat:  # the first pass warms up
-                                speeds[key].append(speed)
-                    rows.append({"adapters": n, "slot_bytes": slot_bytes(engine, n + 1),
-                                 **{f"{key}_tok_s": statistics.median(v) for key, v in speeds.items()},
-                                 **{f"{key}_vs_base": statistics.median(s / b for s, b in zip(v, speeds["base"]))
-                                    for key, v in speeds.items() if key != "base"}})
-                finally:
-                    engine.shutdown()
-    finally:
-        base.shutdown()
+                runs, slots[n] = one_engine(lora_configs[n], {"base_rows": [None] * REQUESTS,
+                                                              "mixed": [f"bench{i % n}" for i in range(REQUESTS)]})
+                for key, speed in runs.items():
+                    speeds[n][key].append(speed)
+        for n in counts:
+            rows.append({"adapters": n, "slot_bytes": slots[n],
+                         "base_tok_s": statistics.median(base_runs),
+                         **{f"{key}_tok_s": statistics.median(v) for key, v in speeds[n].items()},
+                         **{f"{key}_vs_base": statistics.median(s / b for s, b in zip(v, base_runs))
+                            for key, v in speeds[n].items()}})
     result = {"model": name, "requests": REQUESTS, "max_tokens": max_tokens, "repeats": repeats, "rank": RANK,
               "adapter_file_bytes": file_bytes, "rows": rows,
               "load_average_before": load_before, "load_average_after": os.getloadavg()}
 
     def describe(result: dict, path) -> None:
         print_table(f"{name}: {REQUESTS} requests x {max_tokens} tokens, K=8, eager, rank-{RANK} adapters on every "
-                    f"linear; medians of {repeats} interleaved runs; load average "
+                    f"linear; each engine alone in the process; medians of {repeats} passes; load average "
                     f"{result['load_average_before'][0]:.2f} -> {result['load_average_after'][0]:.2f}",
                     ["adapters in the batch", "base model tok/s", "base rows on the LoRA engine", "vs base",
                      "mixed tok/s", "vs base", "KiB per adapter slot"],
