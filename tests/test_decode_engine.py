@@ -267,12 +267,13 @@ def test_only_the_thread_that_loaded_the_model_runs_forwards_on_several_threads(
 
 
 def _check_forward_threads(engine, loaded_on, cases, monkeypatch):
-    seen, decoding, decoded = [], threading.Event(), threading.Event()
+    seen, undelivered, decoding, decoded = [], [], threading.Event(), threading.Event()
     prefill, decode = engine.runner.prefill, engine.runner.decode
 
     def prefill_recording_threads(seqs, sampled, batch):
         beside = decoding.wait(timeout=1.0)  # the round's decode starts just after this prefill was handed over
         seen.append(("prefill", beside, threading.current_thread(), torch.get_num_threads()))
+        undelivered.append([seq.request_id for seq, _ in engine._outbox if not seq.finished])
         if beside:
             decoded.wait(timeout=10)  # let the decode finish before the next group
         return prefill(seqs, sampled, batch)
@@ -310,6 +311,8 @@ def _check_forward_threads(engine, loaded_on, cases, monkeypatch):
     beside, thread, count = prefills[1][1:]  # the next, beside the decode: on the prefill thread, one torch thread
     assert beside and thread.name.startswith("raypipe-prefill") and count == 1
     assert prefills[2][2:] == (engine_thread, 2)  # what was left once the decode was done: the engine thread's
+    # ... once the decode's tokens and the first token prefilled beside it went out: they do not wait for it
+    assert undelivered[2] == []
     several = {thread for _, _, thread, count in seen if count > 1}
     assert several == {engine_thread}
     assert [s[2:] for s in seen if s[0] == "decode"][0] == (engine_thread, 2)

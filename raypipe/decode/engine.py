@@ -442,11 +442,7 @@ class LLMEngine:
                 self.scheduler.restored(plan.restores)
         running, groups = plan.decode, plan.prefill  # running: rows 0..n-1
         if not running:
-            # Nothing decodes: prefill here, group by group, each group's first tokens out as soon as it is
-            # done (a burst's first requests answer while later groups still prefill).
-            for group in groups:
-                self._prefilled(self._prefill([group]))
-                self._flush(unfinished_only=True)
+            self._prefill_answering(groups)  # nothing decodes: here, on every thread
             self._release_finished()
             return
         with self._cores_split(bool(groups)):
@@ -457,9 +453,16 @@ class LLMEngine:
                 self._overlapping = False  # the prefill thread stops after its current piece
                 done, rest = beside.result() if beside is not None else ([], [])  # never leave a prefill running
         self._prefilled(done)
-        if rest:  # what the prefill thread had not begun when the decode ended: here, on every thread
-            self._prefilled(self._prefill(rest))
+        self._flush(unfinished_only=True)  # the decode's tokens, and first tokens of what prefilled beside it
+        self._prefill_answering(rest)  # what the prefill thread had not begun when the decode ended
         self._release_finished()
+
+    def _prefill_answering(self, groups: list[list[Sequence]]) -> None:
+        """Prefill on this (the engine) thread, group by group, each group's first tokens out as soon as it is
+        done (a burst's first requests answer while later groups still prefill)."""
+        for group in groups:
+            self._prefilled(self._prefill([group]))
+            self._flush(unfinished_only=True)
 
     def _prefilled(self, forwards: list[tuple[list[Sequence], list[Sequence], list[int], list]]) -> None:
         """Book prefilled chunks and emit the first tokens `_prefill` sampled for them."""
