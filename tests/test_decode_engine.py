@@ -288,6 +288,16 @@ def _check_forward_threads(engine, loaded_on, cases, monkeypatch):
             decoding.clear()
             decoded.set()
 
+    from raypipe.decode import engine as engine_module
+
+    callers = []  # the caller's side of `generate` (its embedding rows and positions) runs on one torch thread
+
+    def visual_rows_recording_threads(*args):
+        callers.append(torch.get_num_threads())
+        return visual_rows(*args)
+
+    visual_rows = engine_module.visual_rows
+    monkeypatch.setattr(engine_module, "visual_rows", visual_rows_recording_threads)
     monkeypatch.setattr(engine.runner, "prefill", prefill_recording_threads)
     monkeypatch.setattr(engine.runner, "decode", decode_flagged)
     long_ = [int(t) for t in torch.arange(200) % 50 + 30]  # a group of its own beside cases[1]
@@ -316,6 +326,7 @@ def _check_forward_threads(engine, loaded_on, cases, monkeypatch):
     several = {thread for _, _, thread, count in seen if count > 1}
     assert several == {engine_thread}
     assert [s[2:] for s in seen if s[0] == "decode"][0] == (engine_thread, 2)
+    assert callers == [1, 1, 1]
 
 
 def test_a_prefill_group_beside_a_decode_is_cut_into_pieces_of_bounded_tokens():

@@ -205,9 +205,11 @@ class LLMEngine:
                                      max_model_len=self.config.max_model_len)
         adapter = None if lora is None else (self.loras.cached(lora)
                                              or await asyncio.to_thread(self.loras.weights, lora))
-        embeds, kept = visual_rows(await _resolve(visual_embeds), layouts, self.adapter)
+        resolved = await _resolve(visual_embeds)
+        with single_threaded():  # the caller's thread: no OpenMP team beside the engine thread's (cpu_threads.py)
+            embeds, kept = visual_rows(resolved, layouts, self.adapter)
+            positions, rope_delta = self.adapter.positions(ids, layouts, kept)
         runs = placeholder_runs(ids, layouts, self.adapter) if self.scheduler.prefix_caching else ()
-        positions, rope_delta = self.adapter.positions(ids, layouts, kept)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 

@@ -22,8 +22,8 @@ import torch
 
 @contextlib.contextmanager
 def single_threaded():
-    """Run the block's torch ops on this thread alone, without an OpenMP team (a helper thread's work: reading
-    an adapter, a prefill piece beside the decode)."""
+    """Run the block's torch ops on this thread alone, without an OpenMP team (work an engine does outside its
+    own thread: reading an adapter, a request's embedding rows and positions in the caller's thread)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
