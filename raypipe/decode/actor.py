@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import ray
-import torch
 
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
@@ -25,7 +24,7 @@ class DecodeEngine:
         config = self.engine.config
         return {"pid": os.getpid(), "device": str(self.engine.device), "max_model_len": config.max_model_len,
                 "max_num_seqs": config.max_num_seqs, "max_num_waiting": config.max_num_waiting,
-                "num_scheduler_steps": config.num_scheduler_steps, "threads": torch.get_num_threads()}
+                "num_scheduler_steps": config.num_scheduler_steps, "threads": self.engine.num_threads}
 
     def check_request(self, prompt, params, lora: str | None = None) -> None:
         self.engine.check_request(prompt, params, lora)

@@ -24,6 +24,7 @@ from raypipe.decode.model_runner import ModelRunner
 from raypipe.models.registry import language_adapter
 from raypipe.parallel.collectives import Collectives
 from raypipe.parallel.rank_runner import RankAdapter, mirror, rank_info, weight_shard
+from raypipe.runtime.cpu_threads import single_threaded
 from raypipe.runtime.device import pick_device
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,15 @@ class FollowerRunner(ModelRunner):
 class RankWorker:
     def __init__(self, checkpoint: str, rank: int, world_size: int, runner_kwargs: dict, num_threads: int | None,
                  expert_split: str):
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        # The rank's forwards run on its serving thread, which alone keeps OpenMP workers (runtime/cpu_threads.py)
+        self.num_threads = num_threads or torch.get_num_threads()
         device = pick_device()
         adapter = language_adapter(checkpoint)
         self.collectives = Collectives(rank, world_size, device)
-        shard = weight_shard(adapter.text_config, rank, world_size, self.collectives, expert_split)
-        self.runner = FollowerRunner(RankAdapter(adapter, shard), self.collectives, **dict(runner_kwargs, device=device))
+        with single_threaded():
+            shard = weight_shard(adapter.text_config, rank, world_size, self.collectives, expert_split)
+            self.runner = FollowerRunner(RankAdapter(adapter, shard), self.collectives,
+                                         **dict(runner_kwargs, device=device))
         self.runner.model.lm_head = torch.nn.Identity()  # logits are rank 0's: this rank keeps no vocab matrix
         self.rank = rank
 
@@ -71,6 +74,7 @@ class RankWorker:
         return rank_info(self.rank, self.runner, self.collectives.seconds)
 
     def _serve(self) -> None:
+        torch.set_num_threads(self.num_threads)
         try:
             while True:
                 kind, *args = self.collectives.broadcast_object()
