@@ -1,8 +1,8 @@
 """`LLMEngine`: continuous batching with multi-step rounds, usable in any process with an event loop.
 
 One background thread loads the model, owns the engine state and runs rounds while there is work; a
-second one only runs prefill forwards beside a decode (the language model is driven with explicit positions and its own cache
-view per thread, so it keeps no per-call state that two threads could share):
+second one only runs prefill forwards beside a decode (the language model is driven with explicit
+positions and its own cache view per thread, so it keeps no per-call state that two threads could share):
 
     apply aborts -> schedule (scheduler.py): blocks of the paged KV pool for the running sequences'
        K steps (preempting the newest when the pool runs dry), next chunks of prefills under way,
