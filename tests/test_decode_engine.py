@@ -330,8 +330,8 @@ def _check_forward_threads(engine, loaded_on, cases, monkeypatch):
 
 
 def test_a_prefill_group_beside_a_decode_is_cut_into_pieces_of_bounded_tokens():
-    """One big group would keep the prefill on half the threads until the round ends, however soon the
-    decode beside it is done: while it runs, a forward takes at most `OVERLAP_PIECE_TOKENS` prompt tokens."""
+    """One big group would keep the prefill on the prefill thread's one core until the round ends, however soon
+    the decode beside it is done: while it runs, a forward takes at most `OVERLAP_PIECE_TOKENS` prompt tokens."""
     from types import SimpleNamespace
 
     from raypipe.decode.engine import _first_piece
