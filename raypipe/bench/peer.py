@@ -204,7 +204,10 @@ class RaypipeSide:
     async def _one(self, request: dict, index: int, begin: float) -> dict:
         from raypipe.inputs.sampling import SamplingParams
 
-        prompt, visuals = await asyncio.to_thread(self._prompt, request)
+        # A text request's ids go in as they are, in this turn, as vLLM's side submits them; templating and
+        # preprocessing an image request is real work, done off the event loop.
+        prompt, visuals = (await asyncio.to_thread(self._prompt, request) if "messages" in request
+                           else self._prompt(request))
         embeds = await self._embeds(visuals) if visuals else []
         params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0)
         tokens, first, cached = [], None, 0
