@@ -260,7 +260,7 @@ class LLMEngine:
         request first needs it (on every rank of a tensor-parallel group)."""
         with single_threaded():  # a caller's thread: no OpenMP team beside the engine thread's (cpu_threads.py)
             self.runner.use_loras(self.config.max_loras, self.config.max_lora_rank)
-            return self.loras.load(name, str(path), where).fingerprint
+        return self.loras.load(name, str(path), where).fingerprint  # read single-threaded too (`_read_lora`)
 
     def unload_lora(self, name: str) -> None:
         """Stop serving `name`: requests already holding it finish with it, new ones are refused (`lora_not_found`)."""
@@ -463,11 +463,11 @@ class LLMEngine:
         """Prefill on this (the engine) thread, group by group, each group's first tokens out as soon as it is
         done (a burst's first requests answer while later groups still prefill)."""
         for group in groups:
-            self._prefilled(self._prefill([group]))
+            self._prefilled([self._prefill_forward(group)])
             self._flush(unfinished_only=True)
 
     def _prefilled(self, forwards: list[tuple[list[Sequence], list[Sequence], list[int], list]]) -> None:
-        """Book prefilled chunks and emit the first tokens `_prefill` sampled for them."""
+        """Book prefilled chunks and emit the first tokens `_prefill_forward` sampled for them."""
         for group, sampled, tokens, logprobs in forwards:
             self._counters["prefills"] += 1
             self._counters["prefill_tokens"] += sum(s.chunk_len for s in group)
@@ -494,36 +494,32 @@ class LLMEngine:
             if split:
                 torch.set_num_threads(self.num_threads)
 
-    def _prefill(self, groups: list[list[Sequence]]) -> list[tuple[list[Sequence], list[Sequence], list[int], list]]:
-        """Per forward (a group each, on the engine thread): its sequences, those whose prompt it completes,
-        their first token ids and log-probabilities. A resumed sequence samples nothing: its newest output
-        token is already the next input."""
-        start = time.perf_counter()
-        out = [(group, *self._prefill_forward(group)) for group in groups]
-        self._counters["prefill_seconds"] += time.perf_counter() - start
-        return out
-
     def _prefill_beside_decode(self, groups: list[list[Sequence]]) -> tuple[list, list[list[Sequence]]]:
-        """`_prefill`'s forwards for as much of `groups` as it begins while the decode runs, and what is left (on
+        """`_prefill_forward`s for as much of `groups` as it begins while the decode runs, and what is left (on
         the prefill thread: it touches only the prefilling sequences). On the CPU a forward is a piece of at most
         `OVERLAP_PIECE_TOKENS` prompt tokens, so the rest soon goes to the engine thread's every core."""
-        out, start, groups = [], time.perf_counter(), list(groups)
+        out, groups = [], list(groups)
         while groups and self._overlapping:
             group = groups.pop(0)
             forward = _first_piece(group, OVERLAP_PIECE_TOKENS) if self.device.type == "cpu" else group
             if len(forward) < len(group):
                 groups.insert(0, group[len(forward):])
-            out.append((forward, *self._prefill_forward(forward)))
-        self._counters["prefill_seconds"] += time.perf_counter() - start
+            out.append(self._prefill_forward(forward))
         return out, groups
 
-    def _prefill_forward(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list]:
+    def _prefill_forward(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence], list[int], list]:
+        """One forward: its sequences, those whose prompt it completes, their first token ids and
+        log-probabilities. A resumed sequence samples nothing: its newest output token is already the next input."""
+        start = time.perf_counter()
         sampled = [s for s in seqs if not s.output_ids and s.num_computed + s.chunk_len == s.prompt_len]
         if not sampled:
             self.runner.prefill(seqs, [], None)
-            return [], [], []
-        batch = self._sampling_batch(sampled)
-        return sampled, self.runner.prefill(seqs, sampled, batch), batch.take_logprobs(sampled)
+            tokens, logprobs = [], []
+        else:
+            batch = self._sampling_batch(sampled)
+            tokens, logprobs = self.runner.prefill(seqs, sampled, batch), batch.take_logprobs(sampled)
+        self._counters["prefill_seconds"] += time.perf_counter() - start
+        return seqs, sampled, tokens, logprobs
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build(seqs, [self.output.stop_ids(s) for s in seqs], self.runner.vocab_size,
