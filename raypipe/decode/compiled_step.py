@@ -145,9 +145,14 @@ class StaticDecodeStep:
     def model_changed(self) -> None:
         """The model's modules changed (LoRA wrapped more linears): captured CUDA graphs replay the old ones, so
         each bucket captures again on its next step. A compiled forward needs nothing: torch.compile's guards
-        on the modules' types recompile it."""
+        on the modules' types recompile it.
+
+        The graphs share one memory pool, which torch frees with its last graph: a capture into the old handle
+        then fails inside the caching allocator ("use_count > 0"), so the new graphs take a new pool."""
         for bucket in self._buckets.values():
-            bucket.graph = None
+            bucket.graph = bucket.logits = None
+        if self.use_cuda_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
 
     def _forward(self, tokens, positions, mask, cache):
         hidden = self.model(self.model.embed(tokens[:, None]), positions, mask, cache)
@@ -244,7 +249,9 @@ class _Bucket:
             step._forward(self.tokens, self.positions, self.mask, self.cache)
         torch.cuda.current_stream(step.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=step._pool):
+        # A bucket captures again while requests arrive (model_changed): their threads' device copies must not
+        # void this capture, as CUDA's default (global) mode makes them do; only this thread's calls are checked.
+        with torch.cuda.graph(self.graph, pool=step._pool, capture_error_mode="thread_local"):
             self.logits = step._forward(self.tokens, self.positions, self.mask, self.cache)
 
 
