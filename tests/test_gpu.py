@@ -1,7 +1,7 @@
 """CUDA paths (marked `gpu`, skipped without a GPU; `python -m raypipe.gpucheck` runs them on the lent
 machine): the vision tower on the device, and the decode loop's side-stream copy of sampled ids into
 pinned memory, checked against transformers on the same device; every family's tower and language model
-in bf16 against transformers; CUDA-graph decode against eager decode in bf16."""
+in bf16 against transformers; CUDA-graph decode against eager decode in bf16, and with LoRA adapters against PEFT."""
 
 import asyncio
 import gc
@@ -32,7 +32,17 @@ def hf_cuda(tiny_ckpt):
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_ckpt).eval().to("cuda")
 
 
-def test_vision_tower_on_cuda_matches_cpu_reference(tiny_ckpt, hf_model):
+@pytest.fixture
+def cudnn_in_fp32():
+    """cuDNN's convolutions (the towers' patch embeddings) in fp32: torch lets them run in TF32 by default, whose
+    10-bit mantissa put the tower 5e-3 from the CPU reference on an H200 (fp32 agrees to 1e-4)."""
+    allowed = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = allowed
+
+
+def test_vision_tower_on_cuda_matches_cpu_reference(tiny_ckpt, hf_model, cudnn_in_fp32):
     from raypipe.inputs.images import load_image
     from raypipe.models.registry import vision_adapter
 
@@ -212,3 +222,27 @@ def test_cuda_graph_decode_in_bf16_equals_eager(preset):
         assert "did not warm up" in modes[0]["reason"], modes
     agreeing = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), len(g)) for g, e in zip(*outputs)]
     assert sum(agreeing) >= 0.75 * sum(len(g) for g in outputs[0]), (agreeing, outputs)  # bf16 near ties aside
+
+
+def test_cuda_graph_decode_serves_mixed_adapters_equal_to_peft(tmp_path):
+    """LoRA slots inside the CUDA graphs (fp32): started with "red" (attention layers), given "green" (MLP layers,
+    wrapped after the graphs were captured, so they are captured again) and "blue" at run time, a K=8 batch
+    mixing three adapters and base rows equals PEFT's `generate()` per adapter (on the CPU, fp32), with the
+    embeddings handed over as CPU tensors, as encoder workers send them."""
+    from raypipe.decode.config import EngineConfig
+    from raypipe.decode.engine import LLMEngine
+    from tests.test_lora import ROWS, Served, run_on
+
+    served = Served("tiny", tmp_path)
+    engine = LLMEngine(served.ckpt, EngineConfig(
+        max_num_seqs=4, max_model_len=512, block_size=8, num_scheduler_steps=8, dtype="float32",
+        kv_cache_memory=KV_BYTES, decode_batch_buckets=(4,), decode_kv_buckets=(512,),
+        lora_modules={"red": str(served.folders["red"])}))
+    try:
+        assert engine.decode_step["mode"] == "cuda_graphs", engine.decode_step
+        for name in ("green", "blue"):
+            engine.load_lora(name, str(served.folders[name]))
+        assert [o.token_ids for o in run_on(served, engine, ROWS, "graphs")] == [served.expected[r] for r in ROWS]
+        assert engine.decode_step["mode"] == "cuda_graphs", engine.decode_step
+    finally:
+        engine.shutdown()
