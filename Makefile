@@ -38,7 +38,7 @@ wheel: $(STAMP)
 # transformers 5.23 needs huggingface_hub >= 1.31 (5.17 needs only >= 1.5, < 2): the newest 1.x goes along.
 # Not torch (the machine's own 2.11 runs transformers 5.23, which needs >= 2.6), not Ray (79 MB; not needed).
 GPU_WHEELS_DIR ?= gpu-wheels
-GPU_WHEELS := transformers==5.23.0 huggingface_hub==1.33.0 llguidance==1.9.1 av==18.1.0
+GPU_WHEELS := transformers==5.23.0 huggingface_hub==1.33.0 llguidance==1.9.1 av==18.1.0 peft==0.21.2
 GPU_PLATFORMS := $(foreach p,manylinux_2_31 manylinux_2_28 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
 GPU_WHEELS_MAX_BYTES := 62914560
 
@@ -50,7 +50,7 @@ gpu-wheels:
 	@total=$$(cat $(GPU_WHEELS_DIR)/*.whl | wc -c); printf "%6.1f MiB  in all\n" $$(echo "$$total / 1048576" | bc -l); \
 		test $$total -le $(GPU_WHEELS_MAX_BYTES) || { echo "over 60 MiB: they would not travel"; exit 1; }
 	@echo "On the GPU machine (carry $(GPU_WHEELS_DIR)), from the repository root:"
-	@echo "  python -m pip install -q --no-deps --no-index --target .gpu-site $(GPU_WHEELS_DIR)/*.whl && PYTHONPATH=\$$PWD/.gpu-site:\$$PWD HF_HUB_OFFLINE=1 python -m raypipe.gpucheck --out \$$OUT/gpu-check.json"
+	@echo "  python3 -m pip install -q --no-deps --no-index --target .gpu-site $(GPU_WHEELS_DIR)/*.whl && PYTHONPATH=\$$PWD/.gpu-site:\$$PWD HF_HUB_OFFLINE=1 python3 -m raypipe.gpucheck --out \$$OUT/gpu-check.json"
 
 bench: $(STAMP)
 	$(VENV)/bin/raypipe bench encode
