@@ -7,6 +7,7 @@ Also: the hashes the Ingress keys a request by are the engine's own cache keys (
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -111,6 +112,30 @@ def test_router_ranks_the_prefix_holder_first_then_falls_back_to_two_choices():
         assert len(await router.choose_replicas(router._replicas_list, request([]))) == 1
 
     asyncio.run(run())
+
+
+def test_new_conversations_arriving_one_at_a_time_alternate_over_idle_replicas():
+    """Each first turn finds both queues empty (the one before it finished): Serve takes the first listed of equal
+    queues, which must be the replica holding fewer blocks, not a random one (7 of 8 conversations once landed on
+    one replica of two). So after every conversation the two replicas hold counts at most one apart."""
+    async def run():
+        a, b = StandIn("A"), StandIn("B")
+        router = router_with([a, b])
+        chosen = []
+        for c in range(8):
+            for replica in (a, b):
+                router.on_new_queue_len_info(replica.replica_id, 0)  # Serve's cache: nothing running
+            hashes = [b"head", *chain(f"conversation {c}", 3)]  # a shared template head, then its own blocks
+            ranks = await router.choose_replicas(router._replicas_list, request(hashes))
+            assert len(ranks) == 1  # a first turn has no affinity: the fallback alone
+            replica = await router._select_from_candidate_replicas(ranks[0], 0)  # Serve's pick of the rank
+            router.on_request_routed(request(hashes), replica.replica_id, None)
+            chosen.append(replica.replica_id.unique_id)
+        assert all(abs(chosen[:n].count("A") - chosen[:n].count("B")) <= 1 for n in range(9)), chosen
+
+    for seed in range(20):  # the fallback's pair is random: every draw must stay balanced
+        random.seed(seed)
+        asyncio.run(run())
 
 
 def test_router_forgets_replicas_that_leave_and_routes_to_one_that_joins():

@@ -15,10 +15,12 @@ With 8 requests in flight over 2 replicas no queue can exceed another by more th
 threshold, so the overload fallback cannot apply here: every turn >= 2 must land on its conversation's
 replica.
 
-The spread of first turns: the 8 arrive together and Serve counts each request it sends in its queue
-lengths, so the shorter queue alternates; each replica takes between 2 and 6 of the 8 conversations
-(`MIN_CONVERSATIONS`), whole (the bound leaves room for requests that finish during the burst). Before
-the branch rule, every first turn could follow the first one's replica: 40 of 40 requests on one.
+The spread of first turns: Serve counts each request it sends in its queue lengths, so while they overlap
+the shorter queue alternates; a turn that finds both queues empty (the one before it finished: the app's
+one encoder worker spaces them out) goes to the replica the router sent fewer blocks. Each replica takes
+between 2 and 6 of the 8 conversations (`MIN_CONVERSATIONS`), whole. Before the branch rule, every first
+turn could follow the first one's replica: 40 of 40 requests on one; before the tie-break, a random pick
+on empty queues once put 7 of 8 conversations on one.
 """
 
 from __future__ import annotations

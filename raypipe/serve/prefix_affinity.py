@@ -88,6 +88,10 @@ class PrefixAffinity:
             return None
         return best
 
+    def held(self, replica: Hashable) -> int:
+        """How many block hashes `replica` is remembered to hold: the fallback's tie-break (`PrefixAffinityRouter`)."""
+        return len(self.blocks.get(replica, ()))
+
     def record(self, replica: Hashable, hashes: Sequence[bytes]) -> None:
         """`hashes` were sent to `replica`. Touched last-to-first, so a prompt's head stays longest."""
         held = self.blocks.setdefault(replica, OrderedDict())

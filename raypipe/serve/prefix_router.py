@@ -33,7 +33,8 @@ price: when routing tasks finish out of order (one waits for a queue-length prob
 take the replica chosen for the one before it.
 
 The fallback is Serve's power of two choices: two random replicas, the shorter queue (Serve checks
-it, probing replicas whose length it does not know, and skips full ones). A replica whose queue
+it, probing replicas whose length it does not know, and skips full ones), and on equal queues the first
+listed, which this router makes the replica it sent fewer blocks. A replica whose queue
 length this router does not know counts as empty in the overload rule: if it is full, Serve's own
 check refuses it and the fallback rank is tried next.
 """
@@ -88,7 +89,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             holders = set(self.adapters.holders(adapter, queues)) if adapter else set()
             if holders:
                 ranks.append([r for r in candidate_replicas if r.replica_id in holders])
-        ranks.append(random.sample(candidate_replicas, min(2, len(candidate_replicas))))  # Serve's own rule
+        # Serve's own rule (the shorter queue of two random replicas), ties to the first listed: the one this router
+        # sent fewer blocks. Conversations arriving one at a time find every queue empty, and a random pick put 7
+        # of 8 on one replica (tests/test_serve_routing.py); this spreads them, and their caches, evenly.
+        pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        ranks.append(sorted(pair, key=lambda r: self.affinity.held(r.replica_id)))
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
