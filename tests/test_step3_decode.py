@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from raypipe import SamplingParams
 from raypipe.models.prompt import build_prompt
@@ -157,3 +158,30 @@ def test_a_hit_needs_the_window_before_it(engines, cases):
     assert again.num_cached_tokens == 3 * size  # the query at 3 blocks sees block 2 only (window <= block)
     third = asyncio.run(engine.generate_output("window-hit-2", prompt, features, SamplingParams(max_tokens=MAX_NEW)))
     assert third.token_ids == want and third.num_cached_tokens == len(hashes) * size  # windows cached again
+
+
+@pytest.mark.parametrize("limit", [float("inf"), 0.05])
+def test_grouped_experts_equal_transformers_expert_loop(step3_hf_model, limit):
+    """On CUDA the engine runs Step3's routed experts as transformers' grouped GEMMs (models/step3/grouped_experts.py:
+    its expert loop reads the routing on the host, so a decode step could not be captured). The same kernel here on
+    the CPU against transformers' loop: the SwiGLU clamp off and on, and with a rank's sentinel index (tokens routed
+    to experts another rank holds contribute nothing)."""
+    import copy
+
+    from raypipe.models.step3.grouped_experts import to_grouped
+
+    loop = copy.deepcopy(next(m for m in step3_hf_model.modules() if type(m).__name__ == "Step3p7Experts"))
+    loop.limit = limit
+    grouped = copy.deepcopy(loop)
+    to_grouped(grouped)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(13, loop.hidden_dim, generator=generator)
+    weights, index = torch.rand(13, loop.num_experts, generator=generator).topk(2, dim=-1)
+    with torch.no_grad():
+        want = loop(hidden, index, weights)
+        assert want.abs().max() > 0
+        torch.testing.assert_close(grouped(hidden, index, weights), want)
+        elsewhere = torch.where(index == 0, loop.num_experts, index)  # expert 0 is another rank's
+        grouped._is_expert_parallel = True
+        want = loop(hidden, elsewhere, weights)
+        torch.testing.assert_close(grouped(hidden, elsewhere, weights), want)

@@ -5,7 +5,7 @@ Every request makes exactly `decode_max_tokens` tokens (EOS ignored, `min_new_to
 so the three make the same number of tokens from the same prompts; tokens/s counts them over the wall
 time of the whole batch, prefill included. Each mode is warmed up once on other prompts first (graph
 capture and the first kernels' autotuning are start-up costs, reported as `start_s`). A mode the model
-cannot run (CUDA graphs for a model with a module that cannot be captured, as Step3's experts routing loop) is
+cannot run (CUDA graphs for a model with a module that cannot be captured: one reading values on the host) is
 listed as skipped with the engine's reason.
 """
 

@@ -132,6 +132,7 @@ class Step3Shard:
         if self.expert_split == "experts":
             shapes = ((self.expert_count, *gate_up.shape[1:]), (self.expert_count, *down.shape[1:]))
             experts.num_experts = self.expert_count
+            experts._is_expert_parallel = True  # transformers' grouped kernel (on CUDA) skips the sentinel index
             experts.expert_share = (self.first_expert, self.expert_count)  # LoRA factors are cut so (`lora_experts.py`)
             experts.register_forward_pre_hook(self._local_experts)
         else:

@@ -22,6 +22,7 @@ import torch
 
 from raypipe.models.base import LanguageAdapter
 from raypipe.models.step3.geometry import IMAGE_TOKEN, Step3Geometry
+from raypipe.models.step3.grouped_experts import group_experts
 from raypipe.models.step3.image_processor import load_image_processor
 from raypipe.models.checkpoint import load_module_weights
 from raypipe.models.step3.loading import LANGUAGE_PREFIX, language_shard_tensors, load_step3_model
@@ -44,6 +45,7 @@ class Step3LanguageAdapter(LanguageAdapter):
         if shard is not None:
             return Step3LanguageModel.load_shard(self, device, dtype, shard)
         full = load_step3_model(self.checkpoint, dtype)
+        group_experts(full.model.language_model, device)
         return Step3LanguageModel(self, full.model.language_model, full.lm_head, device, dtype)
 
 
@@ -76,6 +78,7 @@ class Step3LanguageModel(TextDecoder):
             lm_head.weight = model.embed_tokens.weight
         else:
             load_module_weights(lm_head, {"weight": tensors.head}, what=f"{adapter.checkpoint} lm_head")
+        group_experts(model, device)
         loaded = cls(adapter, model, lm_head, device, dtype)
         loaded.checkpoint_bytes_read = tensors.bytes_read
         return loaded
