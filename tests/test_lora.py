@@ -258,8 +258,8 @@ def test_adapters_on_moe_experts_equal_peft_generate(preset, tmp_path):
 
 
 def test_adapters_on_experts_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
-    """Quantized experts, a target parameter other than the experts' two, and experts a tensor-parallel rank holds a
-    part of each of."""
+    """Quantized experts, a target parameter other than the experts' two, and experts cut in a way no tensor-parallel
+    split declares (a rank's width split names its slice: tests/test_tensor_parallel_lora.py)."""
     ckpt = preset_checkpoint("tiny-qwen3-vl-moe")
     decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
     folder = write_adapters(ckpt, tmp_path / "saved", {"amber": EXPERT_ADAPTERS["amber"]})["amber"]
@@ -274,10 +274,10 @@ def test_adapters_on_experts_raypipe_cannot_apply_are_refused_naming_the_field(t
         lora.read_adapter("bad", _edited(folder, tmp_path / "router", target_parameters=["mlp.gate.weight"]), decoder, 16)
     assert refused.value.item == "lora_modules.bad.target_parameters" and "mlp.gate.weight" in str(refused.value)
     experts = decoder.model.get_submodule("layers.0.mlp.experts")
-    width = experts.gate_up_proj.shape[1] // 2  # a rank's share of every expert's width (Step3's "width" split)
+    width = experts.gate_up_proj.shape[1] // 2  # half of every expert's width, with no `width_part` to say which
     experts.gate_up_proj = torch.nn.Parameter(torch.cat((experts.gate_up_proj[:, : width // 2],
                                                          experts.gate_up_proj[:, width: width + width // 2]), 1))
-    with pytest.raises(InvalidInput, match="split by width") as refused:
+    with pytest.raises(InvalidInput, match="neither the layer's nor a tensor-parallel rank's") as refused:
         lora.read_adapter("amber", folder, decoder, max_lora_rank=16)
     assert refused.value.item == "lora_modules.amber"
 

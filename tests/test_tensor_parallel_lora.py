@@ -75,15 +75,18 @@ def test_adapter_loaded_at_run_time_on_a_group_equals_one_device(served):
     assert one[0] != served.expected[1, None] and one[1:4:2] == [served.expected[0, None], served.expected[0, "red"]]
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-vl-moe", "tiny-step3"])
-def test_adapters_on_experts_on_a_group_equal_one_device_and_peft(preset, tmp_path, ray_local):
+@pytest.mark.parametrize("preset, split", [("tiny-qwen3-vl-moe", "experts"), ("tiny-step3", "experts"),
+                                           ("tiny-step3", "tensor")])
+def test_adapters_on_experts_on_a_group_equal_one_device_and_peft(preset, split, tmp_path, ray_local):
     """Each rank holds whole experts (its share) and keeps its experts' factors of every adapter; the layer's
-    routing and its sum over ranks wrap the adapted experts as they wrapped the plain ones."""
+    routing and its sum over ranks wrap the adapted experts as they wrapped the plain ones. Step3's "tensor" split:
+    each rank holds a slice of every expert's width and its slices of the factors (partial down deltas, summed)."""
     case = ExpertCase(preset, tmp_path)
     outs = []
     for tp in (1, 2):
         config = EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8, num_threads=1,
-                              tensor_parallel_size=tp, lora_modules={n: str(f) for n, f in case.folders.items()})
+                              tensor_parallel_size=tp, expert_split=split,
+                              lora_modules={n: str(f) for n, f in case.folders.items()})
         engine = LLMEngine(case.ckpt, config, runner_factory=runner_factory(config))
         try:
             outs.append(case.run(engine, f"experts-tp{tp}"))

@@ -17,7 +17,11 @@ Slots sit side by side as `lora.py`'s do: A `(experts, in, slots * r)`, B `(expe
 on experts holds `experts x r x (in + out)` numbers per parameter, experts times a linear's.
 
 On a tensor-parallel rank holding whole experts (`expert_split="experts"`) each rank keeps its experts'
-factors. Refused when read: experts split by width (Step3's `expert_split="width"`) and quantized experts.
+factors. On a rank holding a slice of every expert's width (Step3's `expert_split="tensor"`: the experts'
+`width_part`), `gate_up_proj` is column-parallel, so the rank keeps its slice of B's gate columns and of its
+up columns (as its weight rows were read), and `down_proj` row-parallel, so it keeps its slice of A's rows:
+the rank's down delta is partial and joins the layer's sum over ranks with the base product. Refused when
+read: quantized experts.
 """
 
 from __future__ import annotations
@@ -58,12 +62,15 @@ def expert_factors(module_name: str, experts: torch.nn.Module, config, a: torch.
     count = getattr(config, "num_experts", None) or config.num_local_experts  # the whole layer's
     width, hidden = config.moe_intermediate_size, config.hidden_size
     held = getattr(experts, "expert_share", (0, count))[1]  # a tensor-parallel rank's whole experts
-    if experts.gate_up_proj.shape != (held, 2 * width, hidden) or experts.down_proj.shape != (held, hidden, width):
-        raise InvalidInput(f"module {module_name!r} holds a part of each expert (a tensor-parallel rank's, experts "
-                           "split by width): LoRA adapters on experts need them split whole (expert_split='experts')",
-                           item=where, code="invalid_lora_adapter")
+    part = getattr(experts, "width_part", None)  # or its slice of every expert's width
+    local = width if part is None else part[0].stop - part[0].start
+    if experts.gate_up_proj.shape != (held, 2 * local, hidden) or experts.down_proj.shape != (held, hidden, local):
+        raise InvalidInput(f"module {module_name!r} holds experts of shapes {tuple(experts.gate_up_proj.shape)} and "
+                           f"{tuple(experts.down_proj.shape)}: neither the layer's nor a tensor-parallel rank's known "
+                           "share of them", item=where, code="invalid_lora_adapter")
+    whole = {"gate_up_proj": (2 * width, hidden), "down_proj": (hidden, width)}  # (out, in) of the whole layer
     for parameter in PARAMETERS:
-        out_features, in_features = getattr(experts, parameter).shape[1:]
+        out_features, in_features = whole[parameter]
         if a.dim() == b.dim() == 2 and a.shape == (rank * count, in_features) and b.shape == (out_features, rank * count):
             a3 = a.float().reshape(count, rank, in_features).transpose(1, 2)
             b3 = b.float().reshape(out_features, rank, count).permute(2, 1, 0) * scaling
@@ -82,6 +89,7 @@ class LoraExperts(torch.nn.Module):
     def __init__(self, base: torch.nn.Module, rows, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
+        self.width_part = getattr(base, "width_part", None)  # (this rank's slice, the whole width) on a width split
         for hooks in ("_forward_pre_hooks", "_forward_hooks"):  # torch keeps a module's hooks in these dicts
             getattr(self, hooks).update(getattr(base, hooks))
             getattr(base, hooks).clear()
@@ -159,5 +167,11 @@ class ExpertParameter:
             if self.experts.share is not None:
                 start, count = self.experts.share
                 a, b = a[start: start + count], b[start: start + count]
+            if self.experts.width_part is not None:
+                part, width = self.experts.width_part
+                if self.name == "gate_up_proj":  # the rank's gate columns, then its up columns
+                    b = torch.cat((b[:, :, part], b[:, :, width + part.start: width + part.stop]), dim=2)
+                else:
+                    a = a[:, part]
             self.lora_a[:, :, first: first + a.shape[2]] = a
             self.lora_b[:, first: first + a.shape[2]] = b

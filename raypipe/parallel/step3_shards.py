@@ -137,6 +137,7 @@ class Step3Shard:
             experts.register_forward_pre_hook(self._local_experts)
         else:
             experts.intermediate_dim //= self.world_size
+            experts.width_part = (self._part(0, self.expert_width), self.expert_width)  # LoRA factors are cut so
             shapes = ((gate_up.shape[0], gate_up.shape[1] // self.world_size, gate_up.shape[2]),
                       (down.shape[0], down.shape[1], down.shape[2] // self.world_size))
         experts.gate_up_proj = torch.nn.Parameter(torch.empty(shapes[0], dtype=gate_up.dtype))
