@@ -212,10 +212,13 @@ EXPERT_ROWS = [(0, "amber"), (1, None), (2, "teal"), (1, "amber"), (0, None), (2
 class ExpertCase:
     """EXPERT_ADAPTERS written on a MoE preset, its prompts, and PEFT's greedy tokens for every EXPERT_ROWS row."""
 
-    def __init__(self, preset: str, folder):
+    def __init__(self, preset: str, folder, hf=None, base: str | None = None):
+        """`hf`: PEFT's model (default: transformers' of the preset, fp32); `base`: the preset the adapters are
+        written on (a quantized preset's unquantized one)."""
         self.ckpt = preset_checkpoint(preset)
-        self.folders = write_adapters(self.ckpt, folder, EXPERT_ADAPTERS)
-        self.peft = peft_model(AutoModelForImageTextToText.from_pretrained(self.ckpt).eval(), self.folders)
+        self.folders = write_adapters(preset_checkpoint(base or preset), folder, EXPERT_ADAPTERS)
+        hf = hf if hf is not None else AutoModelForImageTextToText.from_pretrained(self.ckpt).eval()
+        self.peft = peft_model(hf, self.folders)
         self.language = language_adapter(self.ckpt)
         self.prompts = [self.language.tokenizer.encode(text) for text in EXPERT_TEXTS]
         self.want = [self.peft_tokens(i, name) for i, name in EXPERT_ROWS]
@@ -257,19 +260,34 @@ def test_adapters_on_moe_experts_equal_peft_generate(preset, tmp_path):
         engine.shutdown()
 
 
+def test_adapters_on_fp8_experts_equal_peft_over_transformers_dequantized_model(tmp_path):
+    """FP8 block-wise experts, kept in e4m3 (models/quantized/fp8_block.py), with the experts' adapters: the loop
+    rebuilds each routed expert's weights for the forward. PEFT runs over transformers' model of the same
+    checkpoint, its experts decompressed by transformers' own FP8 op (tests/test_quantized_moe.py), in fp32."""
+    from tests.test_quantized_moe import reference_model
+
+    hf, _ = reference_model(preset_checkpoint("tiny-qwen3-vl-moe-fp8"), torch.float32)
+    # The quantizer left what the checkpoint stores unquantized (norms, the router, the tower) in bf16: fp32 copies
+    # of them are exact, as the engine's are.
+    case = ExpertCase("tiny-qwen3-vl-moe-fp8", tmp_path, hf=hf.float(), base="tiny-qwen3-vl-moe")
+    assert all(case.want[n] != case.peft_tokens(i, None) for n, (i, name) in enumerate(EXPERT_ROWS) if name)
+    engine = LLMEngine(case.ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8, dtype="float32",
+                                               lora_modules={n: str(f) for n, f in case.folders.items()}))
+    try:
+        assert case.run(engine, "fp8-experts") == case.want
+    finally:
+        engine.shutdown()
+
+
 def test_adapters_on_experts_raypipe_cannot_apply_are_refused_naming_the_field(tmp_path):
-    """Quantized experts, a target parameter other than the experts' two, and experts cut in a way no tensor-parallel
-    split declares (a rank's width split names its slice: tests/test_tensor_parallel_lora.py)."""
+    """A target parameter other than the experts' two, and experts cut in a way no tensor-parallel split declares
+    (a rank's width split names its slice: tests/test_tensor_parallel_lora.py)."""
     ckpt = preset_checkpoint("tiny-qwen3-vl-moe")
     decoder = language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32)
     folder = write_adapters(ckpt, tmp_path / "saved", {"amber": EXPERT_ADAPTERS["amber"]})["amber"]
     read = lora.read_adapter("amber", folder, decoder, max_lora_rank=16)
     assert read.name == "amber" and set(read.factors) == {f"layers.{n}.{p}" for n in range(decoder.model.config.num_hidden_layers)
                                  for p in EXPERTS}
-    fp8 = language_adapter(preset_checkpoint("tiny-qwen3-vl-moe-fp8")).load_model(torch.device("cpu"), torch.bfloat16)
-    with pytest.raises(InvalidInput, match=r"layers\.\d+\.mlp\.experts' is a Fp8BlockExperts") as refused:
-        lora.read_adapter("amber", folder, fp8, max_lora_rank=16)  # the same adapter on the FP8 checkpoint
-    assert refused.value.item == "lora_modules.amber.target_parameters"
     with pytest.raises(InvalidInput) as refused:
         lora.read_adapter("bad", _edited(folder, tmp_path / "router", target_parameters=["mlp.gate.weight"]), decoder, 16)
     assert refused.value.item == "lora_modules.bad.target_parameters" and "mlp.gate.weight" in str(refused.value)

@@ -43,25 +43,25 @@ def stored_experts(ckpt) -> dict[str, torch.Tensor]:
     return out
 
 
-def transformers_dequantized(stored: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-    """Expert weights `key` as transformers' FP8 load op (`Fp8Dequantize`) decompresses them, in bf16."""
+def transformers_dequantized(stored: dict[str, torch.Tensor], key: str, dtype=torch.bfloat16) -> torch.Tensor:
+    """Expert weights `key` as transformers' FP8 load op (`Fp8Dequantize`) decompresses them, in `dtype`."""
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
     dequantize = Fp8Dequantize(FineGrainedFP8HfQuantizer(FineGrainedFP8Config()))
     out = dequantize.convert({"weight": stored[key], "weight_scale_inv": stored[f"{key}_scale_inv"]})
-    return out["weight"].to(torch.bfloat16)
+    return out["weight"].to(dtype)
 
 
-def reference_model(ckpt):
+def reference_model(ckpt, dtype=torch.bfloat16):
     """transformers' model of the checkpoint: linears by its FP8 quantizer, experts by its `Fp8Dequantize`."""
-    hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=dtype).eval()
     stored = stored_experts(ckpt)
     for i, layer in enumerate(hf.model.language_model.layers):
         for name in EXPERT_WEIGHTS:
             key = f"model.language_model.layers.{i}.mlp.experts.{name}"
-            getattr(layer.mlp.experts, name).data = transformers_dequantized(stored, key)
+            getattr(layer.mlp.experts, name).data = transformers_dequantized(stored, key, dtype)
     return hf, stored
 
 

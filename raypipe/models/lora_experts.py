@@ -17,11 +17,11 @@ Slots sit side by side as `lora.py`'s do: A `(experts, in, slots * r)`, B `(expe
 on experts holds `experts x r x (in + out)` numbers per parameter, experts times a linear's.
 
 On a tensor-parallel rank holding whole experts (`expert_split="experts"`) each rank keeps its experts'
-factors. On a rank holding a slice of every expert's width (Step3's `expert_split="tensor"`: the experts'
+factors. Quantized experts that rebuild an expert's weight on demand (FP8 block-wise: `expert_weight`) take
+adapters too: the loop rebuilds each routed expert's weights for the forward. On a rank holding a slice of every expert's width (Step3's `expert_split="tensor"`: the experts'
 `width_part`), `gate_up_proj` is column-parallel, so the rank keeps its slice of B's gate columns and of its
 up columns (as its weight rows were read), and `down_proj` row-parallel, so it keeps its slice of A's rows:
-the rank's down delta is partial and joins the layer's sum over ranks with the base product. Refused when
-read: quantized experts.
+the rank's down delta is partial and joins the layer's sum over ranks with the base product.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def unwrapped(module: torch.nn.Module | None) -> torch.nn.Module | None:
 
 
 def is_experts(module: torch.nn.Module | None) -> bool:
-    """A transformers fused-experts module whose parameters this applies adapters to (or one already wrapped)."""
+    """A transformers fused-experts module whose parameters this applies adapters to (or one already wrapped), or a
+    quantized one that rebuilds an expert's weight on demand (`expert_weight`: models/quantized/fp8_block.py)."""
     module = unwrapped(module)
-    return (module is not None and all(isinstance(getattr(module, p, None), torch.nn.Parameter)
+    stored = hasattr(module, "expert_weight")
+    return (module is not None and all(isinstance(getattr(module, p, None), torch.Tensor if stored else torch.nn.Parameter)
                                        and getattr(module, p).dim() == 3 for p in PARAMETERS)
             and not getattr(module, "is_transposed", False) and getattr(module, "is_concatenated", True)
             and not getattr(module, "has_bias", False))
@@ -119,6 +121,7 @@ class LoraExperts(torch.nn.Module):
         if mask is not None:
             mask = mask.expand(mask.shape[0], hidden_states.shape[0] // mask.shape[0], used, 1).reshape(-1, used, 1)
         base = self.base
+        gated = getattr(base, "experts", base)  # a quantized module keeps transformers' (its gate function) inside
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             routed = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -130,17 +133,24 @@ class LoraExperts(torch.nn.Module):
             position, token = torch.where(routed[expert])
             rows = None if mask is None else mask[token]
             x = hidden_states[token]
-            gate_up = F.linear(x, base.gate_up_proj[expert]) + self._delta("gate_up_proj", expert, x, columns, rows)
-            if hasattr(base, "_apply_gate"):
-                current = base._apply_gate(gate_up)
+            gate_up = F.linear(x, self._weight("gate_up_proj", expert, x.dtype)) + self._delta(
+                "gate_up_proj", expert, x, columns, rows)
+            if hasattr(gated, "_apply_gate"):
+                current = gated._apply_gate(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
-                current = base.act_fn(gate) * up
-            current = F.linear(current, base.down_proj[expert]) + self._delta("down_proj", expert, current, columns,
-                                                                                rows)
+                current = gated.act_fn(gate) * up
+            current = F.linear(current, self._weight("down_proj", expert, x.dtype)) + self._delta(
+                "down_proj", expert, current, columns, rows)
             current = current * top_k_weights[token, position, None]
             final.index_add_(0, token, current.to(final.dtype))
         return final
+
+    def _weight(self, parameter: str, expert, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s weight of `parameter`: a view of the module's, or rebuilt from a quantized module's."""
+        if hasattr(self.base, "expert_weight"):
+            return self.base.expert_weight(parameter, expert, dtype)
+        return getattr(self.base, parameter)[expert]
 
     def _delta(self, parameter: str, expert, x: torch.Tensor, columns: slice, rows: torch.Tensor | None):
         h = x @ getattr(self, f"{parameter}_a")[expert][:, columns]

@@ -99,6 +99,12 @@ class Fp8BlockExperts(torch.nn.Module):
                                                  self.block, hidden_states.dtype))
         return run(hidden_states, renumber[top_k_index], top_k_weights)
 
+    def expert_weight(self, name: str, expert, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s `name` weight (out, in) rebuilt in `dtype`: LoRA adapters on these experts run
+        transformers' per-expert loop over it (`models/lora_experts.py`)."""
+        return dequantize_blocks(getattr(self, name)[expert], getattr(self, f"{name}_scale_inv")[expert], self.block,
+                                 dtype)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         load_stored(self, state_dict, prefix, missing_keys, unexpected_keys)
