@@ -23,6 +23,7 @@ from raypipe.parallel.rank_runner import weight_shard
 from raypipe.parallel.shards import sharded_parameter_bytes, tp_plan
 from raypipe.parallel.step3_shards import Step3Shard
 from tests import decode_reference as ref
+from tests.conftest import STATIC_STEPS_FORCED
 
 MAX_NEW = 16
 BLOCK = 8
@@ -97,6 +98,23 @@ def one_device_and_group(checkpoint, cases, *, block: int, max_new: int, shares:
     return made
 
 
+def test_group_with_a_compiled_static_step_equals_generate(engines, cases, tiny_ckpt):
+    """compiled_decode=True on a group: every rank builds the static step over its own shard and cache and warms it
+    up beside rank 0 (torch.compile: gloo all-reduces between the compiled pieces); a staggered K=8 batch with images,
+    chunked prefills and a small pool gives transformers' tokens."""
+    config = EngineConfig(**{**CONFIG, "num_scheduler_steps": 8}, tensor_parallel_size=2, compiled_decode=True,
+                          kv_cache_memory=POOL_BLOCKS * BLOCK * engines[0].runner.bytes_per_token // 2,
+                          decode_batch_buckets=(CONFIG["max_num_seqs"],), decode_kv_buckets=(CONFIG["max_model_len"],))
+    group = LLMEngine(tiny_ckpt, config, runner_factory=runner_factory(config))
+    try:
+        assert group.stats()["decode_step"]["mode"] == "torch.compile", group.stats()["decode_step"]
+        outs = ref.staggered(group, cases, [SamplingParams(max_tokens=MAX_NEW)] * len(cases), "static")
+        assert [o.token_ids for o in outs] == [want for _, _, want in cases]
+        assert group.stats()["chunked_prefills"] > 0
+    finally:
+        group.shutdown()
+
+
 @pytest.mark.parametrize("k", [1, 8])
 def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
     group = engines[1]
@@ -107,7 +125,8 @@ def test_group_greedy_equals_one_device_and_generate(engines, cases, k):
     after = group.stats()
     assert after["preemptions"] > 0  # the K=1 run preempts (K=8 rounds free rows sooner and may not)
     assert after["chunked_prefills"] > before["chunked_prefills"]
-    assert after["decode_step"]["mode"] == "eager" and after["failed_rounds"] == 0
+    assert after["decode_step"]["mode"] == ("torch.compile" if STATIC_STEPS_FORCED else "eager")
+    assert after["failed_rounds"] == 0
 
 
 def test_group_reuses_cached_prefixes(engines, cases, hf_model):

@@ -348,7 +348,7 @@ class LLMEngine:
             return {"mode": "eager", "reason": reason}
         step = self.runner.static_step
         try:
-            seconds = step.warmup()
+            seconds = self.runner.warm_up_static_step()
         except RuntimeError as exc:  # a capture or compile that failed: e.g. a module reading tensor values on the host
             self.runner.static_step = None
             reason = f"the static-shape decode step did not warm up: {str(exc).strip().splitlines()[0]}"

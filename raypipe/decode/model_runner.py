@@ -146,6 +146,10 @@ class ModelRunner:
             self.static_step.loras = self.lora_slots
         return reason
 
+    def warm_up_static_step(self) -> float:
+        """Compile (CPU) or capture (CUDA) the static step's buckets now; seconds taken."""
+        return self.static_step.warmup()
+
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
         """Compute the chunks of `seqs` (in their rows of the bounded cache kinds); first sampled ids of

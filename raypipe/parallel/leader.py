@@ -9,6 +9,7 @@ this `GroupRunner`, which sends each piece of work to the other ranks before run
     move_rows                     -> ("move", moves)
     restore (prefix hits)         -> ("restore", (slot, row) pairs)
     write_lora_slots              -> ("lora", max_loras, max_lora_rank, (slot, whole adapter) pairs)
+    use_static_step (at start)    -> ("static", batch buckets, KV buckets), then ("warmup",)
 
 so the plan travels once per round and a step adds one broadcast of `rows + 1` ids next to the
 layers' all-reduces.
@@ -33,7 +34,10 @@ as with one device); the other ranks take its ids as their next input.
 The engine may prefill on one thread while it decodes on another; a group runs the two one after
 the other (a lock), because the ranks must issue their collectives in one order. For the same
 reason rank 0 reads each step's ids on the host before the next step (no step-late copy on CUDA),
-and decode steps run eager (no compiled step: its graph would hold the all-reduces).
+and on CUDA decode steps run eager (CUDA graphs would hold the NCCL all-reduces: not verified on a GPU yet). On
+a CPU a compiled static step (`compiled_decode=True`) runs on every rank: each builds it over its own shard and
+cache and warms it up beside rank 0 (messages `static`, `warmup`); torch.compile breaks its graph at each gloo
+all-reduce and compiles the pieces between.
 
 Any exception inside group work leaves the ranks out of step: the group is then `failed`, this and
 every later call raises `GroupFailed` (a retryable `CapacityError`, HTTP 503), and whoever owns the
@@ -73,7 +77,20 @@ class GroupRunner(ModelRunner):
         self.group = RankGroup.start(str(adapter.checkpoint), self.collectives, rank_kwargs, num_threads, expert_split)
 
     def use_static_step(self, batch_buckets=None, kv_buckets=None) -> str | None:
-        return "a tensor-parallel group runs eager decode steps (a compiled step would hold the all-reduces)"
+        """Every rank builds the same static step (its own shard and cache) and warms it up beside rank 0's
+        (`warm_up_static_step`): their forwards issue the same all-reduces in the same order."""
+        if self.device.type == "cuda":
+            return "a tensor-parallel group on CUDA runs eager decode steps (CUDA graphs holding NCCL all-reduces " \
+                   "are not verified on a GPU yet)"
+        with self._group_work("static step"):
+            self.collectives.broadcast_object(("static", batch_buckets, kv_buckets))
+            return super().use_static_step(batch_buckets, kv_buckets)
+
+    def warm_up_static_step(self) -> float:
+        """A warm-up that fails leaves the ranks out of step: the group fails (GroupFailed) and the engine with it."""
+        with self._group_work("static step warm-up"):
+            self.collectives.broadcast_object(("warmup",))
+            return super().warm_up_static_step()
 
     def prefill(self, seqs, sampled, batch):
         with self._group_work("prefill"):

@@ -89,6 +89,10 @@ class RankWorker:
                     self.runner.move_rows(args[0])
                 elif kind == "restore":
                     self.runner.restore(args[0])
+                elif kind == "static":
+                    self.runner.use_static_step(*args)
+                elif kind == "warmup":
+                    self.runner.warm_up_static_step()
                 elif kind == "lora":
                     max_loras, max_lora_rank, writes = args
                     self.runner.use_loras(max_loras, max_lora_rank)
