@@ -271,7 +271,8 @@ def test_adapters_on_fp8_experts_equal_peft_over_transformers_dequantized_model(
     # of them are exact, as the engine's are.
     case = ExpertCase("tiny-qwen3-vl-moe-fp8", tmp_path, hf=hf.float(), base="tiny-qwen3-vl-moe")
     assert all(case.want[n] != case.peft_tokens(i, None) for n, (i, name) in enumerate(EXPERT_ROWS) if name)
-    engine = LLMEngine(case.ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8, dtype="float32",
+    engine = LLMEngine(case.ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8,
+                                               dtype="float32",
                                                lora_modules={n: str(f) for n, f in case.folders.items()}))
     try:
         assert case.run(engine, "fp8-experts") == case.want

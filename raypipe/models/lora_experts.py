@@ -17,11 +17,13 @@ Slots sit side by side as `lora.py`'s do: A `(experts, in, slots * r)`, B `(expe
 on experts holds `experts x r x (in + out)` numbers per parameter, experts times a linear's.
 
 On a tensor-parallel rank holding whole experts (`expert_split="experts"`) each rank keeps its experts'
-factors. Quantized experts that rebuild an expert's weight on demand (FP8 block-wise: `expert_weight`) take
-adapters too: the loop rebuilds each routed expert's weights for the forward. On a rank holding a slice of every expert's width (Step3's `expert_split="tensor"`: the experts'
+factors. On a rank holding a slice of every expert's width (Step3's `expert_split="tensor"`: the experts'
 `width_part`), `gate_up_proj` is column-parallel, so the rank keeps its slice of B's gate columns and of its
 up columns (as its weight rows were read), and `down_proj` row-parallel, so it keeps its slice of A's rows:
 the rank's down delta is partial and joins the layer's sum over ranks with the base product.
+
+Quantized experts that rebuild an expert's weight on demand (FP8 block-wise: `expert_weight`) take adapters
+too: the loop rebuilds each routed expert's weights for the forward.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ def is_experts(module: torch.nn.Module | None) -> bool:
     """A transformers fused-experts module whose parameters this applies adapters to (or one already wrapped), or a
     quantized one that rebuilds an expert's weight on demand (`expert_weight`: models/quantized/fp8_block.py)."""
     module = unwrapped(module)
-    stored = hasattr(module, "expert_weight")
-    return (module is not None and all(isinstance(getattr(module, p, None), torch.Tensor if stored else torch.nn.Parameter)
-                                       and getattr(module, p).dim() == 3 for p in PARAMETERS)
+    kind = torch.Tensor if hasattr(module, "expert_weight") else torch.nn.Parameter  # stored ones are buffers
+    return (module is not None and all(isinstance(getattr(module, p, None), kind) and getattr(module, p).dim() == 3
+                                       for p in PARAMETERS)
             and not getattr(module, "is_transposed", False) and getattr(module, "is_concatenated", True)
             and not getattr(module, "has_bias", False))
 
