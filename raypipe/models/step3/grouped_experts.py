@@ -33,18 +33,15 @@ def _grouped_class() -> type:
     return GroupedStep3Experts
 
 
-def group_experts(model: torch.nn.Module, device: torch.device) -> int:
-    """On CUDA, every `Step3p7Experts` of `model` runs grouped GEMMs; how many were switched."""
+def group_experts(model: torch.nn.Module, device: torch.device) -> None:
+    """On CUDA, every `Step3p7Experts` of `model` runs grouped GEMMs."""
     from transformers.models.step3p7.modeling_step3p7 import Step3p7Experts
 
     if device.type != "cuda":
-        return 0
-    switched = 0
+        return
     for module in model.modules():
         if type(module) is Step3p7Experts:  # not a quantized or LoRA-wrapped one
             to_grouped(module)
-            switched += 1
-    return switched
 
 
 def to_grouped(experts: torch.nn.Module) -> None:
