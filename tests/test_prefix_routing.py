@@ -92,24 +92,35 @@ def names(ranks) -> list[list[str]]:
     return [[r.replica_id.unique_id for r in rank] for rank in ranks]
 
 
+async def ranks_of(router: PrefixAffinityRouter, pending: PendingRequest) -> list:
+    """The ranks the router gives `pending`, as a look only: Serve sends nothing, so the choice is not counted."""
+    ranks = await router.choose_replicas(router._replicas_list, pending)
+    router.unsent.clear()
+    return ranks
+
+
+def is_fallback(ranks) -> bool:
+    """Serve's two choices alone: two ranks of one replica each, two different replicas."""
+    return len(ranks) == 2 and [len(rank) for rank in ranks] == [1, 1] and len(set(sum(names(ranks), []))) == 2
+
+
 def test_router_ranks_the_prefix_holder_first_then_falls_back_to_two_choices():
     async def run():
         a, b, c = StandIn("A"), StandIn("B"), StandIn("C")
         router = router_with([a, b, c])
         conv = chain("conv", 8)
-        # Nothing routed yet: one rank, two distinct random replicas (Serve's power of two choices).
-        [pair] = names(await router.choose_replicas(router._replicas_list, request(conv[:5])))
-        assert len(set(pair)) == 2
+        # Nothing routed yet: two ranks of one, two distinct random replicas (Serve's power of two choices).
+        assert is_fallback(await ranks_of(router, request(conv[:5])))
         router.on_request_routed(request(conv[:5]), b.replica_id, None)
-        ranks = names(await router.choose_replicas(router._replicas_list, request(conv)))
-        assert ranks[0] == ["B"] and len(ranks) == 2 and len(set(ranks[1])) == 2
-        # B's queue (as Serve's cache knows it) 5 above the shortest: overloaded, only the fallback rank.
+        ranks = await ranks_of(router, request(conv))
+        assert names(ranks)[0] == ["B"] and len(ranks) in (2, 3) and is_fallback(ranks[-2:])
+        # B's queue (as Serve's cache knows it) 5 above the shortest: overloaded, only the fallback.
         router.on_new_queue_len_info(b.replica_id, 5)
-        assert len(await router.choose_replicas(router._replicas_list, request(conv))) == 1
+        assert is_fallback(await ranks_of(router, request(conv)))
         router.on_new_queue_len_info(b.replica_id, 4)
-        assert names(await router.choose_replicas(router._replicas_list, request(conv)))[0] == ["B"]
+        assert names(await ranks_of(router, request(conv)))[0] == ["B"]
         # A request without hashes (routing off at the ingress): the fallback only.
-        assert len(await router.choose_replicas(router._replicas_list, request([]))) == 1
+        assert is_fallback(await ranks_of(router, request([])))
 
     asyncio.run(run())
 
@@ -127,8 +138,9 @@ def test_new_conversations_arriving_one_at_a_time_alternate_over_idle_replicas()
                 router.on_new_queue_len_info(replica.replica_id, 0)  # Serve's cache: nothing running
             hashes = [b"head", *chain(f"conversation {c}", 3)]  # a shared template head, then its own blocks
             ranks = await router.choose_replicas(router._replicas_list, request(hashes))
-            assert len(ranks) == 1  # a first turn has no affinity: the fallback alone
-            replica = await router._select_from_candidate_replicas(ranks[0], 0)  # Serve's pick of the rank
+            assert is_fallback(ranks)  # a first turn has no affinity: the fallback alone
+            replica = await router._select_from_candidate_replicas(ranks[0], 0)  # Serve's pick of the first rank
+            router.on_send_request(replica.replica_id)
             router.on_request_routed(request(hashes), replica.replica_id, None)
             chosen.append(replica.replica_id.unique_id)
         assert all(abs(chosen[:n].count("A") - chosen[:n].count("B")) <= 1 for n in range(9)), chosen
@@ -138,6 +150,46 @@ def test_new_conversations_arriving_one_at_a_time_alternate_over_idle_replicas()
         asyncio.run(run())
 
 
+def test_a_burst_of_new_conversations_chosen_before_serve_sends_any_splits_evenly():
+    """Serve routes a burst in concurrent tasks and counts a request in its queue lengths only when it sends it,
+    after every task of the burst has chosen. Each choice counts until then, so 8 first turns chosen at once go 4
+    and 4. Before, they all saw the same empty queues and went where the first went: the 7 of 8 conversations on
+    one replica that tests/test_serve_routing.py saw."""
+    async def run():
+        a, b = StandIn("A"), StandIn("B")
+        router = router_with([a, b])
+        for replica in (a, b):
+            router.on_new_queue_len_info(replica.replica_id, 0)
+        chosen = []
+        for c in range(8):
+            ranks = await router.choose_replicas(router._replicas_list, request([b"head", *chain(f"c{c}", 3)]))
+            chosen.append((await router._select_from_candidate_replicas(ranks[0], 0)).replica_id)
+        assert sorted(r.unique_id for r in chosen) == ["A"] * 4 + ["B"] * 4, chosen
+        for replica_id in chosen:  # Serve sends them: its cache counts them, the router's choices stop counting
+            router.on_send_request(replica_id)
+        assert router.queue_lens(router._replicas_list) == {a.replica_id: 4, b.replica_id: 4}
+
+    for seed in range(20):
+        random.seed(seed)
+        asyncio.run(run())
+
+
+def test_a_choice_serve_never_sends_stops_counting(monkeypatch):
+    """A choice Serve drops (its replica was full, its caller left) must not skew the queue lengths for good."""
+    from raypipe.serve import prefix_router
+
+    async def run():
+        a, b = StandIn("A"), StandIn("B")
+        router = router_with([a, b])
+        ranks = await router.choose_replicas(router._replicas_list, request(chain("x", 4)))
+        assert router.queue_lens(router._replicas_list)[ranks[0][0].replica_id] == 1
+        now = prefix_router.time.monotonic()
+        monkeypatch.setattr(prefix_router.time, "monotonic", lambda: now + prefix_router.UNSENT_HORIZON_S + 0.1)
+        assert router.queue_lens(router._replicas_list) == {a.replica_id: 0, b.replica_id: 0}
+
+    asyncio.run(run())
+
+
 def test_router_forgets_replicas_that_leave_and_routes_to_one_that_joins():
     async def run():
         a, b = StandIn("A"), StandIn("B")
@@ -145,17 +197,17 @@ def test_router_forgets_replicas_that_leave_and_routes_to_one_that_joins():
         for i in range(6):
             router.on_request_routed(request(chain(f"c{i}", 4)), (a if i % 2 else b).replica_id, None)
         conv = chain("c1", 4)  # was sent to A
-        assert names(await router.choose_replicas(router._replicas_list, request(conv)))[0] == ["A"]
+        assert names(await ranks_of(router, request(conv)))[0] == ["A"]
         c = StandIn("C")  # autoscaling adds C and removes A
         router.update_replicas([b, c])
         assert a.replica_id not in router.affinity.blocks
-        [pair] = names(await router.choose_replicas(router._replicas_list, request(conv)))
-        assert sorted(pair) == ["B", "C"]  # no affinity left: two choices among the replicas there are now
+        ranks = await ranks_of(router, request(conv))
+        assert is_fallback(ranks) and sorted(sum(names(ranks), [])) == ["B", "C"]  # no affinity left
         router.on_request_routed(request(conv), c.replica_id, None)
-        assert names(await router.choose_replicas(router._replicas_list, request(conv)))[0] == ["C"]
+        assert names(await router.choose_replicas(router._replicas_list, request(conv)))[0] == ["C"]  # (not sent)
         router.on_replica_actor_died(c.replica_id)
-        assert c.replica_id not in router.affinity.blocks
-        assert names(await router.choose_replicas(router._replicas_list, request(conv))) == [["B"]]
+        assert c.replica_id not in router.affinity.blocks and c.replica_id not in router.unsent
+        assert names(await ranks_of(router, request(conv))) == [["B"]]
 
     asyncio.run(run())
 
@@ -240,31 +292,31 @@ def test_an_adapters_new_requests_go_where_it_was_sent_unless_that_replica_is_ov
         router = router_with([a, b, c], adapters=2)
         legal, support = LoraRef("legal", "/a/legal", "f" * 64), LoraRef("support")
         # Never sent: no holder, the fallback only (the chosen replica reads it).
-        assert len(await router.choose_replicas(router._replicas_list, request(chain("x", 4), legal))) == 1
+        assert is_fallback(await ranks_of(router, request(chain("x", 4), legal)))
         router.on_request_routed(request(chain("x", 4), legal), b.replica_id, None)
-        ranks = names(await router.choose_replicas(router._replicas_list, request(chain("y", 4), legal)))
-        assert ranks[0] == ["B"] and len(ranks) == 2 and len(set(ranks[1])) == 2
+        ranks = await ranks_of(router, request(chain("y", 4), legal))
+        assert names(ranks)[0] == ["B"] and len(ranks) in (2, 3) and is_fallback(ranks[-2:])
         # Keyed by the weights' fingerprint: other weights loaded under the same name have no holder.
         relabelled = LoraRef("legal", "/a/legal-v2", "e" * 64)
-        assert len(await router.choose_replicas(router._replicas_list, request(chain("y", 4), relabelled))) == 1
+        assert is_fallback(await ranks_of(router, request(chain("y", 4), relabelled)))
         # The base model and another adapter do not follow it.
-        assert len(await router.choose_replicas(router._replicas_list, request(chain("y", 4)))) == 1
-        assert len(await router.choose_replicas(router._replicas_list, request(chain("y", 4), support))) == 1
-        # A conversation's prefix holder first, then the adapter's holders: Serve takes a rank's shortest queue.
+        assert is_fallback(await ranks_of(router, request(chain("y", 4))))
+        assert is_fallback(await ranks_of(router, request(chain("y", 4), support)))
+        # A conversation's prefix holder first, then the adapter's other holders, shortest queue first.
         router.on_request_routed(request(chain("conv", 4), legal), a.replica_id, None)
-        ranks = names(await router.choose_replicas(router._replicas_list, request(chain("conv", 8), legal)))
-        assert ranks[0] == ["A"] and sorted(ranks[1]) == ["A", "B"] and len(ranks) == 3
+        ranks = names(await ranks_of(router, request(chain("conv", 8), legal)))
+        assert ranks[:2] == [["A"], ["B"]]
         # B 5 requests above the shortest queue (threshold 4): only A holds it usefully.
         router.on_new_queue_len_info(b.replica_id, 5)
-        assert names(await router.choose_replicas(router._replicas_list, request(chain("z", 4), legal)))[0] == ["A"]
+        assert names(await ranks_of(router, request(chain("z", 4), legal)))[0] == ["A"]
         # Each replica remembers its 2 most recent adapters: a third sent to A forgets legal there.
         router.on_request_routed(request(chain("s", 4), support), a.replica_id, None)
         router.on_request_routed(request(chain("t", 4), LoraRef("third")), a.replica_id, None)
         router.on_new_queue_len_info(b.replica_id, 0)
-        assert names(await router.choose_replicas(router._replicas_list, request(chain("z", 4), legal)))[0] == ["B"]
+        assert names(await ranks_of(router, request(chain("z", 4), legal)))[0] == ["B"]
         # A replica that leaves is forgotten.
         router.update_replicas([a, c])
         assert b.replica_id not in router.adapters.adapters
-        assert len(await router.choose_replicas(router._replicas_list, request(chain("z", 4), legal))) == 1
+        assert is_fallback(await ranks_of(router, request(chain("z", 4), legal)))
 
     asyncio.run(run())

@@ -15,12 +15,12 @@ With 8 requests in flight over 2 replicas no queue can exceed another by more th
 threshold, so the overload fallback cannot apply here: every turn >= 2 must land on its conversation's
 replica.
 
-The spread of first turns: Serve counts each request it sends in its queue lengths, so while they overlap
-the shorter queue alternates; a turn that finds both queues empty (the one before it finished: the app's
-one encoder worker spaces them out) goes to the replica the router sent fewer blocks. Each replica takes
+The spread of first turns: the router counts each request it chose until Serve sends it, and Serve counts it
+from then on, so first turns arriving together alternate over the shorter queue; a turn that finds both queues
+empty (the one before it finished) goes to the replica the router sent fewer blocks. Each replica takes
 between 2 and 6 of the 8 conversations (`MIN_CONVERSATIONS`), whole. Before the branch rule, every first
-turn could follow the first one's replica: 40 of 40 requests on one; before the tie-break, a random pick
-on empty queues once put 7 of 8 conversations on one.
+turn could follow the first one's replica: 40 of 40 requests on one; before the router counted its unsent
+choices, first turns routed together all saw the same queue lengths and 7 of 8 conversations once went to one.
 """
 
 from __future__ import annotations

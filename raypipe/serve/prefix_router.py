@@ -32,26 +32,34 @@ decoder calls of one HTTP request (n > 1) share, and all but the first of them w
 price: when routing tasks finish out of order (one waits for a queue-length probe), a request can
 take the replica chosen for the one before it.
 
-The fallback is Serve's power of two choices: two random replicas, the shorter queue (Serve checks
-it, probing replicas whose length it does not know, and skips full ones), and on equal queues the first
-listed, which this router makes the replica it sent fewer blocks. A replica whose queue
-length this router does not know counts as empty in the overload rule: if it is full, Serve's own
-check refuses it and the fallback rank is tried next.
+The fallback is Serve's power of two choices, decided here: two random replicas, the shorter queue first,
+and on equal queues the one this router sent fewer blocks. Each rank returned holds one replica, so Serve
+takes this router's order and only moves to the next rank when a replica is full (Serve checks it, probing
+replicas whose length it does not know). A replica whose queue length this router does not know counts as empty.
+
+The queue lengths are Serve's cache plus the choices this router made that Serve has not sent yet: Serve
+routes a burst in concurrent tasks and counts a request in its cache only when it sends it, one event-loop
+turn after the choice, so a burst of new conversations all saw the same lengths and went where the first
+went (tests/test_serve_routing.py saw 7 of 8 on one replica of two). A choice not sent within
+`UNSENT_HORIZON_S` (its replica was full, its caller left) stops counting.
 """
 
 from __future__ import annotations
 
 import random
+import time
+from collections import deque
 from collections.abc import Sequence
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from raypipe.serve.adapter_affinity import AdapterAffinity
-from raypipe.serve.prefix_affinity import PrefixAffinity
+from raypipe.serve.prefix_affinity import PrefixAffinity, retain_replicas
 
 ROUTER_CLASS = "raypipe.serve.prefix_router:PrefixAffinityRouter"
 HASHES_KWARG = "prefix_hashes"  # the keyword argument of Decoder.generate the router reads
 LORA_KWARG = "lora"  # Decoder.generate's adapter (a `LoraRef` or None), passed by keyword for this router
+UNSENT_HORIZON_S = 2.0  # Serve sends a chosen replica's request within an event-loop turn; older choices were dropped
 
 
 def request_hashes(pending_request: PendingRequest | None) -> Sequence[bytes]:
@@ -72,29 +80,44 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         """Serve passes `request_router_kwargs` here (`PrefixRouting`'s fields, from `app.compose`)."""
         self.affinity = PrefixAffinity(min_match_ratio, overload_threshold, max_tracked_blocks)
         self.adapters = AdapterAffinity(overload_threshold, max_tracked_adapters)
+        self.unsent: dict[ReplicaID, deque[float]] = {}  # per replica, when each choice Serve has not sent was made
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """Ranks Serve tries in order: the replica holding the prefix (`PrefixAffinity.choose`), the replicas
-        holding the request's adapter (`AdapterAffinity.holders`; Serve takes the shortest queue of a rank),
-        then two random ones."""
-        ranks = []
+        """Ranks of one replica each, tried in order: the replica holding the prefix (`PrefixAffinity.choose`), the
+        replicas holding the request's adapter (`AdapterAffinity.holders`, shortest queue first), then two random
+        ones, shorter queue first. The first is counted as chosen until Serve sends to it."""
+        if not candidate_replicas:
+            return []
+        queues = self.queue_lens(candidate_replicas)
+        order: list[ReplicaID] = []
         hashes, adapter = request_hashes(pending_request), request_adapter(pending_request)
-        if (hashes or adapter) and candidate_replicas:
-            cache = self.replica_queue_len_cache
-            queues = {r.replica_id: cache.get(r.replica_id) or 0 for r in candidate_replicas}
-            best = self.affinity.choose(hashes, queues) if hashes else None
-            if best is not None:
-                ranks.append([r for r in candidate_replicas if r.replica_id == best])
-            holders = set(self.adapters.holders(adapter, queues)) if adapter else set()
-            if holders:
-                ranks.append([r for r in candidate_replicas if r.replica_id in holders])
-        # Serve's own rule (the shorter queue of two random replicas), ties to the first listed: the one this router
-        # sent fewer blocks. Conversations arriving one at a time find every queue empty, and a random pick put 7
-        # of 8 on one replica (tests/test_serve_routing.py); this spreads them, and their caches, evenly.
-        pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
-        ranks.append(sorted(pair, key=lambda r: self.affinity.held(r.replica_id)))
-        return ranks
+        best = self.affinity.choose(hashes, queues) if hashes else None
+        if best is not None:
+            order.append(best)
+        order += [r for r in (self.adapters.holders(adapter, queues) if adapter else ()) if r not in order]
+        # Serve's own rule, ties to the replica this router sent fewer blocks: conversations arriving one at a time
+        # find every queue empty, and a random pick put 7 of 8 on one replica; this spreads them, and their caches.
+        pair = [r.replica_id for r in random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        order += [r for r in sorted(pair, key=lambda r: (queues[r], self.affinity.held(r))) if r not in order]
+        self.unsent.setdefault(order[0], deque()).append(time.monotonic())
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[r]] for r in order]
+
+    def queue_lens(self, candidate_replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
+        """Per candidate: Serve's cached queue length (0 when unknown) plus this router's choices not sent yet."""
+        cache, oldest = self.replica_queue_len_cache, time.monotonic() - UNSENT_HORIZON_S
+        for choices in self.unsent.values():
+            while choices and choices[0] < oldest:
+                choices.popleft()
+        return {r.replica_id: (cache.get(r.replica_id) or 0) + len(self.unsent.get(r.replica_id, ()))
+                for r in candidate_replicas}
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        """Serve sent a request to `replica_id` and counts it in its cache now: one choice there stops counting."""
+        super().on_send_request(replica_id)
+        if self.unsent.get(replica_id):
+            self.unsent[replica_id].popleft()
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self.affinity.record(replica_id, request_hashes(pending_request))
@@ -113,3 +136,4 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def _forget_gone(self) -> None:
         self.affinity.retain(self.curr_replicas)
         self.adapters.retain(self.curr_replicas)
+        retain_replicas(self.unsent, self.curr_replicas)
