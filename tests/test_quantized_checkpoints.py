@@ -23,6 +23,7 @@ from transformers import AutoModelForImageTextToText, CompressedTensorsConfig
 
 from raypipe import SamplingParams
 from raypipe.models.quantized.quant_config import quantization_plan
+from raypipe.models.quantized.stored_experts import StoredExperts
 from raypipe.models.quantized.stored_linear import StoredWeightLinear
 from raypipe.models.registry import language_adapter, preset_checkpoint, vision_adapter
 from tests import decode_reference as ref
@@ -31,7 +32,9 @@ MAX_NEW = 8
 IMAGE_REQUEST = 1  # decode_reference.REQUESTS: one image
 # format -> range of the quantized layers' stored bytes over the same weights' bytes in bf16
 FORMATS = {"fp8": (0.45, 0.55), "fp8-dynamic": (0.45, 0.55), "w8a8": (0.45, 0.55), "w4a16": (0.25, 0.3)}
-CASES = [(base, fmt) for base in ("tiny", "tiny-qwen3.5") for fmt in FORMATS]
+CASES = [(base, fmt) for base in ("tiny", "tiny-qwen3.5") for fmt in FORMATS] + [("tiny-qwen3.5-moe", "w4a16")]
+# Groups of 16 (the halves of its 32-wide expert and shared-expert projections): a bf16 scale per 16 int4 weights.
+RANGES = {"tiny-qwen3.5-moe-w4a16": (0.3, 0.33)}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{base}-{fmt}" for base, fmt in CASES])
@@ -58,13 +61,22 @@ def test_greedy_tokens_equal_transformers_on_the_quantized_checkpoint(quantized)
 
 
 def test_quantized_layers_hold_a_fraction_of_their_bf16_bytes(quantized):
-    fmt, _, _, engines = quantized
-    low, high = FORMATS[fmt]
-    layers = [m for m in engines(1).runner.model.modules() if isinstance(m, StoredWeightLinear)]
+    """Linears and, in a mixture-of-experts model, every layer's experts (all quantized, kept as stored)."""
+    fmt, ckpt, hf, engines = quantized
+    low, high = RANGES.get(ckpt.name.rsplit("-v", 1)[0], FORMATS[fmt])
+    modules = list(engines(1).runner.model.modules())
+    layers = [m for m in modules if isinstance(m, StoredWeightLinear)]
     assert layers
     stored = sum(getattr(m, n).nbytes for m in layers for n in m.stored)
     bf16 = sum(m.in_features * m.out_features * 2 for m in layers)
     assert low <= stored / bf16 <= high, stored / bf16
+    text = hf.config.get_text_config()
+    experts = [m for m in modules if isinstance(m, StoredExperts)]
+    assert len(experts) == (text.num_hidden_layers if getattr(text, "num_experts", 0) else 0)
+    if experts:
+        stored = sum(getattr(m, n).nbytes for m in experts for n in m.stored)
+        bf16 = len(experts) * text.num_experts * 3 * text.moe_intermediate_size * text.hidden_size * 2
+        assert low <= stored / bf16 <= high, stored / bf16
 
 
 @pytest.mark.parametrize("config, field", [

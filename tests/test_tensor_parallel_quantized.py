@@ -29,7 +29,7 @@ from raypipe import SamplingParams
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.models.checkpoint import read_config
-from raypipe.models.quantized.fp8_block import Fp8BlockExperts
+from raypipe.models.quantized.stored_experts import StoredExperts
 from raypipe.models.quantized.presets import write_quantized
 from raypipe.models.quantized.quant_config import quantization_plan
 from raypipe.models.quantized.stored_linear import StoredWeightLinear
@@ -43,7 +43,7 @@ from tests.test_tensor_parallel import on_both
 MAX_NEW = 12
 REQUESTS = (0, 1, 2, 3)  # decode_reference.REQUESTS: no image, one, three, one more
 CASES = [("tiny", fmt) for fmt in ("fp8", "fp8-dynamic", "w8a8", "w4a16")] + \
-        [("tiny-qwen3.5", fmt) for fmt in ("fp8", "w4a16")] + [("tiny-qwen3-vl-moe", "fp8")]
+        [("tiny-qwen3.5", fmt) for fmt in ("fp8", "w4a16")] + [("tiny-qwen3-vl-moe", "fp8"), ("tiny-qwen3.5-moe", "w4a16")]
 IDS = [f"{base}-{fmt}" for base, fmt in CASES]
 # A decode group per case costs ~14 s: the groups run one format per kind of stored layer (FP8 blocks, packed
 # int4 with zero points) on `tiny`, and FP8 on the hybrid and the MoE model. The other formats' ranks are
@@ -132,14 +132,18 @@ def test_each_rank_holds_half_of_the_decoder_layers(group):
     assert layers[0] == layers[1] and HALF[0] <= layers[0] / one_device < HALF[1], (layers, one_device)
 
 
-def test_each_rank_reads_its_whole_experts_with_their_scales():
-    ckpt = preset_checkpoint(MOE_PRESET)
+@pytest.mark.parametrize("preset", [MOE_PRESET, "tiny-qwen3.5-moe-w4a16"])
+def test_each_rank_reads_its_whole_experts_with_their_scales(preset):
+    """FP8 blocks stored fused (Qwen3-VL-MoE) and compressed-tensors int4 stored per expert (Qwen3.5-MoE): a rank's
+    stored tensors are exactly its experts' of one device's. (A group runs the FP8 case; the forward of both is
+    `StoredExperts`'.)"""
+    ckpt = preset_checkpoint(preset)
     whole = [m for m in language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32).modules()
-             if isinstance(m, Fp8BlockExperts)]
-    count = whole[0].gate_up_proj.shape[0] // 2
+             if isinstance(m, StoredExperts)]
+    count = whole[0].experts.num_experts // 2
     stored_bytes = []
     for rank in (0, 1):
-        parts = [m for m in rank_decoder(ckpt, rank).modules() if isinstance(m, Fp8BlockExperts)]
+        parts = [m for m in rank_decoder(ckpt, rank).modules() if isinstance(m, StoredExperts)]
         assert len(parts) == len(whole)
         for part, full in zip(parts, whole):
             assert part.experts.num_experts == count

@@ -7,6 +7,10 @@ module holds them fused per layer: `gate_up_proj` (experts, 2 x width, hidden; g
 same for the tensors raypipe reads, FP8 block scales (`weight_scale_inv`) included: a fused scale grid is the
 gate's block rows then the up's, which is the fused weight's own grid only when the width is a whole number of
 blocks (otherwise a block of the fused weight would straddle the gate | up boundary: refused).
+
+Experts stored as compressed-tensors linears (`weight_packed`, `weight_scale`, `weight_shape`, ...: llmcompressor's
+layout) are not fused: each projection's tensors are stacked over the experts as `<proj>_<tensor>`
+(`gate_proj_weight_packed`), the names `quantized.compressed.CompressedTensorsExperts` holds them by.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import re
 
 import torch
 
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)")
+from raypipe.models.quantized.stored_experts import PROJECTIONS
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight\w*)")
 _FUSED = {"weight": "", "weight_scale_inv": "_scale_inv"}  # suffix of the fused tensor's name
 
 
@@ -39,8 +45,13 @@ def fused_experts(state: dict[str, torch.Tensor], config=None) -> dict[str, torc
         else:
             prefix, expert, projection, kind = match.groups()
             experts.setdefault((prefix, kind), {})[(int(expert), projection)] = tensor
+    compressed = {prefix for prefix, kind in experts if kind not in _FUSED}  # compressed-tensors experts: stacked
     for (prefix, kind), parts in experts.items():
         held = sorted({e for e, _ in parts})  # every expert, or a tensor-parallel rank's consecutive share
+        if prefix in compressed:
+            for projection in PROJECTIONS:
+                out[f"{prefix}.{projection}_{kind}"] = torch.stack([parts[e, projection] for e in held])
+            continue
         if kind == "weight_scale_inv":
             width = state[f"{prefix}.{held[0]}.gate_proj.weight"].shape[0]
             scale_block_rows = _block_rows(config)

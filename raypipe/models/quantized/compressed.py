@@ -5,6 +5,11 @@ The layer keeps the tensors the scheme's compressor stores (`compression_param_n
 rebuilds the weight with that compressor's own `decompress`, so compressed-tensors reads its format.
 Activations stay in the compute dtype on this path (a scheme's `input_activations` are not applied),
 as transformers computes with `CompressedTensorsConfig(dequantize=True)`.
+
+A mixture-of-experts layer's experts are stored as llmcompressor writes them, one compressed linear per expert
+and projection (`mlp.experts.<e>.gate_proj.weight_packed`, ...; `expert_layout.fused_experts` stacks each
+projection's tensors over the experts): `CompressedTensorsExperts` rebuilds the routed experts' projections
+with the same compressor per forward.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import math
 
 import torch
 
+from raypipe.models.quantized.stored_experts import PROJECTIONS, StoredExperts
 from raypipe.models.quantized.stored_linear import ONE, StoredWeightLinear, Unit
 
 
@@ -50,6 +56,30 @@ class CompressedTensorsLinear(StoredWeightLinear):
         dim = self.part[0]
         shape[dim] = (self.out_features, self.in_features)[dim]
         return shape
+
+
+class CompressedTensorsExperts(StoredExperts):
+    """Experts stored as compressed linears, each projection's tensors stacked over the experts
+    (`gate_proj_weight_packed`: (experts, width, hidden / 8), ...), rebuilt per forward (`StoredExperts`)."""
+
+    def __init__(self, experts: torch.nn.Module, scheme, compressor):
+        self.params = tuple(compressor.compression_param_names(scheme))
+        super().__init__(experts, tuple(f"{projection}_{name}" for projection in PROJECTIONS for name in self.params))
+        self.scheme, self.compressor = scheme, compressor
+
+    def projection(self, projection: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s `projection` weight (out, in), decompressed by the scheme's compressor, in `dtype`."""
+        stored = {name: getattr(self, f"{projection}_{name}")[expert] for name in self.params}
+        return self.compressor.decompress(stored, self.scheme)["weight"].to(dtype)
+
+    def routed_weights(self, routed: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        experts = routed.tolist()
+        gate_up = [torch.cat([self.projection(p, e, dtype) for p in ("gate_proj", "up_proj")]) for e in experts]
+        return {"gate_up_proj": torch.stack(gate_up),
+                "down_proj": torch.stack([self.projection("down_proj", e, dtype) for e in experts])}
+
+    def extra_repr(self) -> str:
+        return f"{self.compressor.__name__}, stored={self.stored}"
 
 
 def _packed(bits: int) -> Unit:
@@ -119,4 +149,18 @@ class CompressedTensorsPlan:
             if any(is_match(name, linear, scheme.targets) for name in names):
                 return CompressedTensorsLinear(linear.in_features, linear.out_features, scheme, compressor,
                                                linear.bias is not None, dtype)
+        return None
+
+    def experts_for(self, names: list[str], experts: torch.nn.Module) -> CompressedTensorsExperts | None:
+        """A fused-experts module whose per-expert linears (`<name>.<e>.gate_proj`, ..., Linears in the model
+        llmcompressor quantized) the config quantizes: matched as expert 0's projections, by the same rules."""
+        from compressed_tensors.utils.match import is_match
+
+        probe = torch.nn.Linear(1, 1, device="meta")
+        linears = [f"{name}.0.{projection}" for name in names for projection in PROJECTIONS]
+        if any(is_match(name, probe, self.ignore) for name in linears):
+            return None
+        for scheme, compressor in self.groups:
+            if any(is_match(name, probe, scheme.targets) for name in linears):
+                return CompressedTensorsExperts(experts, scheme, compressor)
         return None

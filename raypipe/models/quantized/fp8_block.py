@@ -13,13 +13,10 @@ expert in `gate_up_proj_scale_inv` / `down_proj_scale_inv` (`Fp8BlockExperts`).
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
-from raypipe.models.quantized.stored_linear import ONE, StoredWeightLinear, Unit, load_stored
-
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # transformers' fused experts: (experts, out, in) each
+from raypipe.models.quantized.stored_experts import EXPERT_WEIGHTS, StoredExperts
+from raypipe.models.quantized.stored_linear import ONE, StoredWeightLinear, Unit
 
 
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
@@ -57,57 +54,23 @@ class Fp8BlockLinear(StoredWeightLinear):
         return Fp8BlockLinear(in_features, out_features, self.block, self.bias is not None, self.bias_dtype)
 
 
-class Fp8BlockExperts(torch.nn.Module):
-    """transformers' fused-experts module (`experts`: its routing loop or grouped GEMMs, as the unquantized
-    model runs) over weights rebuilt per forward from the stored e4m3 tensors and their block scales, one grid
-    per expert (`gate_up_proj_scale_inv`, `down_proj_scale_inv`: the names transformers' `FP8Experts` loads).
-    Only the experts a forward routes to exist in full precision, during that forward only."""
+class Fp8BlockExperts(StoredExperts):
+    """Fused experts stored in e4m3 with one block grid of scales per expert (`gate_up_proj_scale_inv`,
+    `down_proj_scale_inv`: the names transformers' `FP8Experts` loads), rebuilt per forward (`StoredExperts`)."""
 
     def __init__(self, experts: torch.nn.Module, block: tuple[int, int]):
-        super().__init__()
+        super().__init__(experts, tuple(n for weight in EXPERT_WEIGHTS for n in (weight, f"{weight}_scale_inv")))
         self.block = block
-        self.stored = tuple(n for weight in EXPERT_WEIGHTS for n in (weight, f"{weight}_scale_inv"))
-        for name in self.stored:  # filled by the checkpoint, as stored
-            self.register_buffer(name, None)
-        for name in EXPERT_WEIGHTS:  # the module's weights become a per-call copy's plain attributes (`forward`)
-            delattr(experts, name)
-        self.experts = experts
 
-    def keep_experts(self, count: int) -> None:
-        """A tensor-parallel rank's module: `count` whole experts (its stored tensors are read as its share)."""
-        self.experts.num_experts = count
-        self.experts._is_expert_parallel = True  # transformers' kernels skip the sentinel index `num_experts`
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                ) -> torch.Tensor:
-        # Only the experts this call routes to are rebuilt (a decode step's few rows reach a few of a layer's
-        # experts), numbered 0.. in expert order, every other index becoming the skipped sentinel: each routed
-        # expert sees the same rows, in the same order, as with all of them rebuilt.
-        count = self.experts.num_experts  # this module's experts (a tensor-parallel rank's share)
-        routed = torch.unique(top_k_index)
-        routed = routed[routed < count]  # a rank's sentinel for other ranks' experts is not one of them
-        if not len(routed):  # every row went to other ranks' experts: this rank's share of the sum is zero
-            return torch.zeros_like(hidden_states)
-        renumber = torch.full((count + 1,), len(routed), dtype=top_k_index.dtype, device=top_k_index.device)
-        renumber[routed] = torch.arange(len(routed), dtype=top_k_index.dtype, device=top_k_index.device)
-        # A copy per call holds this call's weights: the engine's prefill thread and its decode loop may run the
-        # same layer at once. Its tensors die with it.
-        run = copy.copy(self.experts)
-        run.num_experts, run._is_expert_parallel = len(routed), True  # transformers skips the sentinel's rows
-        for name in EXPERT_WEIGHTS:
-            setattr(run, name, dequantize_blocks(getattr(self, name)[routed], getattr(self, f"{name}_scale_inv")[routed],
-                                                 self.block, hidden_states.dtype))
-        return run(hidden_states, renumber[top_k_index], top_k_weights)
+    def routed_weights(self, routed: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {name: dequantize_blocks(getattr(self, name)[routed], getattr(self, f"{name}_scale_inv")[routed],
+                                        self.block, dtype) for name in EXPERT_WEIGHTS}
 
     def expert_weight(self, name: str, expert, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s `name` weight (out, in) rebuilt in `dtype`: LoRA adapters on these experts run
         transformers' per-expert loop over it (`models/lora_experts.py`)."""
         return dequantize_blocks(getattr(self, name)[expert], getattr(self, f"{name}_scale_inv")[expert], self.block,
                                  dtype)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        load_stored(self, state_dict, prefix, missing_keys, unexpected_keys)
 
     def extra_repr(self) -> str:
         return f"block={self.block}, stored={self.stored}"

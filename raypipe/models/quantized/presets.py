@@ -12,7 +12,12 @@ recipe leaves the whole linear attention unquantized), from the bf16 weights:
   Linear, as Qwen's -FP8 releases keep `mlp.gate`);
 - `fp8-dynamic`, `w8a8`, `w4a16`: compressed-tensors' preset schemes (`FP8_DYNAMIC`, `W8A8`, `W4A16`),
   scales from each weight's min/max by compressed-tensors' `calculate_qparams`, compressed and
-  described in `config.json` by its `ModelCompressor` (llmcompressor's save path).
+  described in `config.json` by its `ModelCompressor` (llmcompressor's save path). A mixture-of-experts
+  model's experts too (`tiny-qwen3.5-moe-w4a16`), one compressed linear per expert and projection
+  (`mlp.experts.<e>.gate_proj.weight_packed`, ...), the layout llmcompressor writes: it quantizes the
+  experts as the per-expert Linears they are during its calibration, and `ModelCompressor` describes them
+  by the same `Linear` target. The router (`mlp.gate`) and `shared_expert_gate` (one output row) are not
+  quantized, as llmcompressor's Qwen MoE recipes leave them.
 
 Block and group sizes are at most 128 (real checkpoints' size) and small enough that every preset splits
 over two tensor-parallel ranks, which cut nothing on a block or group boundary (`two_rank_size`):
@@ -32,21 +37,21 @@ import shutil
 
 FORMATS = ("fp8", "fp8-dynamic", "w8a8", "w4a16")
 BASES = ("tiny", "tiny-qwen3.5", "small", "small-qwen3.5")
-# Bases with fused experts: FP8 only (compressed-tensors quantizes Linears, and transformers' experts are not).
-MOE_BASES = ("tiny-qwen3-vl-moe",)
-VERSION = "q2"  # part of a quantized preset's cache folder name: bump when what they hold changes
+# Bases with experts, and their formats: the experts quantized too.
+MOE_BASES = {"tiny-qwen3-vl-moe": ("fp8",), "tiny-qwen3.5-moe": ("w4a16",)}
+VERSION = "q3"  # part of a quantized preset's cache folder name: bump when what they hold changes
 LARGEST_BLOCK = 128
 TP_READY = 2  # the tensor_parallel_size every preset's blocks and groups split over
 # What stays unquantized, in transformers' module names: the output head, the vision tower, a gated delta
 # net's per-head projections.
-NOT_QUANTIZED = ["lm_head", "model.visual", "linear_attn.in_proj_a", "linear_attn.in_proj_b"]
+NOT_QUANTIZED = ["lm_head", "model.visual", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "shared_expert_gate"]
 _COMPRESSED_TENSORS_SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "w8a8": "W8A8", "w4a16": "W4A16"}
 
 
 def quantized_presets() -> dict[str, tuple[str, str]]:
     """Preset name -> (base preset, format)."""
     return {**{f"{base}-{fmt}": (base, fmt) for base in BASES for fmt in FORMATS},
-            **{f"{base}-fp8": (base, "fp8") for base in MOE_BASES}}
+            **{f"{base}-{fmt}": (base, fmt) for base, formats in MOE_BASES.items() for fmt in formats}}
 
 
 def write_quantized(base: pathlib.Path, folder: pathlib.Path, fmt: str,
@@ -147,22 +152,16 @@ def _write_compressed_tensors(model, folder: pathlib.Path, preset: str) -> None:
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
     linears = _quantized_linears(model)
     if scheme.weights.strategy == QuantizationStrategy.GROUP:
-        scheme.weights.group_size = two_rank_size([m.in_features for _, m in linears])
-    ignore = ["lm_head", "re:model.visual.*", r"re:.*linear_attn\.in_proj_[ab]$"]
+        experts = _expert_widths(model.config.get_text_config())  # whole experts per rank: not halved
+        scheme.weights.group_size = math.gcd(two_rank_size([m.in_features for _, m in linears]), *experts)
+    ignore = ["lm_head", "re:model.visual.*", r"re:.*linear_attn\.in_proj_[ab]$", r"re:.*shared_expert_gate$"]
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore))
     for _, linear in linears:
-        args, weight = linear.quantization_scheme.weights, linear.weight.detach()
-        if args.strategy == QuantizationStrategy.GROUP:  # one min/max per row and group of columns
-            weight = weight.unflatten(-1, (-1, args.group_size))
-            low, high = weight.amin(-1), weight.amax(-1)
-        else:  # per output channel
-            low, high = weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True)
-        scale, zero_point = calculate_qparams(low, high, args)
+        scale, zero_point = _qparams(linear.weight.detach(), linear.quantization_scheme.weights)
         linear.weight_scale.data = scale.to(linear.weight_scale.dtype).reshape(linear.weight_scale.shape)
         if hasattr(linear, "weight_zero_point"):
             linear.weight_zero_point.data = zero_point.to(linear.weight_zero_point.dtype).reshape(
@@ -171,3 +170,52 @@ def _write_compressed_tensors(model, folder: pathlib.Path, preset: str) -> None:
     compressor.compress_model(model)
     model.save_pretrained(folder)
     compressor.update_config(folder)
+    if _expert_widths(model.config.get_text_config()):
+        written = compressor.quantization_config
+        _compress_saved_experts(folder, written.config_groups["group_0"], written.format)
+
+
+def _qparams(weight, args):
+    """compressed-tensors' scale and zero point of `weight` (out, in) from its min/max, per `args`' strategy."""
+    from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    if args.strategy == QuantizationStrategy.GROUP:  # one min/max per row and group of columns
+        weight = weight.unflatten(-1, (-1, args.group_size))
+        return calculate_qparams(weight.amin(-1), weight.amax(-1), args)
+    return calculate_qparams(weight.amin(-1, keepdim=True), weight.amax(-1, keepdim=True), args)  # per channel
+
+
+def _compress_saved_experts(folder: pathlib.Path, scheme, fmt: str) -> None:
+    """Compress, in the written checkpoint, each expert's projection (`mlp.experts.<e>.<proj>.weight`: transformers
+    saves the fused experts apart again) as the linear it is: `scheme` (the written config's) by `fmt`'s compressor."""
+    import re
+
+    from compressed_tensors.compressors import BaseCompressor
+    from safetensors.torch import load_file, save_file
+
+    compressor = BaseCompressor.get_value_from_registry(scheme.format or fmt)
+    expert = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    for path in sorted(folder.glob("*.safetensors")):
+        state, compressed = load_file(path), {}
+        for key, tensor in state.items():
+            if not expert.fullmatch(key):
+                compressed[key] = tensor
+                continue
+            scale, zero_point = _qparams(tensor.float(), scheme.weights)
+            parts = compressor.compress({"weight": tensor, "weight_scale": scale.to(tensor.dtype),
+                                         "weight_zero_point": zero_point}, scheme)
+            prefix = key.removesuffix("weight")
+            for name, part in parts.items():
+                compressed[prefix + name] = part.contiguous()
+                if weight_map is not None:
+                    weight_map[prefix + name] = path.name
+            if weight_map is not None and "weight" not in parts:
+                del weight_map[key]
+        save_file(compressed, path, metadata={"format": "pt"})
+    if weight_map is not None:
+        written = json.loads(index.read_text())
+        written["weight_map"] = weight_map
+        index.write_text(json.dumps(written, indent=2))

@@ -30,17 +30,15 @@ def quantization_plan(config: dict):
 
 
 def quantize_linears(module: torch.nn.Module, plan, prefixes: tuple[str, ...], dtype: torch.dtype) -> int:
-    """Replace the linears (and, for FP8 block-wise, the fused-experts modules) of `module` that `plan`
-    quantizes; how many. A linear's checkpoint name is
-    tried under every layout `prefixes` accepts: ignore lists name modules as the checkpoint does."""
+    """Replace the linears and fused-experts modules of `module` that `plan` quantizes; how many. A module's
+    checkpoint name is tried under every layout `prefixes` accepts: ignore lists name modules as the checkpoint does."""
     swaps = []
     for name, child in module.named_modules():
         names = [prefix + name for prefix in prefixes]
         if isinstance(child, torch.nn.Linear):
             layer = plan.layer_for(names, child, dtype)
-        elif name.endswith(".experts") and hasattr(plan, "experts_for") and \
-                isinstance(getattr(child, "gate_up_proj", None), torch.nn.Parameter):
-            layer = plan.experts_for(names, child)  # fused experts: FP8 block-wise only
+        elif name.endswith(".experts") and isinstance(getattr(child, "gate_up_proj", None), torch.nn.Parameter):
+            layer = plan.experts_for(names, child)
         else:
             layer = None
         if layer is not None:
