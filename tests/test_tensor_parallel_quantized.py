@@ -43,13 +43,16 @@ from tests.test_tensor_parallel import on_both
 MAX_NEW = 12
 REQUESTS = (0, 1, 2, 3)  # decode_reference.REQUESTS: no image, one, three, one more
 CASES = [("tiny", fmt) for fmt in ("fp8", "fp8-dynamic", "w8a8", "w4a16")] + \
-        [("tiny-qwen3.5", fmt) for fmt in ("fp8", "w4a16")] + [("tiny-qwen3-vl-moe", "fp8"), ("tiny-qwen3.5-moe", "w4a16")]
+        [("tiny-qwen3.5", fmt) for fmt in ("fp8", "w4a16")] + \
+        [("tiny-qwen3-vl-moe", "fp8"), ("tiny-qwen3.5-moe", "w4a16")]
 IDS = [f"{base}-{fmt}" for base, fmt in CASES]
 # A decode group per case costs ~14 s: the groups run one format per kind of stored layer (FP8 blocks, packed
-# int4 with zero points) on `tiny`, and FP8 on the hybrid and the MoE model. The other formats' ranks are
+# int4 with zero points) on `tiny`, FP8 on the hybrid, and both kinds of quantized experts (FP8 blocks fused,
+# compressed-tensors int4 per expert) on the MoE models. The other formats' ranks are
 # proven by the no-Ray slice test above (every format: a rank's layers dequantize to exactly its part of one
 # device's), and their forward through a rank is the same `StoredWeightLinear` partial / finish path.
-GROUP_CASES = [("tiny", "fp8"), ("tiny", "w4a16"), ("tiny-qwen3.5", "fp8"), ("tiny-qwen3-vl-moe", "fp8")]
+GROUP_CASES = [("tiny", "fp8"), ("tiny", "w4a16"), ("tiny-qwen3.5", "fp8"), ("tiny-qwen3-vl-moe", "fp8"),
+               ("tiny-qwen3.5-moe", "w4a16")]
 # One rank's decoder-layer bytes over one device's: norms, per-channel scales of row-parallel layers,
 # `weight_shape`s and the unquantized gated-delta-net parts (conv, per-head gates) are whole or split too, an
 # MoE layer's router stays whole.
@@ -135,8 +138,7 @@ def test_each_rank_holds_half_of_the_decoder_layers(group):
 @pytest.mark.parametrize("preset", [MOE_PRESET, "tiny-qwen3.5-moe-w4a16"])
 def test_each_rank_reads_its_whole_experts_with_their_scales(preset):
     """FP8 blocks stored fused (Qwen3-VL-MoE) and compressed-tensors int4 stored per expert (Qwen3.5-MoE): a rank's
-    stored tensors are exactly its experts' of one device's. (A group runs the FP8 case; the forward of both is
-    `StoredExperts`'.)"""
+    stored tensors are exactly its experts' of one device's."""
     ckpt = preset_checkpoint(preset)
     whole = [m for m in language_adapter(ckpt).load_model(torch.device("cpu"), torch.float32).modules()
              if isinstance(m, StoredExperts)]
