@@ -15,9 +15,11 @@ engines (it shapes rounds only, never outputs).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
+from raypipe.models.registry import preset_checkpoint
 from raypipe.parallel import runner_factory
 from raypipe.testing.lora_adapters import write_adapters
 from tests.test_lora import ADAPTERS, LANGUAGE, ROWS, ExpertCase, Served, run_on
@@ -76,12 +78,20 @@ def test_adapter_loaded_at_run_time_on_a_group_equals_one_device(served):
 
 
 @pytest.mark.parametrize("preset, split", [("tiny-qwen3-vl-moe", "experts"), ("tiny-step3", "experts"),
-                                           ("tiny-step3", "tensor")])
+                                           ("tiny-step3", "tensor"), ("tiny-qwen3-vl-moe-fp8", "experts")])
 def test_adapters_on_experts_on_a_group_equal_one_device_and_peft(preset, split, tmp_path, ray_local):
     """Each rank holds whole experts (its share) and keeps its experts' factors of every adapter; the layer's
     routing and its sum over ranks wrap the adapted experts as they wrapped the plain ones. Step3's "tensor" split:
-    each rank holds a slice of every expert's width and its slices of the factors (partial down deltas, summed)."""
-    case = ExpertCase(preset, tmp_path)
+    each rank holds a slice of every expert's width and its slices of the factors (partial down deltas, summed).
+    FP8 block-wise experts: each rank rebuilds its own experts' weights for the adapters' loop; PEFT runs over
+    transformers' dequantized model (tests/test_lora.py)."""
+    if preset.endswith("-fp8"):
+        from tests.test_quantized_moe import reference_model
+
+        hf, _ = reference_model(preset_checkpoint(preset), torch.float32)
+        case = ExpertCase(preset, tmp_path, hf=hf.float(), base=preset.removesuffix("-fp8"))
+    else:
+        case = ExpertCase(preset, tmp_path)
     outs = []
     for tp in (1, 2):
         config = EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8, num_threads=1,
