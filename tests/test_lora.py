@@ -260,22 +260,36 @@ def test_adapters_on_moe_experts_equal_peft_generate(preset, tmp_path):
         engine.shutdown()
 
 
-def test_adapters_on_fp8_experts_equal_peft_over_transformers_dequantized_model(tmp_path):
-    """FP8 block-wise experts, kept in e4m3 (models/quantized/fp8_block.py), with the experts' adapters: the loop
-    rebuilds each routed expert's weights for the forward. PEFT runs over transformers' model of the same
-    checkpoint, its experts decompressed by transformers' own FP8 op (tests/test_quantized_moe.py), in fp32."""
-    from tests.test_quantized_moe import reference_model
+def dequantized_reference(preset: str) -> torch.nn.Module:
+    """transformers' model of a quantized MoE preset with every weight decompressed by transformers' own op, fp32: FP8
+    block-wise experts by its `Fp8Dequantize` (tests/test_quantized_moe.py), compressed-tensors by its quantizer with
+    `dequantize=True`. What it left in bf16 (norms, routers, the tower; decompressed experts) is exact in fp32, as
+    the engine's copies are."""
+    if preset.endswith("-fp8"):
+        from tests.test_quantized_moe import reference_model
 
-    hf, _ = reference_model(preset_checkpoint("tiny-qwen3-vl-moe-fp8"), torch.float32)
-    # The quantizer left what the checkpoint stores unquantized (norms, the router, the tower) in bf16: fp32 copies
-    # of them are exact, as the engine's are.
-    case = ExpertCase("tiny-qwen3-vl-moe-fp8", tmp_path, hf=hf.float(), base="tiny-qwen3-vl-moe")
+        return reference_model(preset_checkpoint(preset), torch.float32)[0].float()
+    from transformers import CompressedTensorsConfig
+
+    return AutoModelForImageTextToText.from_pretrained(
+        preset_checkpoint(preset), dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    ).eval().float()
+
+
+@pytest.mark.parametrize("preset, base", [("tiny-qwen3-vl-moe-fp8", "tiny-qwen3-vl-moe"),
+                                          ("tiny-qwen3.5-moe-w4a16", "tiny-qwen3.5-moe")])
+def test_adapters_on_quantized_experts_equal_peft_over_transformers_dequantized_model(preset, base, tmp_path):
+    """Quantized experts kept as stored (FP8 block-wise in e4m3, models/quantized/fp8_block.py; compressed-tensors
+    int4 per expert, compressed.py), with the experts' adapters: the loop rebuilds each routed expert's weights for
+    the forward. PEFT runs over transformers' model of the same checkpoint, decompressed by transformers' own ops.
+    The compressed-tensors case was refused before ("target_parameters adapt only fused experts modules")."""
+    case = ExpertCase(preset, tmp_path, hf=dequantized_reference(preset), base=base)
     assert all(case.want[n] != case.peft_tokens(i, None) for n, (i, name) in enumerate(EXPERT_ROWS) if name)
     engine = LLMEngine(case.ckpt, EngineConfig(max_num_seqs=4, max_model_len=256, num_scheduler_steps=8,
                                                dtype="float32",
                                                lora_modules={n: str(f) for n, f in case.folders.items()}))
     try:
-        assert case.run(engine, "fp8-experts") == case.want
+        assert case.run(engine, "quantized-experts") == case.want
     finally:
         engine.shutdown()
 

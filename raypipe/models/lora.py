@@ -113,7 +113,7 @@ def read_adapter(name: str, folder: str | pathlib.Path, decoder, max_lora_rank: 
             continue
         if save.config.target_parameters and owner in modules and not _is_linear(modules[owner]):
             raise InvalidInput(f"module {owner!r} is a {type(modules[owner]).__name__}: target_parameters adapt only "
-                               "fused experts modules (transformers', or FP8 block-wise quantized ones)",
+                               "fused experts modules (transformers', or quantized ones: FP8 block-wise, compressed-tensors)",
                                item=f"{where}.target_parameters", code="invalid_lora_adapter")
         inside = strip_prefix(module, decoder.key_prefixes, decoder.key_excluded)
         if inside is None and family is not None and tower_module(module, family) is not None:

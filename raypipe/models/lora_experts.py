@@ -42,13 +42,22 @@ def unwrapped(module: torch.nn.Module | None) -> torch.nn.Module | None:
 
 def is_experts(module: torch.nn.Module | None) -> bool:
     """A transformers fused-experts module whose parameters this applies adapters to (or one already wrapped), or a
-    quantized one that rebuilds an expert's weight on demand (`expert_weight`: models/quantized/fp8_block.py)."""
+    quantized one that rebuilds an expert's weight on demand (`expert_weight`: models/quantized/stored_experts.py)."""
     module = unwrapped(module)
-    kind = torch.Tensor if hasattr(module, "expert_weight") else torch.nn.Parameter  # stored ones are buffers
-    return (module is not None and all(isinstance(getattr(module, p, None), kind) and getattr(module, p).dim() == 3
-                                       for p in PARAMETERS)
-            and not getattr(module, "is_transposed", False) and getattr(module, "is_concatenated", True)
+    if module is None:
+        return False
+    if hasattr(module, "expert_weight"):
+        shaped = all(len(module.expert_shape(p)) == 3 for p in PARAMETERS)
+    else:
+        shaped = all(isinstance(getattr(module, p, None), torch.nn.Parameter) and getattr(module, p).dim() == 3
+                     for p in PARAMETERS)
+    return (shaped and not getattr(module, "is_transposed", False) and getattr(module, "is_concatenated", True)
             and not getattr(module, "has_bias", False))
+
+
+def expert_shape(module: torch.nn.Module, parameter: str) -> tuple[int, ...]:
+    """(experts, out, in) of `module`'s `parameter`: a quantized module says it, transformers' holds the tensor."""
+    return tuple(module.expert_shape(parameter) if hasattr(module, "expert_shape") else getattr(module, parameter).shape)
 
 
 def module_of(name: str) -> str:
@@ -68,10 +77,10 @@ def expert_factors(module_name: str, experts: torch.nn.Module, config, a: torch.
     held = getattr(experts, "expert_share", (0, count))[1]  # a tensor-parallel rank's whole experts
     part = getattr(experts, "width_part", None)  # or its slice of every expert's width
     local = width if part is None else part[0].stop - part[0].start
-    if experts.gate_up_proj.shape != (held, 2 * local, hidden) or experts.down_proj.shape != (held, hidden, local):
-        raise InvalidInput(f"module {module_name!r} holds experts of shapes {tuple(experts.gate_up_proj.shape)} and "
-                           f"{tuple(experts.down_proj.shape)}: neither the layer's nor a tensor-parallel rank's known "
-                           "share of them", item=where, code="invalid_lora_adapter")
+    gate_up, down = (expert_shape(experts, p) for p in PARAMETERS)
+    if gate_up != (held, 2 * local, hidden) or down != (held, hidden, local):
+        raise InvalidInput(f"module {module_name!r} holds experts of shapes {gate_up} and {down}: neither the layer's "
+                           "nor a tensor-parallel rank's known share of them", item=where, code="invalid_lora_adapter")
     whole = {"gate_up_proj": (2 * width, hidden), "down_proj": (hidden, width)}  # (out, in) of the whole layer
     for parameter in PARAMETERS:
         out_features, in_features = whole[parameter]
@@ -101,9 +110,9 @@ class LoraExperts(torch.nn.Module):
         self.base = base
         self.rows = rows  # `lora.LoraRows`: the forward's slots and row mask
         self.max_rank = max_rank
-        self.num_experts = base.gate_up_proj.shape[0]
+        self.num_experts = expert_shape(base, "gate_up_proj")[0]
         for parameter in PARAMETERS:
-            out_features, in_features = getattr(base, parameter).shape[1:]
+            out_features, in_features = expert_shape(base, parameter)[1:]
             width = num_slots * max_rank
             self.register_buffer(f"{parameter}_a", torch.zeros(self.num_experts, in_features, width, dtype=dtype,
                                                                device=device))

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from raypipe.models.quantized.stored_experts import PROJECTIONS, StoredExperts
+from raypipe.models.quantized.stored_experts import EXPERT_WEIGHTS, PROJECTIONS, StoredExperts
 from raypipe.models.quantized.stored_linear import ONE, StoredWeightLinear, Unit
 
 
@@ -74,9 +74,25 @@ class CompressedTensorsExperts(StoredExperts):
 
     def routed_weights(self, routed: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         experts = routed.tolist()
-        gate_up = [torch.cat([self.projection(p, e, dtype) for p in ("gate_proj", "up_proj")]) for e in experts]
-        return {"gate_up_proj": torch.stack(gate_up),
-                "down_proj": torch.stack([self.projection("down_proj", e, dtype) for e in experts])}
+        return {name: torch.stack([self.expert_weight(name, e, dtype) for e in experts]) for name in EXPERT_WEIGHTS}
+
+    def expert_weight(self, name: str, expert, dtype: torch.dtype) -> torch.Tensor:
+        if name == "gate_up_proj":  # gate rows first, as transformers fuses them
+            return torch.cat([self.projection(p, expert, dtype) for p in ("gate_proj", "up_proj")])
+        return self.projection("down_proj", expert, dtype)
+
+    def expert_shape(self, name: str) -> tuple[int, int, int]:
+        shapes = {p: self.projection_shape(p) for p in PROJECTIONS}
+        experts = getattr(self, self.stored[0]).shape[0]
+        if name == "gate_up_proj":
+            return experts, shapes["gate_proj"][0] + shapes["up_proj"][0], shapes["gate_proj"][1]
+        return (experts, *shapes["down_proj"])
+
+    def projection_shape(self, projection: str) -> tuple[int, int]:
+        """(out, in) of `projection`'s weight: its stored `weight_shape` (packed formats), else its stored weight's."""
+        if "weight_shape" in self.params:
+            return tuple(getattr(self, f"{projection}_weight_shape")[0].tolist())
+        return tuple(getattr(self, f"{projection}_weight").shape[1:])
 
     def extra_repr(self) -> str:
         return f"{self.compressor.__name__}, stored={self.stored}"

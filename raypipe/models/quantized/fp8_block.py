@@ -66,9 +66,10 @@ class Fp8BlockExperts(StoredExperts):
         return {name: dequantize_blocks(getattr(self, name)[routed], getattr(self, f"{name}_scale_inv")[routed],
                                         self.block, dtype) for name in EXPERT_WEIGHTS}
 
+    def expert_shape(self, name: str) -> tuple[int, int, int]:
+        return tuple(getattr(self, name).shape)
+
     def expert_weight(self, name: str, expert, dtype: torch.dtype) -> torch.Tensor:
-        """Expert `expert`'s `name` weight (out, in) rebuilt in `dtype`: LoRA adapters on these experts run
-        transformers' per-expert loop over it (`models/lora_experts.py`)."""
         return dequantize_blocks(getattr(self, name)[expert], getattr(self, f"{name}_scale_inv")[expert], self.block,
                                  dtype)
 

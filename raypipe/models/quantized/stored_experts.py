@@ -37,6 +37,15 @@ class StoredExperts(torch.nn.Module):
         """`gate_up_proj` and `down_proj` of the experts `routed` (indices, ascending), in `dtype`."""
         raise NotImplementedError
 
+    def expert_shape(self, name: str) -> tuple[int, int, int]:
+        """(experts, out, in) of transformers' `name` (one of `EXPERT_WEIGHTS`) as this module rebuilds it."""
+        raise NotImplementedError
+
+    def expert_weight(self, name: str, expert, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s `name` weight (out, in) rebuilt in `dtype`: LoRA adapters on these experts run
+        transformers' per-expert loop over it (`models/lora_experts.py`)."""
+        raise NotImplementedError
+
     def keep_experts(self, count: int) -> None:
         """A tensor-parallel rank's module: `count` whole experts (its stored tensors are read as its share)."""
         self.experts.num_experts = count
