@@ -97,7 +97,14 @@ class PagedAttentionLayer(LayerCache):
     @classmethod
     def prefill_mask(cls, pattern, width, dtype):
         """`(B, 1, W, kv_len)`: row b's query j is position `starts[b] + j`; it sees keys up to itself
-        and none past the row's end (padded queries see the row's real keys: no all-masked row)."""
+        and none past the row's end (padded queries see the row's real keys: no all-masked row).
+
+        None where no row has cached keys before its chunk: the keys are then the chunk's own, right-padded, so
+        a real query's causal keys are all real and SDPA's `is_causal` is the same attention (a padded query's
+        output is never read). Its flash kernel then skips the blocks above the diagonal instead of adding a
+        mask to them: prefill's attention took ~22% of a `small` prefill with the mask."""
+        if not pattern.has_past:
+            return None
         query = pattern.starts[:, None] + torch.arange(width, device=pattern.starts.device)[None, :]
         key = torch.arange(pattern.kv_len, device=pattern.starts.device)
         ends = pattern.starts + pattern.lengths
