@@ -75,7 +75,7 @@ from raypipe.inputs.sampling import SamplingParams
 from raypipe.models.lora import read_adapter
 from raypipe.models.prompt import PreparedPrompt
 from raypipe.models.registry import family_of, language_adapter
-from raypipe.runtime.cpu_threads import single_threaded
+from raypipe.runtime.cpu_threads import forward_thread, single_threaded
 from raypipe.runtime.device import pick_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class LLMEngine:
         self._overlapping = False  # a decode runs beside the prefill thread (`_cores_split`)
         # One torch thread: a prefill piece beside the decode, never a second OpenMP team (cpu_threads.py)
         self._prefill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raypipe-prefill",
-                                                  initializer=torch.set_num_threads, initargs=(1,))
+                                                  initializer=forward_thread, initargs=(1,))
         # The engine thread loads the model, then runs rounds: every forward that uses several CPU threads
         # runs on it (cpu_threads.py). A daemon: an engine never shut down must not hold the process open.
         loaded = concurrent.futures.Future()
@@ -135,7 +135,7 @@ class LLMEngine:
 
     def _load(self, runner_factory) -> None:
         """The model, its cache and the scheduler (on the engine thread)."""
-        torch.set_num_threads(self.num_threads)
+        forward_thread(self.num_threads)
         prefix_caching = self.config.enable_prefix_caching is not False  # exact for every layer kind
         self.runner = (runner_factory or ModelRunner)(self.adapter, device=self.device, dtype=resolve_dtype(self.config.dtype, self.device),
                                   max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,

@@ -24,7 +24,7 @@ from raypipe.decode.model_runner import ModelRunner
 from raypipe.models.registry import language_adapter
 from raypipe.parallel.collectives import Collectives
 from raypipe.parallel.rank_runner import RankAdapter, mirror, rank_info, weight_shard
-from raypipe.runtime.cpu_threads import single_threaded
+from raypipe.runtime.cpu_threads import forward_thread, single_threaded
 from raypipe.runtime.device import pick_device
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class RankWorker:
         return rank_info(self.rank, self.runner, self.collectives.seconds)
 
     def _serve(self) -> None:
-        torch.set_num_threads(self.num_threads)
+        forward_thread(self.num_threads)
         try:
             while True:
                 kind, *args = self.collectives.broadcast_object()
