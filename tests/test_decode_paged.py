@@ -116,6 +116,83 @@ def test_text_prompts_sharing_a_prefix(engines, hf_model, tiny_ckpt, vision, k):
             assert hits == (len(ids) - 1) // BLOCK * BLOCK
 
 
+@pytest.mark.parametrize("k", [1, 8])
+def test_rows_sharing_a_prompt_read_its_blocks_once_with_transformers_tokens(engines, hf_model, tiny_ckpt, vision,
+                                                                             monkeypatch, k):
+    """Four requests on one cached prompt decode together: the round gathers the blocks all rows share once
+    (`PagedAttentionLayer.begin_round(shared_blocks=)`) and the decode attention reads them once for every row
+    (`attention._shared_then_own`); greedy tokens stay transformers'."""
+    from raypipe.decode.paged_attention import PagedAttentionLayer
+
+    engine = engines(k, enable_prefix_caching=True)
+    shared = []
+    begin = PagedAttentionLayer.begin_round
+    monkeypatch.setattr(PagedAttentionLayer, "begin_round",
+                        lambda self, tables, shared_blocks=0: (shared.append((tables.shape[0], shared_blocks)),
+                                                               begin(self, tables, shared_blocks))[1])
+    cases = [case(engine, hf_model, tiny_ckpt, vision, ref.messages(LONG_TEXT + q, []))
+             for q in ("Why?", "Tell me more.", "How long is it?", "Why not?")]
+    run(engine.generate_output(f"warm-shared-{k}", *cases[0][:2], SamplingParams(max_tokens=1)))
+
+    async def together():
+        return await asyncio.gather(*(engine.generate_output(f"shared-{k}-{i}", prompt, embeds,
+                                                             SamplingParams(max_tokens=MAX_NEW))
+                                      for i, (prompt, embeds, _) in enumerate(cases)))
+
+    outs = run(together())
+    assert [o.token_ids for o in outs] == [want for _, _, want in cases]
+    common = len(os.path.commonprefix([c[0].prompt_token_ids for c in cases])) // BLOCK
+    assert any(rows == 4 and blocks == common >= 4 for rows, blocks in shared), (common, shared)
+
+
+def test_shared_then_own_attention_equals_attention_over_every_rows_whole_keys():
+    """The decode attention over shared keys (read once) and each row's own equals `_merged_heads` over each
+    row's copy of all of them, masked alike; keys given to another kernel (SDPA: not CPU fp32) are joined back."""
+    from raypipe.decode import attention
+    from raypipe.decode.paged_attention import SHARED_PREFIX
+
+    torch.manual_seed(0)
+    rows, heads, kv_heads, dim, prefix, own = 5, 8, 2, 16, 24, 7
+    query = torch.randn(rows, heads, 1, dim)
+    shared_keys, shared_values = torch.randn(1, kv_heads, prefix, dim), torch.randn(1, kv_heads, prefix, dim)
+    keys, values = torch.randn(rows, kv_heads, own, dim), torch.randn(rows, kv_heads, own, dim)
+    ends = torch.tensor([3, 7, 1, 5, 6])  # each row's own keys in use
+    allowed = torch.arange(prefix + own)[None, :] < (prefix + ends)[:, None]
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+    whole_keys = torch.cat((shared_keys.expand(rows, -1, -1, -1), keys), 2)
+    whole_values = torch.cat((shared_values.expand(rows, -1, -1, -1), values), 2)
+    want = attention._merged_heads(query, whole_keys, whole_values, mask, dim ** -0.5)
+    setattr(keys, SHARED_PREFIX, (shared_keys.transpose(2, 3).contiguous(), shared_values))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True  # what SDPA's path reads of a layer
+    got, _ = attention.attention_forward(module, query, keys, values, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    keys64 = keys.double()
+    setattr(keys64, SHARED_PREFIX, tuple(part.double() for part in getattr(keys, SHARED_PREFIX)))
+    sdpa, _ = attention.attention_forward(module, query.double(), keys64, values.double(), mask.double())
+    torch.testing.assert_close(sdpa.float(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_threads_flush_denormals_and_others_do_not():
+    """The engine's forward threads treat floats below fp32's normal range as zero (`cpu_threads.forward_thread`);
+    a thread that did not ask, such as the caller's, keeps them."""
+    import threading
+
+    from raypipe.runtime.cpu_threads import forward_thread
+
+    denormal = torch.tensor([1e-40])
+    seen = {}
+
+    def forward():
+        forward_thread(1)
+        seen["forward"] = (denormal * 1.0).item()
+
+    thread = threading.Thread(target=forward)
+    thread.start()
+    thread.join()
+    assert seen["forward"] == 0.0 and (denormal * 1.0).item() > 0.0
+
+
 def bytes_for(engine: LLMEngine, tokens: int) -> int:
     return engine.runner.bytes_per_token * tokens
 

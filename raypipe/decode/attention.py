@@ -30,21 +30,34 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from raypipe.decode.paged_attention import SHARED_PREFIX
+
 NAME = "raypipe"
 
 
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs):
-    """`query` `(B, H, Q, D)`, `key`/`value` `(B, Hkv, L, D)` -> `((B, Q, H, D), None)` as transformers expects."""
-    if (query.shape[2] != 1 or query.dtype != torch.float32 or query.device.type != "cpu" or dropout
-            or kwargs.get("s_aux") is not None or kwargs.get("softcap")):
+    """`query` `(B, H, Q, D)`, `key`/`value` `(B, Hkv, L, D)` -> `((B, Q, H, D), None)` as transformers expects.
+    Keys carrying a decode round's shared leading blocks (`paged_attention.SHARED_PREFIX`) hold only what follows
+    them; the mask covers both."""
+    shared = getattr(key, SHARED_PREFIX, None)
+    fast = not (query.shape[2] != 1 or query.dtype != torch.float32 or query.device.type != "cpu" or dropout
+                or kwargs.get("s_aux") is not None or kwargs.get("softcap"))
+    if shared is not None and not (fast and _heads_merge(key) and _heads_merge(value)):
+        rows, (shared_keys_t, shared_values) = key.shape[0], shared  # every row's own copy, as without sharing
+        key, value = (torch.cat((part.expand(rows, -1, -1, -1), own), 2)
+                      for part, own in zip((shared_keys_t.transpose(2, 3), shared_values), (key, value)))
+        shared = None
+    if not fast:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     rows, heads, _, head_dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     scale = head_dim ** -0.5 if scaling is None else scaling
+    if shared is not None:
+        return _shared_then_own(query, shared, key, value, attention_mask, scale), None
     if _heads_merge(key) and _heads_merge(value):
         return _merged_heads(query, key, value, attention_mask, scale), None
     grouped = query.reshape(rows, kv_heads, groups, head_dim)
@@ -78,6 +91,34 @@ def _merged_heads(query, key, value, attention_mask, scale: float) -> torch.Tens
         mask = attention_mask.to(query.dtype).reshape(rows, 1, 1, length).expand(rows, kv_heads, 1, length)
         scores = torch.baddbmm(mask.reshape(pairs, 1, length), grouped, keys_t, alpha=scale)
     out = torch.bmm(torch.softmax(scores, dim=-1), value.reshape(pairs, length, head_dim))  # (pairs, G, D)
+    return out.reshape(rows, 1, heads, head_dim)
+
+
+def _shared_then_own(query, shared: tuple[torch.Tensor, torch.Tensor], key, value, attention_mask,
+                     scale: float) -> torch.Tensor:
+    """`_merged_heads` over the shared keys followed by each row's own: the shared keys (`SHARED_PREFIX`: K
+    transposed, `(1, Hkv, D, P)`) are read once for all rows' queries (one GEMM per KV head, every row's query
+    heads as its rows), and the softmax runs over the scores of both, side by side, as over one row of P + L keys.
+    `attention_mask` covers P + L; every row sees all P shared keys."""
+    rows, heads, _, head_dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    shared_keys_t, shared_values = shared
+    prefix, pairs, groups = shared_keys_t.shape[3], rows * kv_heads, heads // kv_heads
+    by_head = query.reshape(rows, kv_heads, groups, head_dim).transpose(0, 1).reshape(kv_heads, rows * groups, head_dim)
+    shared_scores = torch.bmm(by_head, shared_keys_t[0]).mul_(scale)  # (Hkv, rows * G, P)
+    shared_scores = shared_scores.view(kv_heads, rows, groups, prefix).transpose(0, 1).reshape(pairs, groups, prefix)
+    grouped = query.reshape(pairs, groups, head_dim)
+    keys_t = key.reshape(pairs, length, head_dim).transpose(1, 2)
+    if attention_mask is None:
+        own_scores = torch.bmm(grouped, keys_t).mul_(scale)
+    else:
+        mask = attention_mask[..., prefix:].to(query.dtype).reshape(rows, 1, 1, length).expand(rows, kv_heads, 1, length)
+        own_scores = torch.baddbmm(mask.reshape(pairs, 1, length), grouped, keys_t, alpha=scale)
+    weights = torch.softmax(torch.cat((shared_scores, own_scores), -1), dim=-1)  # (pairs, G, P + L)
+    shared_weights = weights[..., :prefix].reshape(rows, kv_heads, groups, prefix).transpose(0, 1)
+    out = torch.bmm(shared_weights.reshape(kv_heads, rows * groups, prefix), shared_values[0])  # (Hkv, rows * G, D)
+    out = out.view(kv_heads, rows, groups, head_dim).transpose(0, 1).reshape(pairs, groups, head_dim)
+    out = out.baddbmm_(weights[..., prefix:], value.reshape(pairs, length, head_dim))
     return out.reshape(rows, 1, heads, head_dim)
 
 

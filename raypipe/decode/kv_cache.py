@@ -181,15 +181,17 @@ class KVCache(Cache):
                             kv_len=kv_blocks * self.block_size, write_slots=write_slots, read_blocks=read_blocks,
                             window_slots=window_slots, window_blocks=window_blocks, in_round=self.in_round)
 
-    def begin_decode_round(self, tables: torch.Tensor, window_tables: torch.Tensor | None = None) -> None:
+    def begin_decode_round(self, tables: torch.Tensor, window_tables: torch.Tensor | None = None,
+                           shared_blocks: int = 0) -> None:
         """The decode rows' K/V (blocks `tables`, `(rows, blocks)`; sliding layers' blocks `window_tables`)
         gathered once for a round of eager steps, which then append to them (see paged_attention.py);
-        until `end_decode_round`."""
+        until `end_decode_round`. `shared_blocks`: full-attention blocks every row shares from the start,
+        gathered once for all rows."""
         for layer in self.caches:
             if isinstance(layer, SlidingWindowBlocks):
                 layer.begin_round(window_tables)
             elif isinstance(layer, PagedAttentionLayer):
-                layer.begin_round(tables)
+                layer.begin_round(tables, shared_blocks)
         self.in_round = True
 
     def end_decode_round(self) -> None:

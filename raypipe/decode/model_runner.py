@@ -37,6 +37,7 @@ from raypipe.decode.sliding_window import window_bytes_per_token, window_pool_sh
 from raypipe.models import lora, packed_linear, packed_siblings
 
 PROMPT_LOGPROB_POSITIONS = 256  # positions whose full-vocabulary log-probabilities are held at once
+SHARED_MIN_BLOCKS = 1  # a round's rows read leading blocks they all share once, from this many
 
 # on_step(step, ids) -> True when every row is done and the round may end early.
 StepCallback = Callable[[int, list[int]], bool]
@@ -253,13 +254,26 @@ class ModelRunner:
         window_tables = block_tables([s.window_table for s in seqs], width, self.device) if self.cache.window_blocks else None
         eager = self.static_step is None
         if eager:
-            self.cache.begin_decode_round(tables, window_tables)
+            self.cache.begin_decode_round(tables, window_tables, self._shared_blocks(seqs))
         try:  # the static step sets its rows' adapter slots itself, per step (its shapes are the bucket's)
             with self._lora_rows(seqs) if eager else contextlib.nullcontext():
                 return self._decode_steps(seqs, batch, steps, on_step, tables, window_tables)
         finally:
             if eager:
                 self.cache.end_decode_round()
+
+    def _shared_blocks(self, seqs: list[Sequence]) -> int:
+        """How many leading blocks every row of a round shares (one set of prefix-cache blocks), counted only where
+        the engine's decode attention reads them once for all rows (CPU fp32: `decode/attention.py`) and there are
+        at least `SHARED_MIN_BLOCKS`; only full blocks before every row's next token, which the round never writes."""
+        if len(seqs) < 2 or self.device.type != "cpu" or self.dtype != torch.float32:
+            return 0
+        full = min(s.cache_len for s in seqs) // self.cache.block_size
+        first = seqs[0].block_table
+        shared = 0
+        while shared < full and all(s.block_table[shared] == first[shared] for s in seqs):
+            shared += 1
+        return shared if shared >= SHARED_MIN_BLOCKS else 0
 
     def _decode_steps(self, seqs: list[Sequence], batch: SamplingBatch, steps: int, on_step: StepCallback,
                       tables: torch.Tensor, window_tables: torch.Tensor | None) -> int:

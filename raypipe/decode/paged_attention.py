@@ -24,6 +24,12 @@ because the decode attention (`attention.py`) then runs every (row, KV head) pai
 GEMM over contiguous keys. The rows are dropped when the round ends; the pool stays the only K/V
 that outlives a round.
 
+Blocks every row of a round shares from the start (a system prompt, a document, a chat's template head: the
+prefix cache gave them one set of blocks) are gathered once, not once per row (`begin_round(shared_blocks=)`):
+the rows then hold only what follows, and the keys returned carry the shared part as `SHARED_PREFIX`, which the
+engine's decode attention reads once for every row's queries (`attention.py`). Sixteen rows over a shared
+800-token prompt otherwise read sixteen copies of its K/V each step.
+
 A prefill with no cached past (every row starts at token 0) attends over its own fresh K/V, as
 before paging; a prefill that continues a cached prefix or an earlier chunk reads through the table.
 """
@@ -33,6 +39,10 @@ from __future__ import annotations
 import torch
 
 from raypipe.decode.cache_kinds import CacheLimits, LayerCache, WritePattern, additive
+
+# Attribute of a round's keys: the shared blocks every row attends, (K transposed `(1, kv_heads, head_dim, length)`,
+# V `(1, kv_heads, length, head_dim)`).
+SHARED_PREFIX = "shared_prefix"
 
 
 class PagedAttentionLayer(LayerCache):
@@ -45,6 +55,8 @@ class PagedAttentionLayer(LayerCache):
         self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.round: tuple[torch.Tensor, torch.Tensor] | None = None  # this decode round's rows (K, V)
+        self.shared: tuple[torch.Tensor, torch.Tensor] | None = None  # the round's shared leading blocks (K, V)
+        self.shared_len = 0  # tokens in them; the rows hold positions from here
 
     @staticmethod
     def bytes_per_token(text_config, dtype: torch.dtype) -> int:
@@ -74,22 +86,35 @@ class PagedAttentionLayer(LayerCache):
             values.index_copy_(0, write_slots, value_states[:, :, 0])
             if pattern.in_round:
                 round_keys, round_values = self.round
-                round_keys[pattern.row_ids, :, pattern.write_index] = key_states[:, :, 0]
-                round_values[pattern.row_ids, :, pattern.write_index] = value_states[:, :, 0]
-                return round_keys[:, :, : pattern.kv_len], round_values[:, :, : pattern.kv_len]
+                at, end = pattern.write_index - self.shared_len, pattern.kv_len - self.shared_len
+                round_keys[pattern.row_ids, :, at] = key_states[:, :, 0]
+                round_values[pattern.row_ids, :, at] = value_states[:, :, 0]
+                rows_keys = round_keys[:, :, :end]
+                if self.shared is not None:
+                    setattr(rows_keys, SHARED_PREFIX, self.shared)
+                return rows_keys, round_values[:, :, :end]
         shape = (key_states.shape[0], pattern.kv_len, self.heads, self.head_dim)
         return (self.keys.index_select(0, read_blocks).view(shape).transpose(1, 2),
                 self.values.index_select(0, read_blocks).view(shape).transpose(1, 2))
 
-    def begin_round(self, tables: torch.Tensor) -> None:
-        """Gather the K/V of the blocks in `tables` `(rows, blocks)` into this round's rows, head-major."""
-        shape = (tables.shape[0], -1, self.heads, self.head_dim)
-        blocks = tables.reshape(-1)
-        self.round = tuple(pool.index_select(0, blocks).view(shape).transpose(1, 2).contiguous()
-                           for pool in (self.keys, self.values))
+    def begin_round(self, tables: torch.Tensor, shared_blocks: int = 0) -> None:
+        """Gather the K/V of the blocks in `tables` `(rows, blocks)` into this round's rows, head-major; the first
+        `shared_blocks` (the same in every row, full, none written this round) once for all rows instead."""
+        def gather(blocks: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (rows, -1, self.heads, self.head_dim)
+            return tuple(pool.index_select(0, blocks.reshape(-1)).view(shape).transpose(1, 2).contiguous()
+                         for pool in (self.keys, self.values))
+
+        if shared_blocks:  # keys kept transposed, (1, Hkv, D, P): a GEMM over a transposed view ran 17x slower
+            keys, values = gather(tables[0, :shared_blocks], 1)
+            self.shared = keys.transpose(2, 3).contiguous(), values
+        else:
+            self.shared = None
+        self.shared_len = shared_blocks * self.keys.shape[1]
+        self.round = gather(tables[:, shared_blocks:], tables.shape[0])
 
     def end_round(self) -> None:
-        self.round = None
+        self.round, self.shared, self.shared_len = None, None, 0
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         pass  # a sequence's K/V follow its block table, not its batch row
