@@ -83,15 +83,22 @@ def _merged_heads(query, key, value, attention_mask, scale: float) -> torch.Tens
     rows, heads, _, head_dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     pairs = rows * kv_heads
+    scores = _pair_scores(query, key, attention_mask, scale)
+    out = torch.bmm(torch.softmax(scores, dim=-1), value.reshape(pairs, length, head_dim))  # (pairs, G, D)
+    return out.reshape(rows, 1, heads, head_dim)
+
+
+def _pair_scores(query, key, attention_mask, scale: float) -> torch.Tensor:
+    """Scaled, masked scores of every (row, KV head) pair's query heads over its keys: `(B * Hkv, G, L)`."""
+    rows, heads, _, head_dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    pairs = rows * kv_heads
     grouped = query.reshape(pairs, heads // kv_heads, head_dim)
     keys_t = key.reshape(pairs, length, head_dim).transpose(1, 2)
     if attention_mask is None:
-        scores = torch.bmm(grouped, keys_t).mul_(scale)
-    else:
-        mask = attention_mask.to(query.dtype).reshape(rows, 1, 1, length).expand(rows, kv_heads, 1, length)
-        scores = torch.baddbmm(mask.reshape(pairs, 1, length), grouped, keys_t, alpha=scale)
-    out = torch.bmm(torch.softmax(scores, dim=-1), value.reshape(pairs, length, head_dim))  # (pairs, G, D)
-    return out.reshape(rows, 1, heads, head_dim)
+        return torch.bmm(grouped, keys_t).mul_(scale)
+    mask = attention_mask.to(query.dtype).reshape(rows, 1, 1, length).expand(rows, kv_heads, 1, length)
+    return torch.baddbmm(mask.reshape(pairs, 1, length), grouped, keys_t, alpha=scale)
 
 
 def _shared_then_own(query, shared: tuple[torch.Tensor, torch.Tensor], key, value, attention_mask,
@@ -107,13 +114,7 @@ def _shared_then_own(query, shared: tuple[torch.Tensor, torch.Tensor], key, valu
     by_head = query.reshape(rows, kv_heads, groups, head_dim).transpose(0, 1).reshape(kv_heads, rows * groups, head_dim)
     shared_scores = torch.bmm(by_head, shared_keys_t[0]).mul_(scale)  # (Hkv, rows * G, P)
     shared_scores = shared_scores.view(kv_heads, rows, groups, prefix).transpose(0, 1).reshape(pairs, groups, prefix)
-    grouped = query.reshape(pairs, groups, head_dim)
-    keys_t = key.reshape(pairs, length, head_dim).transpose(1, 2)
-    if attention_mask is None:
-        own_scores = torch.bmm(grouped, keys_t).mul_(scale)
-    else:
-        mask = attention_mask[..., prefix:].to(query.dtype).reshape(rows, 1, 1, length).expand(rows, kv_heads, 1, length)
-        own_scores = torch.baddbmm(mask.reshape(pairs, 1, length), grouped, keys_t, alpha=scale)
+    own_scores = _pair_scores(query, key, None if attention_mask is None else attention_mask[..., prefix:], scale)
     weights = torch.softmax(torch.cat((shared_scores, own_scores), -1), dim=-1)  # (pairs, G, P + L)
     shared_weights = weights[..., :prefix].reshape(rows, kv_heads, groups, prefix).transpose(0, 1)
     out = torch.bmm(shared_weights.reshape(kv_heads, rows * groups, prefix), shared_values[0])  # (Hkv, rows * G, D)

@@ -82,11 +82,11 @@ class CompressedTensorsExperts(StoredExperts):
         return self.projection("down_proj", expert, dtype)
 
     def expert_shape(self, name: str) -> tuple[int, int, int]:
-        shapes = {p: self.projection_shape(p) for p in PROJECTIONS}
         experts = getattr(self, self.stored[0]).shape[0]
         if name == "gate_up_proj":
-            return experts, shapes["gate_proj"][0] + shapes["up_proj"][0], shapes["gate_proj"][1]
-        return (experts, *shapes["down_proj"])
+            (gate, hidden), (up, _) = self.projection_shape("gate_proj"), self.projection_shape("up_proj")
+            return experts, gate + up, hidden
+        return (experts, *self.projection_shape("down_proj"))
 
     def projection_shape(self, projection: str) -> tuple[int, int]:
         """(out, in) of `projection`'s weight: its stored `weight_shape` (packed formats), else its stored weight's."""

@@ -63,8 +63,7 @@ class Fp8BlockExperts(StoredExperts):
         self.block = block
 
     def routed_weights(self, routed: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return {name: dequantize_blocks(getattr(self, name)[routed], getattr(self, f"{name}_scale_inv")[routed],
-                                        self.block, dtype) for name in EXPERT_WEIGHTS}
+        return {name: self.expert_weight(name, routed, dtype) for name in EXPERT_WEIGHTS}  # all routed at once
 
     def expert_shape(self, name: str) -> tuple[int, int, int]:
         return tuple(getattr(self, name).shape)

@@ -155,8 +155,8 @@ def _write_compressed_tensors(model, folder: pathlib.Path, preset: str) -> None:
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
     linears = _quantized_linears(model)
+    experts = _expert_widths(model.config.get_text_config())  # whole experts per rank: not halved
     if scheme.weights.strategy == QuantizationStrategy.GROUP:
-        experts = _expert_widths(model.config.get_text_config())  # whole experts per rank: not halved
         scheme.weights.group_size = math.gcd(two_rank_size([m.in_features for _, m in linears]), *experts)
     ignore = ["lm_head", "re:model.visual.*", r"re:.*linear_attn\.in_proj_[ab]$", r"re:.*shared_expert_gate$"]
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore))
@@ -170,7 +170,7 @@ def _write_compressed_tensors(model, folder: pathlib.Path, preset: str) -> None:
     compressor.compress_model(model)
     model.save_pretrained(folder)
     compressor.update_config(folder)
-    if _expert_widths(model.config.get_text_config()):
+    if experts:
         written = compressor.quantization_config
         _compress_saved_experts(folder, written.config_groups["group_0"], written.format)
 
