@@ -129,3 +129,20 @@ def test_fp8_partial_blocks_dequantize_as_transformers_does_with_the_block_size(
     expected = _dequantize_fp8_weight(layer.weight, layer.weight_scale_inv, [128, 128], torch.float32)
     assert torch.equal(layer.dequantize(torch.float32), expected)
 
+
+def test_experts_stored_apart_with_one_tensor_missing_are_refused_naming_it(tmp_path):
+    """A per-expert checkpoint (llmcompressor's layout) missing one expert's tensor: a ValueError naming it, not a
+    KeyError from the stacking (what it raised before)."""
+    from safetensors.torch import load_file, save_file
+
+    source = preset_checkpoint("tiny-qwen3.5-moe-w4a16")
+    for path in source.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    [weights] = tmp_path.glob("*.safetensors")
+    state = load_file(weights)
+    key = "model.language_model.layers.0.mlp.experts.2.up_proj.weight_scale"
+    del state[key]
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=key.removeprefix("model.language_model.").replace(".", r"\.")):
+        language_adapter(tmp_path).load_model(torch.device("cpu"), torch.float32)
+

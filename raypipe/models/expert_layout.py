@@ -48,6 +48,10 @@ def fused_experts(state: dict[str, torch.Tensor], config=None) -> dict[str, torc
     compressed = {prefix for prefix, kind in experts if kind not in _FUSED}  # compressed-tensors experts: stacked
     for (prefix, kind), parts in experts.items():
         held = sorted({e for e, _ in parts})  # every expert, or a tensor-parallel rank's consecutive share
+        missing = [f"{prefix}.{e}.{p}.{kind}" for e in held for p in PROJECTIONS if (e, p) not in parts]
+        if missing:
+            raise ValueError(f"the checkpoint stores experts apart but lacks {', '.join(missing[:3])}"
+                             f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}")
         if prefix in compressed:
             for projection in PROJECTIONS:
                 out[f"{prefix}.{projection}_{kind}"] = torch.stack([parts[e, projection] for e in held])
