@@ -298,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--loras", type=int, default=None, metavar="N",
                        help="decode: one batch mixing 1, 4 ... N LoRA adapters vs the base model alone (tokens/s, "
                             "bytes per adapter; docs/lora.md)")
+    bench.add_argument("--lora-targets", choices=("all", "attention"), default=None,
+                       help="decode --loras: the adapters' target linears (default all: attention and MLP)")
     bench.add_argument("--tp", type=int, default=None, metavar="N",
                        help="decode: a tensor-parallel group of N ranks vs one device (step time, collectives, "
                             "per-rank memory)")
