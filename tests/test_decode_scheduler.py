@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from raypipe.decode.block_pool import BlockPool
 from raypipe.decode.lora_pool import LoraPool
-from raypipe.decode.scheduler import MAX_PADDING, Scheduler, group_by_length
+from raypipe.decode.scheduler import MAX_PADDING, PENDING_PREFIX_MIN_TOKENS, Scheduler, group_by_length
 from raypipe.decode.sequence import Sequence
 from raypipe.decode.snapshot_pool import SnapshotPool
 from raypipe.inputs.sampling import SamplingParams
@@ -129,6 +129,23 @@ def test_rows_sharing_a_prompt_wait_for_the_first_to_compute_it():
     assert sorted(joined, key=lambda s: s.arrival) == followers
     assert [s.num_computed for s in followers] == [192] * 3  # the shared prompt's full blocks, computed once
     assert scheduler.counters["prefix_cache_hit_tokens"] == 3 * 192
+
+
+def test_a_prompt_sharing_less_than_the_minimum_with_a_prefill_under_way_joins_now():
+    # Random prompts of a burst can share a block by chance (the chat template's tail and the same first words):
+    # waiting a round to save those 16 tokens left its row decoding alone at the end of the burst. One block
+    # below `PENDING_PREFIX_MIN_TOKENS` is computed twice; two blocks are waited for.
+    assert 16 < PENDING_PREFIX_MIN_TOKENS <= 32
+    scheduler = Scheduler(max_num_seqs=8, max_num_batched_tokens=2000, pool=BlockPool(100, 16),
+                          chunked_prefill=True, prefix_caching=True)
+    first = _seq(0, tokens=list(range(16)) + [100] * 60)
+    one_block = _seq(0, tokens=list(range(16)) + [200] * 60)  # shares block 0 only
+    two_blocks = _seq(0, tokens=list(range(16)) + [100] * 16 + [300] * 60)  # shares blocks 0 and 1
+    for seq in (first, one_block, two_blocks):
+        scheduler.add(seq)
+    joined = [s for g in scheduler.schedule(lambda seq: 1).prefill for s in g]
+    assert sorted(joined, key=lambda s: s.arrival) == [first, one_block]
+    assert list(scheduler.waiting) == [two_blocks] and scheduler.counters["deferred_admissions"] == 1
 
 
 def test_rows_waiting_for_a_shared_prompt_hit_its_state_where_they_leave_it():

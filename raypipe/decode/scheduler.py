@@ -72,6 +72,11 @@ from raypipe.decode.snapshot_pool import SnapshotPool
 from raypipe.decode.window_tables import WindowTables
 
 MAX_PADDING = 0.1  # a prefill group's padded tokens may exceed its real tokens by this fraction
+# A waiting prompt waits for a prefill under way only to take at least this many of its tokens from it; a shorter
+# shared run (a block two prompts happen to share) is computed twice. Waiting costs the prompt a round: at the end
+# of a burst, a round of decode steps for the rows that waited alone (SGLang's in-batch prefix caching likewise
+# puts a request back only from a 32-token match).
+PENDING_PREFIX_MIN_TOKENS = 32
 
 
 @dataclasses.dataclass(slots=True)
@@ -249,32 +254,31 @@ class Scheduler:
 
     def _would_recompute_pending(self, seq: Sequence, hit: int, run: int,
                                  pending: tuple[dict[bytes, Sequence], set[bytes]]) -> bool:
-        """Whether `seq` would compute what a prefill under way is computing: the block after its cached
-        run of `run` blocks, or (row state) a state after its hit of `hit` blocks. It waits for that
-        prefill's chunk instead (a shared prompt is then computed once, not by every row admitted
-        with the first; SGLang's LPM policy puts back waiting requests sharing a prefix likewise),
-        then joins with the longer hit."""
+        """Whether `seq` would compute what a prefill under way is computing: at least
+        `PENDING_PREFIX_MIN_TOKENS` in the blocks after its cached run of `run` blocks, or (row state) a state
+        after its hit of `hit` blocks. It waits for that prefill's chunk instead (a shared prompt is then
+        computed once, not by every row admitted with the first; SGLang's LPM policy puts back waiting
+        requests sharing a prefix likewise), then joins with the longer hit."""
         blocks, states = pending
         hashes = seq.block_hashes[: (seq.cache_len - 1) // self.pool.block_size]
-        if run < len(hashes) and hashes[run] in blocks:
-            if self.snapshots is not None:
-                self._wait_for_branch_point(hashes, run, pending)
-            return True
-        return any(hashes[j] in states for j in range(hit, run))
-
-    def _wait_for_branch_point(self, hashes: list[bytes], run: int,
-                               pending: tuple[dict[bytes, Sequence], set[bytes]]) -> None:
-        """A waiting prompt (its block `hashes`, the first `run` cached) shares the blocks after `run`
-        with a prefill under way, up to where it leaves that prefill's prompt: the prefill keeps a state
-        there, so the waiting prompt hits the whole shared prefix. Without it, the prefill's states would
-        lie only at its periodic points, and the first prompt to leave it would recompute up to
-        `snapshot_every - 1` blocks from the one before (taking the branch-point state for the rest)."""
-        blocks, states = pending
         end = run
         while end < len(hashes) and hashes[end] in blocks:  # hashes chain: one prefill computes them all
             end += 1
-        blocks[hashes[end - 1]].branch_points.add(end * self.pool.block_size)
-        states.add(hashes[end - 1])
+        if (end - run) * self.pool.block_size >= PENDING_PREFIX_MIN_TOKENS:
+            if self.snapshots is not None:
+                self._wait_for_branch_point(hashes[end - 1], end, pending)
+            return True
+        return any(hashes[j] in states for j in range(hit, run))
+
+    def _wait_for_branch_point(self, last: bytes, end: int, pending: tuple[dict[bytes, Sequence], set[bytes]]) -> None:
+        """A waiting prompt shares the blocks up to `end` (the last one's hash `last`) with a prefill under way,
+        and leaves that prefill's prompt there: the prefill keeps a state there, so the waiting prompt hits the
+        whole shared prefix. Without it, the prefill's states would lie only at its periodic points, and the first
+        prompt to leave it would recompute up to `snapshot_every - 1` blocks from the one before (taking the
+        branch-point state for the rest)."""
+        blocks, states = pending
+        blocks[last].branch_points.add(end * self.pool.block_size)
+        states.add(last)
 
     def _cached_prefix(self, seq: Sequence, target: int) -> tuple[list[int], int]:
         """Cached blocks of `seq`'s longest cached prefix, referenced, and how many blocks the cached
