@@ -49,6 +49,35 @@ def test_packed_linears_compute_what_the_plain_ones_did_and_skip_tied_and_other_
                                                                 model.up.bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(CPU_FP32 is None, reason="oneDNN cannot pack fp32 weights here")
+def test_one_row_goes_through_the_plain_weight_while_it_is_kept(monkeypatch):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 24)
+    block = _Block()
+    with torch.inference_mode():
+        packed = packed_linear.PackedLinear(linear, torch.float32)
+        packed_siblings.pack_siblings(block, torch.float32)
+        group = block.q_proj.group
+        row, rows = torch.randn(1, 1, 16), torch.randn(3, 1, 16)
+        packed_gemm = torch.ops.mkldnn._linear_pointwise
+        # One row: MKL over the plain weight, as nn.Linear computes it; several: the packed GEMM.
+        assert torch.equal(packed(row), linear(row))
+        assert torch.equal(packed(rows), packed_gemm(rows, packed.packed_weight, packed.bias, "none", [], ""))
+        assert torch.equal(block.q_proj(row), torch.nn.functional.linear(row, group.plain_weight, group.bias)[..., :16])
+        # Measured: kept where the plain product takes at most ONE_ROW_PLAIN_AT_MOST of the packed one's time.
+        layers = [packed, group]
+        monkeypatch.setattr(packed_linear, "ONE_ROW_PLAIN_AT_MOST", 1e6)
+        pays, plain_s, packed_s = packed_linear.plain_pays_at_one_row(layers)
+        assert pays and plain_s > 0 and packed_s > 0
+        monkeypatch.setattr(packed_linear, "ONE_ROW_PLAIN_AT_MOST", 0.0)
+        assert not packed_linear.plain_pays_at_one_row(layers)[0]
+        packed_linear.drop_plain_weights(layers)
+        assert packed.plain_weight is None and group.plain_weight is None
+        assert torch.equal(packed(row), packed_gemm(row, packed.packed_weight, packed.bias, "none", [], ""))
+        want = torch.nn.functional.linear(row, block.q_proj.packed_weight.to_dense()[:16], group.bias[:16])
+        torch.testing.assert_close(block.q_proj(row), want, rtol=1e-5, atol=1e-5)
+
+
 class _Block(torch.nn.Module):
     """q/k/v with biases, gate/up without, and a q/k/v set whose widths differ (not fused)."""
 

@@ -51,7 +51,9 @@ class EngineConfig:
     compiled_decode: bool | None = None
     # CPU, eager steps, one device: the language model's linears keep their weights packed for oneDNN's GEMMs
     # (raypipe/models/packed_linear.py: ~20% less GEMM time at decode batch sizes; same results up to rounding);
-    # a bf16 model on a CPU without a bf16 GEMM computes its linears in fp32 (fp32's weight bytes, 5-8x faster).
+    # a bf16 model on a CPU without a bf16 GEMM computes its linears in fp32 (fp32's weight bytes, 5-8x faster);
+    # where MKL's one-row product beats the packed one on this CPU (measured at load), one-row inputs keep the
+    # plain weights too (twice the linears' bytes; docs/performance.md "The CPU decode path").
     cpu_packed_weights: bool = True
     decode_batch_buckets: tuple[int, ...] | None = None  # None: compiled_step's defaults up to max_num_seqs
     decode_kv_buckets: tuple[int, ...] | None = None  # None: doubling from 256 up to max_model_len

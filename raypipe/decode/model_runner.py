@@ -132,8 +132,18 @@ class ModelRunner:
         if dtype is None:
             return f"not packed: {how}"
         siblings = packed_siblings.pack_siblings(self.model, dtype)  # before the rest: it takes plain linears
-        return (f"{siblings + packed_linear.pack_linears(self.model, dtype)} linear layers {how} for oneDNN "
+        done = (f"{siblings + packed_linear.pack_linears(self.model, dtype)} linear layers {how} for oneDNN "
                 f"({siblings} of them as q/k/v or gate/up siblings sharing a GEMM)")
+        layers = list({id(layer): layer for layer in (
+            getattr(module, "group", module) for module in self.model.modules()
+            if isinstance(module, (packed_linear.PackedLinear, packed_siblings.SiblingLinear)))}.values())
+        pays, plain, packed = packed_linear.plain_pays_at_one_row(layers)
+        if not pays:
+            packed_linear.drop_plain_weights(layers)
+        extra = sum(layer.plain_weight.nbytes for layer in layers) if pays else 0
+        return (f"{done}; one row at a time through {'plain' if pays else 'packed'} weights "
+                f"({plain * 1e3:.2f} ms plain vs {packed * 1e3:.2f} ms packed for all of them"
+                + (f", {extra / 2**20:.1f} MiB kept" if pays else "") + ")")
 
     def use_static_step(self, batch_buckets: tuple[int, ...] | None = None,
                         kv_buckets: tuple[int, ...] | None = None) -> str | None:

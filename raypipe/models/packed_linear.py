@@ -11,6 +11,13 @@ against 12.9 at batch 8, 6.8 against 9.3 at batch 1; at a few hundred rows and u
 that loop, yet a burst's prefill in the engine took 2.25 s packed against 3.11 s (docs/performance.md,
 "The CPU decode path"). Results differ from MKL's by float rounding only (another summation order).
 
+One row at a time (a lone request's decode step) a GEMM is a matrix-vector product, and there the packed
+layout can lose: on an Intel Xeon with AVX512 (2 cores) MKL's plain `nn.Linear` decoded one request at 13.1
+ms a token against 15.8 packed, while at 16 rows packed ran 2.5x MKL's speed (an AVX2 EPYC was faster packed
+at one row too). So when the packing measures that (`plain_pays_at_one_row`, on the engine's own linears when
+it loads), each packed layer also keeps its plain weight, and a one-row input goes through it: twice the
+linears' weight bytes, where it pays.
+
 Only plain `torch.nn.Linear` modules are packed: tensor-parallel shards, quantized stored weights and
 anything else keep their own forward (a LoRA layer's base linear is plain and is packed; its adapter
 matmuls are not). Where oneDNN cannot pack bf16 on this CPU (it needs AVX512 or AVX-NE-CONVERT), a bf16
@@ -19,33 +26,71 @@ model's linears are packed and computed in fp32 (`compute_dtype` says why that i
 
 from __future__ import annotations
 
+import time
+
 import torch
+
+# One-row inputs keep a plain copy of each packed weight when MKL's matrix-vector product over it takes at most
+# this fraction of the packed GEMM's time (measured at load: `plain_pays_at_one_row`)
+ONE_ROW_PLAIN_AT_MOST = 0.9
 
 
 class PackedLinear(torch.nn.Module):
     """`y = x W^T + b` through oneDNN with `W` packed once, in `compute_dtype` (inputs cast to it, the
-    output cast back to the input's dtype)."""
+    output cast back to the input's dtype); through `plain_weight` for a one-row input, while it is kept."""
 
     def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().to(compute_dtype)
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight))
+        self.plain_weight: torch.Tensor | None = weight.contiguous()  # until `drop_plain_weights`
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(compute_dtype),
                                                                         requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_gemm(x, self.packed_weight, self.bias)
+        return packed_gemm(x, self.packed_weight, self.bias, self.plain_weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"compute_dtype={self.packed_weight.dtype}")
 
 
-def packed_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x W^T + b` through oneDNN with `W` packed, computed in the packed weight's dtype, returned in `x`'s."""
+def packed_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                plain_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """`x W^T + b` through oneDNN with `W` packed, computed in the packed weight's dtype, returned in `x`'s; one
+    row through `plain_weight` (MKL's matrix-vector product) where given."""
+    if plain_weight is not None and x.numel() == x.shape[-1]:
+        return torch.nn.functional.linear(x.to(plain_weight.dtype), plain_weight, bias).to(x.dtype)
     out = torch.ops.mkldnn._linear_pointwise(x.to(packed_weight.dtype), packed_weight, bias, "none", [], "")
     return out.to(x.dtype)
+
+
+def plain_pays_at_one_row(layers: list, repeats: int = 5) -> tuple[bool, float, float]:
+    """Whether one row through the plain weights of `layers` (packed layers still holding them: `PackedLinear`s
+    or sibling groups) takes at most `ONE_ROW_PLAIN_AT_MOST` of the time through their packed weights, measured
+    on the calling thread (the engine's, with its threads) as the best of `repeats` alternating passes over all
+    of them; and the two times (s)."""
+    inputs = {layer.plain_weight.shape[1]: torch.randn(1, layer.plain_weight.shape[1], dtype=layer.plain_weight.dtype)
+              for layer in layers}
+
+    def one_pass(plain: bool) -> float:
+        start = time.perf_counter()
+        for layer in layers:
+            x = inputs[layer.plain_weight.shape[1]]
+            packed_gemm(x, layer.packed_weight, layer.bias, layer.plain_weight if plain else None)
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        one_pass(True), one_pass(False)  # first touches
+        plain, packed = (min(times) for times in zip(*((one_pass(True), one_pass(False)) for _ in range(repeats))))
+    return plain <= ONE_ROW_PLAIN_AT_MOST * packed, plain, packed
+
+
+def drop_plain_weights(layers: list) -> None:
+    """Free the plain weights of `layers`: every input goes through the packed ones."""
+    for layer in layers:
+        layer.plain_weight = None
 
 
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype | None, str]:

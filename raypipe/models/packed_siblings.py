@@ -33,6 +33,7 @@ class PackedSiblings:
     def __init__(self, linears: list[torch.nn.Linear], compute_dtype: torch.dtype):
         weight = torch.cat([linear.weight.detach() for linear in linears]).to(compute_dtype)
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.plain_weight: torch.Tensor | None = weight  # for one row, until dropped (`packed_linear.py`)
         biases = [linear.bias for linear in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases]).to(compute_dtype)
         self.sizes = [linear.out_features for linear in linears]
@@ -53,7 +54,7 @@ class PackedSiblings:
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """Every sibling's output, side by side in the last dimension."""
-        return packed_gemm(x, self.packed_weight, self.bias)
+        return packed_gemm(x, self.packed_weight, self.bias, self.plain_weight)
 
 
 def input_version(x: torch.Tensor) -> int | None:
