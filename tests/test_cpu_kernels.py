@@ -71,6 +71,13 @@ def test_one_row_goes_through_the_plain_weight_while_it_is_kept(monkeypatch):
         assert pays and plain_s > 0 and packed_s > 0
         monkeypatch.setattr(packed_linear, "ONE_ROW_PLAIN_AT_MOST", 0.0)
         assert not packed_linear.plain_pays_at_one_row(layers)[0]
+        # Timed on the first layers up to ONE_ROW_TIMED_BYTES (a large model's start-up stays short)
+        calls = []
+        gemm = packed_linear.packed_gemm
+        monkeypatch.setattr(packed_linear, "packed_gemm", lambda *args: calls.append(args[1]) or gemm(*args))
+        monkeypatch.setattr(packed_linear, "ONE_ROW_TIMED_BYTES", 1)
+        packed_linear.plain_pays_at_one_row(layers, repeats=2)
+        assert calls and all(weight is packed.packed_weight for weight in calls) and len(calls) == 2 + 2 * 2
         packed_linear.drop_plain_weights(layers)
         assert packed.plain_weight is None and group.plain_weight is None
         assert torch.equal(packed(row), packed_gemm(row, packed.packed_weight, packed.bias, "none", [], ""))

@@ -33,6 +33,9 @@ import torch
 # One-row inputs keep a plain copy of each packed weight when MKL's matrix-vector product over it takes at most
 # this fraction of the packed GEMM's time (measured at load: `plain_pays_at_one_row`)
 ONE_ROW_PLAIN_AT_MOST = 0.9
+# ... timed over the model's first linears up to this many weight bytes: more than a CPU's last-level cache, so the
+# weights come from memory as in a step, and a second or less of start-up for a model of any size
+ONE_ROW_TIMED_BYTES = 256 << 20
 
 
 class PackedLinear(torch.nn.Module):
@@ -68,9 +71,16 @@ def packed_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor
 
 def plain_pays_at_one_row(layers: list, repeats: int = 5) -> tuple[bool, float, float]:
     """Whether one row through the plain weights of `layers` (packed layers still holding them: `PackedLinear`s
-    or sibling groups) takes at most `ONE_ROW_PLAIN_AT_MOST` of the time through their packed weights, measured
-    on the calling thread (the engine's, with its threads) as the best of `repeats` alternating passes over all
-    of them; and the two times (s)."""
+    or sibling groups, in model order) takes at most `ONE_ROW_PLAIN_AT_MOST` of the time through their packed
+    weights, measured on the calling thread (the engine's, with its threads) as the best of `repeats` alternating
+    passes over the first of them up to `ONE_ROW_TIMED_BYTES`; and the two times (s)."""
+    timed, total = [], 0
+    for layer in layers:
+        if total >= ONE_ROW_TIMED_BYTES:
+            break
+        timed.append(layer)
+        total += layer.plain_weight.nbytes
+    layers = timed
     inputs = {layer.plain_weight.shape[1]: torch.randn(1, layer.plain_weight.shape[1], dtype=layer.plain_weight.dtype)
               for layer in layers}
 
