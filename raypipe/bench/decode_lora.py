@@ -53,26 +53,19 @@ def tok_s(engine, prompts, loras, max_tokens: int) -> float:
     return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
-def slot_bytes(engine, slots: int) -> int:
-    """Bytes one of the `slots` adapter slots takes across every wrapped linear."""
+def slot_bytes(engine) -> int:
+    """Bytes one adapter slot takes across every wrapped linear (`max_loras` slots and the base model's)."""
     from raypipe.models.lora import LoraLinear
 
     layers = [m for m in engine.runner.model.modules() if isinstance(m, LoraLinear)]
-    return sum(m.lora_a.nbytes + m.lora_b.nbytes for m in layers) // slots
+    return sum(m.lora_a.nbytes + m.lora_b.nbytes for m in layers) // (engine.config.max_loras + 1)
 
 
 def linear_weight_bytes(engine) -> int:
     """Bytes of the language model's linear weights (lm_head included), as a decode step reads them: the base
     engine's (no LoRA wrappers)."""
-    element = torch_element_size(engine.runner.dtype)
-    return sum(m.in_features * m.out_features * element for m in engine.runner.model.modules()
+    return sum(m.in_features * m.out_features * engine.runner.dtype.itemsize for m in engine.runner.model.modules()
                if hasattr(m, "in_features") and hasattr(m, "out_features"))
-
-
-def torch_element_size(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def main(args) -> int:
@@ -97,17 +90,14 @@ def main(args) -> int:
     load_before = os.getloadavg()
     fresh = iter(range(1, 10**6))  # a new prompt seed for every run: no run reuses another's prefix
 
-    def one_engine(engine_config, runs: dict) -> tuple[dict, int]:
-        """tok/s of each run (its rows' adapters) on an engine started for them, shut down after; bytes per slot
-        (of the linear weights on an engine without adapters)."""
+    def one_engine(engine_config, runs: dict, weigh) -> tuple[dict, int]:
+        """tok/s of each run (its rows' adapters) on an engine started for them, shut down after; `weigh(engine)`."""
         engine = LLMEngine(checkpoint, engine_config)
         try:
             for loras in runs.values():  # warm-up
                 tok_s(engine, make_prompts(tokenizer, REQUESTS, seed=next(fresh)), loras, 4)
             return ({key: tok_s(engine, make_prompts(tokenizer, REQUESTS, seed=next(fresh)), loras, max_tokens)
-                     for key, loras in runs.items()},
-                    slot_bytes(engine, engine_config.max_loras + 1) if engine_config.lora_modules
-                    else linear_weight_bytes(engine))
+                     for key, loras in runs.items()}, weigh(engine))
         finally:
             engine.shutdown()
 
@@ -122,11 +112,12 @@ def main(args) -> int:
                                                max_lora_rank=RANK) for n in counts}
         base_runs, speeds, slots = [], {n: {"base_rows": [], "mixed": []} for n in counts}, {}
         for _ in range(repeats):
-            base, base_bytes = one_engine(config, {"base": [None] * REQUESTS})
+            base, base_bytes = one_engine(config, {"base": [None] * REQUESTS}, linear_weight_bytes)
             base_runs.append(base["base"])
             for n in counts:
                 runs, slots[n] = one_engine(lora_configs[n], {"base_rows": [None] * REQUESTS,
-                                                              "mixed": [f"bench{i % n}" for i in range(REQUESTS)]})
+                                                              "mixed": [f"bench{i % n}" for i in range(REQUESTS)]},
+                                            slot_bytes)
                 for key, speed in runs.items():
                     speeds[n][key].append(speed)
         for n in counts:
