@@ -248,16 +248,22 @@ def random_images(sizes, seed=0):
     return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
 
 
-def reference_embeddings(hf_model, ckpt, images):
-    """Per-image embeddings from transformers' vision tower on the whole batch in one call."""
+def reference_embeddings(hf_model, ckpt, images, threads: int | None = None):
+    """Per-image embeddings from transformers' vision tower on the whole batch in one call, on `threads` torch
+    threads where given (the encoder's count: on some CPUs fp32 GEMMs round differently at another count)."""
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(ckpt)
     processed = processor(images=list(images), return_tensors="pt")
     grid = processed["image_grid_thw"]
-    with torch.no_grad():
-        out = hf_model.model.visual(processed["pixel_values"].to(hf_model.device),
-                                    grid_thw=grid.to(hf_model.device)).pooler_output
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        with torch.no_grad():
+            out = hf_model.model.visual(processed["pixel_values"].to(hf_model.device),
+                                        grid_thw=grid.to(hf_model.device)).pooler_output
+    finally:
+        torch.set_num_threads(before)
     merge = hf_model.config.vision_config.spatial_merge_size
     return [chunk.cpu() for chunk in torch.split(out, (grid.prod(-1) // merge**2).tolist())]
 
