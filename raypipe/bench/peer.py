@@ -401,9 +401,12 @@ def main(args) -> int:
     theirs = VllmSide(python, checkpoint, dtype, threads, sizes.text_requests, max_model_len,
                       pathlib.Path(args.out) / "peer-vllm.log")
     try:
-        warm = text_requests(tokenizer, dataclasses.replace(QUICK, text_requests=2), seed=1)
+        # Both engines warm up on text and image requests before anything is timed: vLLM's start-up profile run
+        # already encodes dummy images, and raypipe's first tower forward would otherwise fall in a timed run
+        warm = dataclasses.replace(QUICK, text_requests=2, image_requests=2)
         for side in (ours, theirs):
-            side.run(warm)
+            side.run(text_requests(tokenizer, warm, seed=1))
+            side.run(image_requests(tokenizer, warm, seed=1))
         result = measure([ours, theirs], tokenizer, sizes, workloads)
     finally:
         ours.close()
