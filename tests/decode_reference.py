@@ -54,6 +54,12 @@ def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: in
                 **generate_kwargs) -> list[int]:
     """Greedy `generate()` on the full transformers model (with `generate_kwargs`, e.g. its logits
     processors' options); ids after the prompt, up to and including the first `cut_at`."""
+    return hf_generate_scored(hf_model, prompt, embeds, max_new_tokens, cut_at, **generate_kwargs)[0]
+
+
+def hf_generate_scored(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: int, cut_at: int,
+                       **generate_kwargs) -> tuple[list[int], list[torch.Tensor]]:
+    """`hf_generate`'s ids and the logits each was chosen from (in the model's dtype)."""
     device = hf_model.device
     ids = torch.tensor([prompt.prompt_token_ids], device=device)
     kwargs = {}
@@ -64,9 +70,30 @@ def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: in
                       mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=pooled)})
     with torch.no_grad():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, **kwargs, **generate_kwargs)
-    tokens = out[0, ids.shape[1]:].tolist()
-    return tokens[: tokens.index(cut_at) + 1] if cut_at in tokens else tokens
+                                do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs,
+                                **generate_kwargs)
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    tokens = tokens[: tokens.index(cut_at) + 1] if cut_at in tokens else tokens
+    return tokens, [step[0] for step in out.logits[: len(tokens)]]
+
+
+def assert_greedy_equal_up_to_ties(got: list[int], expected: list[int], logits: list[torch.Tensor],
+                                   dtype: torch.dtype) -> bool:
+    """`got` equals `expected` (`hf_generate_scored`'s ids and logits), except that it may leave it at a step where
+    the reference's logits for both tokens are within one unit in the last place of the model's `dtype` (a tie at
+    that precision: another summation order rounds either way); the rest is then not compared. Whether it left."""
+    for step, (ours, theirs) in enumerate(zip(got, expected)):
+        if ours == theirs:
+            continue
+        scores = logits[step].float()
+        best = scores[theirs].item()
+        ulp = torch.finfo(dtype).eps * 2.0 ** np.floor(np.log2(abs(best)))
+        assert best - scores[ours].item() <= ulp, (
+            f"step {step}: {ours} instead of {theirs}, whose logit {best} is more than one ulp ({ulp}) above "
+            f"{scores[ours].item()}: {got} vs {expected}")
+        return True
+    assert got == expected
+    return False
 
 
 @contextlib.contextmanager

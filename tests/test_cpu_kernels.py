@@ -161,7 +161,35 @@ def test_a_bf16_linear_packed_for_fp32_rounds_the_fp32_result_once():
     torch.testing.assert_close(got, want, rtol=0, atol=0.02)
     dtype, how = packed_linear.compute_dtype(torch.device("cpu"), torch.bfloat16)
     assert dtype in (torch.bfloat16, torch.float32)
-    assert how == "packed in torch.bfloat16" or how.startswith("packed and computed in torch.float32: oneDNN cannot")
+    assert how == "packed in torch.bfloat16" or how.startswith("packed and computed in torch.float32: oneDNN")
+
+
+def _can_pack(dtype: torch.dtype) -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros((8, 8), dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("bf16_faster", [True, False])
+def test_a_bf16_model_is_packed_in_whichever_dtype_the_load_measured_faster(monkeypatch, bf16_faster):
+    """Where oneDNN packs bf16 but converts it in software (no AVX512-BF16 or AMX), its bf16 GEMM is slower than
+    fp32's and the model's linears are computed in fp32; where it is faster they stay bf16. The measurement itself
+    says which it saw."""
+    measure = packed_linear.low_precision_pays
+    pays, native, single = measure(torch.bfloat16 if _can_pack(torch.bfloat16) else torch.float32)  # a real timing
+    assert native > 0 and single > 0 and pays == (native <= single)
+    times = (0.001, 0.002) if bf16_faster else (0.003, 0.001)
+    monkeypatch.setattr(packed_linear, "low_precision_pays", lambda dtype: (times[0] <= times[1], *times))
+    dtype, how = packed_linear.compute_dtype(torch.device("cpu"), torch.bfloat16)
+    if not _can_pack(torch.bfloat16):  # no measurement: oneDNN refuses bf16 on this CPU
+        assert dtype == torch.float32 and "oneDNN cannot pack torch.bfloat16" in how
+    elif bf16_faster:
+        assert (dtype, how) == (torch.bfloat16, "packed in torch.bfloat16")
+    else:
+        assert dtype == torch.float32
+        assert "bfloat16 GEMM took 3.00 ms against fp32's 1.00" in how
 
 
 class _Attention(torch.nn.Module):

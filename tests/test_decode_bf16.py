@@ -3,7 +3,12 @@
 fp32 stays the CPU default and the dtype every other equality test runs in. In bf16 the engine's greedy
 tokens equal transformers' own bf16 `generate()` (one request at a time, embeddings from transformers'
 bf16 vision tower) for a batch that joins staggered and decodes K=8 steps a round, on a full-attention
-family (Qwen2.5-VL) and on the hybrid one (Qwen3.5: gated delta-net rows + paged full attention).
+family (Qwen2.5-VL) and on the hybrid one (Qwen3.5: gated delta-net rows + paged full attention), up to
+ties at bf16's precision: where oneDNN has no native bf16 GEMM the engine computes bf16 linears in fp32
+(`models/packed_linear.py`), rounding once as a bf16 GEMM does but after another summation order, so a
+request may leave transformers' tokens at a step whose two best logits are one bf16 ulp apart in
+transformers' own logits (and is not compared after it: vLLM's tests compare so too). At most one request of
+a family's four may.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ def test_bf16_greedy_equals_transformers_bf16_generate(preset):
     embeds = [ref.embeddings(hf, ckpt, p) for p in prompts]
     eos = hf.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
-    expected = [ref.hf_generate(hf, p, e, MAX_NEW, cut_at=eos) for p, e in zip(prompts, embeds)]
+    expected = [ref.hf_generate_scored(hf, p, e, MAX_NEW, cut_at=eos) for p, e in zip(prompts, embeds)]
     with ref.engine_pool(ckpt, dtype="bfloat16", max_num_seqs=4, max_model_len=512) as engines:
         engine = engines(8)
         assert engine.runner.dtype == torch.bfloat16
         outs = ref.staggered(engine, [(p.without_pixels(), e) for p, e in zip(prompts, embeds)],
                              [SamplingParams(max_tokens=MAX_NEW)] * len(prompts), tag=f"bf16-{preset}")
-    assert [o.token_ids for o in outs] == expected
+    left = [ref.assert_greedy_equal_up_to_ties(o.token_ids, tokens, logits, torch.bfloat16)
+            for o, (tokens, logits) in zip(outs, expected)]
+    assert left.count(True) <= 1, f"{left.count(True)} of {len(left)} requests left transformers' tokens at a tie"

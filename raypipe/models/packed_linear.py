@@ -20,8 +20,10 @@ linears' weight bytes, where it pays.
 
 Only plain `torch.nn.Linear` modules are packed: tensor-parallel shards, quantized stored weights and
 anything else keep their own forward (a LoRA layer's base linear is plain and is packed; its adapter
-matmuls are not). Where oneDNN cannot pack bf16 on this CPU (it needs AVX512 or AVX-NE-CONVERT), a bf16
-model's linears are packed and computed in fp32 (`compute_dtype` says why that is exact enough).
+matmuls are not). A bf16 model's linears are packed and computed in fp32 where oneDNN cannot pack bf16 on
+this CPU (it needs AVX512 or AVX-NE-CONVERT), or can but computes it slower than fp32: without AVX512-BF16 or
+AMX it converts every bf16 element in software (an AVX512 Xeon: 2.4x fp32's time at 32 rows, 4x at 512, on
+`small-qwen3.5`'s linear shapes). `compute_dtype` measures that at load and says why fp32 is exact enough.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ ONE_ROW_PLAIN_AT_MOST = 0.9
 # ... timed over the model's first linears up to this many weight bytes: more than a CPU's last-level cache, so the
 # weights come from memory as in a step, and a second or less of start-up for a model of any size
 ONE_ROW_TIMED_BYTES = 256 << 20
+# A bf16 (fp16) model's linears are computed in that dtype where oneDNN's GEMM in it takes at most fp32's time,
+# timed at load (`low_precision_pays`) on a GEMM of this many rows (a decode batch, a prefill piece) over a
+# weight of this shape (kept in cache: what differs is the arithmetic, native or converted in software)
+LOW_PRECISION_TIMED_ROWS = 32
+LOW_PRECISION_TIMED_WEIGHT = (2048, 2048)
 
 
 class PackedLinear(torch.nn.Module):
@@ -107,10 +114,10 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype
     """The dtype a model in `dtype` gets its linears packed and computed in on `device`, and what that means;
     None and the reason where nothing is packed.
 
-    A bf16 model on a CPU whose oneDNN has no bf16 GEMM (no AVX512 or AVX-NE-CONVERT: torch then runs a
-    reference bf16 GEMM, 5-8x slower than fp32 at decode and prefill shapes here) is computed in fp32:
-    bf16 inputs and weights are exact in fp32, sums are in fp32 as a bf16 GEMM keeps them, the output is
-    rounded to bf16 once. The packed weights then take fp32's bytes."""
+    A bf16 model is computed in fp32 where oneDNN has no bf16 GEMM on this CPU (no AVX512 or AVX-NE-CONVERT:
+    torch then runs a reference bf16 GEMM, 5-8x slower than fp32 at decode and prefill shapes) or its bf16 GEMM
+    is slower than fp32's (`low_precision_pays`): bf16 inputs and weights are exact in fp32, sums are in fp32 as
+    a bf16 GEMM keeps them, the output is rounded to bf16 once. The packed weights then take fp32's bytes."""
     if torch.device(device).type != "cpu":
         return None, f"packed weights are a CPU path (device {torch.device(device).type})"
     if not torch.backends.mkldnn.is_available():
@@ -122,10 +129,40 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype
         except RuntimeError as exc:
             reasons.append(f"oneDNN cannot pack {candidate} weights on this CPU ({str(exc).splitlines()[0]})")
             continue
+        if candidate == dtype != torch.float32:
+            pays, native, single = low_precision_pays(dtype)
+            if not pays:
+                reasons.append(f"oneDNN's {dtype} GEMM took {native * 1e3:.2f} ms against fp32's {single * 1e3:.2f} "
+                               f"({LOW_PRECISION_TIMED_ROWS} rows, a {LOW_PRECISION_TIMED_WEIGHT} weight): slower "
+                               "here, where oneDNN converts it in software")
+                continue
         if candidate == dtype:
             return candidate, f"packed in {dtype}"
         return candidate, f"packed and computed in {candidate}: {reasons[-1]}"
     return None, "; ".join(reasons)
+
+
+def low_precision_pays(dtype: torch.dtype, repeats: int = 5) -> tuple[bool, float, float]:
+    """Whether oneDNN's packed GEMM in `dtype` takes at most fp32's time on this CPU, measured on the calling
+    thread (the engine's, with its threads) as the best of `repeats` alternating runs; and the two times (s)."""
+    weight = torch.randn(LOW_PRECISION_TIMED_WEIGHT).to(dtype)
+    runs = {}
+    for compute in (dtype, torch.float32):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute))
+        x = torch.randn(LOW_PRECISION_TIMED_ROWS, weight.shape[1]).to(dtype)
+        runs[compute] = lambda packed=packed, x=x: packed_gemm(x, packed, None)
+
+    def timed(run) -> float:
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        for run in runs.values():
+            run()  # first calls: oneDNN creates its kernels
+        native, single = (min(times) for times in zip(*((timed(runs[dtype]), timed(runs[torch.float32]))
+                                                       for _ in range(repeats))))
+    return native <= single, native, single
 
 
 def pack_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
