@@ -238,3 +238,31 @@ def test_attention_with_several_queries_is_sdpa_itself():
     want, _ = sdpa_attention_forward(_Attention(), query, keys, values, mask, scaling=0.25)
     got, _ = attention.attention_forward(_Attention(), query, keys, values, mask, scaling=0.25)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bf16_faster", [True, False])
+def test_a_bf16_tower_computes_its_linears_in_fp32_only_where_bf16_measured_slower(monkeypatch, bf16_faster):
+    """An encoder's bf16 tower keeps transformers' bf16 linears where oneDNN's bf16 GEMM pays, else packs them for
+    fp32 compute (no plain copy kept: a tower has no one-row inputs), each output rounded to bf16 once; an fp32
+    tower is never touched."""
+    times = (0.001, 0.002) if bf16_faster else (0.003, 0.001)
+    monkeypatch.setattr(packed_linear, "low_precision_pays", lambda dtype: (times[0] <= times[1], *times))
+    torch.manual_seed(5)
+    tower = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 16)).to(torch.bfloat16)
+    x = torch.randn(9, 32, dtype=torch.bfloat16)
+    first, last = tower[0], tower[2]
+    want = torch.nn.functional.linear(
+        torch.nn.functional.gelu(torch.nn.functional.linear(x.float(), first.weight.float(), first.bias.float())
+                                 .to(torch.bfloat16)).float(), last.weight.float(), last.bias.float()).to(torch.bfloat16)
+    assert packed_linear.fp32_where_faster(tower, torch.device("cpu"), torch.float32) == "linears as loaded (torch.float32 on cpu)"
+    how = packed_linear.fp32_where_faster(tower, torch.device("cpu"), torch.bfloat16)
+    packed = [m for m in tower if isinstance(m, packed_linear.PackedLinear)]
+    if bf16_faster and _can_pack(torch.bfloat16):
+        assert how == "linears as loaded: packed in torch.bfloat16" and not packed
+        return
+    assert how.startswith("2 linear layers packed and computed in torch.float32") and len(packed) == 2
+    assert all(m.packed_weight.dtype == torch.float32 and m.plain_weight is None for m in packed)
+    with torch.inference_mode():
+        got = tower(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0.02)

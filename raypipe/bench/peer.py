@@ -196,8 +196,11 @@ class RaypipeSide:
     def _encode(self, visuals: list) -> list:
         import torch
 
-        if self._tower is None:
+        if self._tower is None:  # as an encoder worker loads it
+            from raypipe.models.packed_linear import fp32_where_faster
+
             self._tower = self.vision.load_tower(self.engine.device, self.dtype)
+            fp32_where_faster(self._tower.lora_root, self.engine.device, self.dtype)
         with torch.inference_mode():
             return self.vision.encode_in_process(self._tower, visuals)
 

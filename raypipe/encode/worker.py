@@ -34,6 +34,7 @@ import torch
 from raypipe.encode.budget_forwards import BudgetedForwards
 from raypipe.encode.budgets import TokenBudgets
 from raypipe.encode.tower_lora import TowerAdapters, TowerLora
+from raypipe.models import packed_linear
 from raypipe.models.base import VisionItem
 from raypipe.models.registry import vision_adapter
 from raypipe.runtime.device import pick_device, resolve_dtype
@@ -54,6 +55,7 @@ class EncoderWorker:
         self.dtype = resolve_dtype(dtype, self.device)
         self.adapter = vision_adapter(checkpoint)
         self.tower = self.adapter.load_tower(self.device, self.dtype)
+        self.linears = packed_linear.fp32_where_faster(self.tower.lora_root, self.device, self.dtype)
         self.budgeted = BudgetedForwards.for_tower(self.tower, budgets)  # None: eager forwards
         self.tower_loras: TowerAdapters | None = None  # made when a unit first brings a tower adapter
         self.items_encoded = 0
@@ -69,7 +71,7 @@ class EncoderWorker:
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "device": str(self.device), "dtype": str(self.dtype),
-                "threads": torch.get_num_threads(), "node": ray.get_runtime_context().get_node_id(),
+                "threads": torch.get_num_threads(), "linears": self.linears, "node": ray.get_runtime_context().get_node_id(),
                 "items_encoded": self.items_encoded, "items_joined": self.items_joined,
                 "tower_loras_fetched": self.tower_loras.fetched if self.tower_loras else 0,
                 "budgets": self.budgeted.stats if self.budgeted else None}

@@ -178,6 +178,21 @@ def pack_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return replaced
 
 
+def fp32_where_faster(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """`module`'s plain linears (a vision tower's) packed for fp32 compute where it runs in a low-precision `dtype`
+    on a CPU whose oneDNN computes that dtype slower than fp32 (`compute_dtype`), each output rounded to `dtype`
+    once as that GEMM rounds it; elsewhere left as loaded (an encoder's large-row GEMMs gain nothing from packing
+    in the dtype they already run in). What was done."""
+    if dtype == torch.float32 or torch.device(device).type != "cpu":
+        return f"linears as loaded ({dtype} on {torch.device(device).type})"
+    compute, how = compute_dtype(device, dtype)
+    if compute != torch.float32:
+        return f"linears as loaded: {how}"
+    count = pack_linears(module, compute)
+    drop_plain_weights([layer for layer in module.modules() if isinstance(layer, PackedLinear)])  # no one-row inputs
+    return f"{count} linear layers {how}"
+
+
 def shared_weights(model: torch.nn.Module) -> set[int]:
     """ids of the parameters more than one module holds (a tied lm_head's weight)."""
     owners: dict[int, int] = {}
