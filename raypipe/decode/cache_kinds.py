@@ -7,8 +7,9 @@ builds one `LayerCache` per layer from `CACHE_KINDS`.
   length needs; a sequence's block table says where its tokens are.
 - `linear_attention` (gated delta net, Qwen3.5 / MiniCPM-V 4.6): a fixed-size conv state (the
   last `kernel` inputs of the short causal conv) and a recurrent state per row, whatever the
-  sequence length. A recurrent state cannot skip padding, so the runner prefills such models in
-  groups of equal length (`PADDED_PREFILL_EXACT = False`).
+  sequence length. Rows of different lengths prefill in one right-padded forward: the conv state is
+  taken at each row's end, and padded tokens leave the recurrent state as it is
+  (`models/delta_net_prefill.py`).
 - `sliding_attention` (Step3): K/V in blocks of a pool of their own, through a window table per
   sequence whose blocks are freed once they have left the window (`sliding_window.py`).
 
@@ -93,7 +94,6 @@ class LayerCache(abc.ABC):
     """One layer's cache for the running sequences, allocated up front."""
 
     layer_type: ClassVar[str]
-    PADDED_PREFILL_EXACT: ClassVar[bool] = True  # may right-padded rows share one prefill forward?
 
     @abc.abstractmethod
     def tensors(self) -> list[torch.Tensor]:
@@ -131,7 +131,6 @@ class LinearAttentionRows(LayerCache):
     """
 
     layer_type = "linear_attention"
-    PADDED_PREFILL_EXACT = False  # the recurrent state would run on through the padding
 
     def __init__(self, text_config, limits: CacheLimits):
         c = text_config

@@ -104,11 +104,6 @@ class KVCache(Cache):
             for tensor, stored in zip(layer.row_tensors(), slots):
                 tensor[row].copy_(stored[slot])
 
-    @property
-    def padded_prefill_exact(self) -> bool:
-        """Whether right-padded prompts of different lengths may share one prefill forward."""
-        return all(kind.PADDED_PREFILL_EXACT for kind in self.kinds.values())
-
     def view(self) -> "KVCache":
         """The same storage with a write pattern of its own, so two threads can run forwards at once on
         disjoint rows and blocks (prefill of joining sequences while the running ones decode)."""

@@ -4,8 +4,8 @@
 right-padded batch into their blocks and rows, and samples the first token of each sequence whose
 prompt it completes. A chunk starts where the sequence's cached tokens end (a cached prefix, an
 earlier chunk, or 0): its positions and visual rows are those of its tokens in the whole prompt.
-Where a layer kind cannot skip padding (linear-attention state), the group runs as sub-batches of
-equal length. State snapshots to take inside a chunk (`Sequence.snapshot_saves`) are filled by the
+Rows of different lengths share the forward in every layer kind (a linear-attention row's state is
+taken at its own end). State snapshots to take inside a chunk (`Sequence.snapshot_saves`) are filled by the
 same forward (`WritePattern.captures`: gated-delta-net layers hand over their conv and recurrent state
 there, `models/delta_net_prefill.py`), so no forward is split at a snapshot.
 A snapshot at the chunk's end is a copy of the row after the forward; decode copies a row's state at
@@ -166,21 +166,12 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
         """Compute the chunks of `seqs` (in their rows of the bounded cache kinds); first sampled ids of
         `sampled` (those whose prompt this completes, the rows of `batch`)."""
-        runs: list[list[Sequence]] = []
-        if self.cache.padded_prefill_exact:
-            runs = [seqs]
-        else:
-            for seq in seqs:  # `seqs` come sorted by chunk length
-                if runs and runs[-1][0].chunk_len == seq.chunk_len:
-                    runs[-1].append(seq)
-                else:
-                    runs.append([seq])
-        logits = [self._prefill_logits(run, [s for s in run if s in sampled]) for run in runs]
+        logits = self._prefill_logits(seqs, [s for s in seqs if s in sampled])
         if not sampled:
             return []
         # One sampling call over the group's sampled rows, in the order of `sampled`.
-        order = [s for run in runs for s in run if s in sampled]
-        rows = torch.cat(logits)[torch.tensor([order.index(s) for s in sampled], device=self.device)]
+        order = [s for s in seqs if s in sampled]
+        rows = logits[torch.tensor([order.index(s) for s in sampled], device=self.device)]
         return sample(rows, batch).tolist()
 
     @torch.inference_mode()

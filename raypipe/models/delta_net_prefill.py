@@ -8,7 +8,9 @@ position. This forward does the layer's work once over the chunk and asks the ca
 states (`state_capture_offsets()`: tokens into the chunk); the cache keeps the conv inputs there
 itself (`update_conv_state` sees them all), and the delta rule returns the recurrent states there
 (`delta_rule.py`), given back with the final one (`update_recurrent_state(..., captured=...)`).
-Attention and MLP layers are untouched, so they run once over the whole chunk.
+Attention and MLP layers are untouched, so they run once over the whole chunk. Rows of different lengths share
+one right-padded forward: the conv state is taken at each row's end (`update_conv`), and a padded token neither
+decays nor writes the recurrent state, so the state after the chunk is each row's at its own end.
 
 Everything else is transformers' layer as it is (its projections, causal conv, gated norm; a cache
 that does not ask for captures goes to its own `forward`), so the module's weights and shapes are its
@@ -69,6 +71,12 @@ def prefill_forward(net, hidden_states: torch.Tensor, cache, attention_mask: tor
     value = value.reshape(batch, length, -1, net.head_v_dim)
     beta = net.in_proj_b(hidden_states).sigmoid()
     g = -net.A_log.float().exp() * F.softplus(net.in_proj_a(hidden_states).float() + net.dt_bias)
+    if attention_mask is not None and not attention_mask.all():
+        # Right padding (rows of different lengths in one forward): a padded token neither decays the state nor
+        # writes to it (g = 0, beta = 0, k = v = 0), so the state after the chunk is each row's at its own end.
+        real = attention_mask[:, :, None].to(g.dtype)
+        key, value = key * real[..., None].to(key.dtype), value * real[..., None].to(value.dtype)
+        g, beta = g * real, beta * real.to(beta.dtype)
     out, final, captured = chunked_gated_delta_rule(query, key, value, g, beta, initial, boundaries=offsets)
     cache.update_recurrent_state(final, net.layer_idx, captured=dict(zip(offsets, captured)))
     gate = net.in_proj_z(hidden_states).reshape(-1, net.head_v_dim)
