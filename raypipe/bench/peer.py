@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import dataclasses
 import io
 import json
+import multiprocessing
 import os
 import pathlib
 import statistics
@@ -155,7 +157,12 @@ class RaypipeSide:
         self.load_s = time.perf_counter() - begin
         self.vision = vision_adapter(checkpoint)
         self.dtype = self.engine.runner.dtype
-        self._tower = None
+        # The tower runs in a process of its own, as an encoder actor does: in this one its thread's OpenMP team
+        # would sit beside the engine's, and more OpenMP threads than CPUs slow every parallel op of the engine
+        # (`runtime/cpu_threads.py`; the gated delta rule's batched triangular solves took 6x their time).
+        self._tower = concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"), initializer=_load_tower,
+            initargs=(str(checkpoint), str(self.dtype).removeprefix("torch."), threads))
         self._to_encode: list[tuple[list, asyncio.Future]] = []  # visuals waiting for the next tower forward
         self._encoding = False
 
@@ -169,6 +176,16 @@ class RaypipeSide:
         switch = {"enable_thinking": False} if "enable_thinking" in (self.engine.tokenizer.chat_template or "") else None
         prompt = build_prompt(request["messages"], self.engine.tokenizer, self.vision, chat_template_kwargs=switch)
         return prompt.without_pixels(), prompt.visuals
+
+    def _encode(self, visuals: list) -> list:
+        """`visuals`' embeddings from one forward of the tower's process (this thread only waits)."""
+        return self._tower.submit(_encode, visuals).result()
+
+    def _prompt_one_thread(self, request: dict):
+        from raypipe.runtime.cpu_threads import single_threaded
+
+        with single_threaded():
+            return self._prompt(request)
 
     async def _embeds(self, visuals: list) -> list:
         """`visuals`' embeddings, encoded in one tower forward with those of every request that arrived while the
@@ -193,23 +210,13 @@ class RaypipeSide:
                 self._encoding = False
         return await future
 
-    def _encode(self, visuals: list) -> list:
-        import torch
-
-        if self._tower is None:  # as an encoder worker loads it
-            from raypipe.models.packed_linear import fp32_where_faster
-
-            self._tower = self.vision.load_tower(self.engine.device, self.dtype)
-            fp32_where_faster(self._tower.lora_root, self.engine.device, self.dtype)
-        with torch.inference_mode():
-            return self.vision.encode_in_process(self._tower, visuals)
-
     async def _one(self, request: dict, index: int, begin: float) -> dict:
         from raypipe.inputs.sampling import SamplingParams
 
         # A text request's ids go in as they are, in this turn, as vLLM's side submits them; templating and
-        # preprocessing an image request is real work, done off the event loop.
-        prompt, visuals = (await asyncio.to_thread(self._prompt, request) if "messages" in request
+        # preprocessing an image request is real work, done off the event loop (on one torch thread: no OpenMP
+        # team beside the engine's; a deployment does it in the serve ingress's process)
+        prompt, visuals = (await asyncio.to_thread(self._prompt_one_thread, request) if "messages" in request
                            else self._prompt(request))
         embeds = await self._embeds(visuals) if visuals else []
         params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0)
@@ -232,7 +239,36 @@ class RaypipeSide:
         return asyncio.run(run_all())
 
     def close(self) -> None:
+        self._tower.shutdown()
         self.engine.shutdown()
+
+
+_TOWER = None  # (vision adapter, tower) in the tower's process
+
+
+def _load_tower(checkpoint: str, dtype: str, threads: int) -> None:
+    """The tower process's start: niced and on `threads` torch threads like an encoder worker, its tower loaded."""
+    import torch
+
+    from raypipe.encode.worker import CPU_NICE
+    from raypipe.models.packed_linear import fp32_where_faster
+    from raypipe.models.registry import vision_adapter
+
+    global _TOWER
+    os.nice(CPU_NICE)
+    torch.set_num_threads(threads)
+    vision, device = vision_adapter(checkpoint), torch.device("cpu")
+    tower = vision.load_tower(device, getattr(torch, dtype))
+    fp32_where_faster(tower.lora_root, device, tower.dtype)
+    _TOWER = vision, tower
+
+
+def _encode(visuals: list) -> list:
+    import torch
+
+    vision, tower = _TOWER
+    with torch.inference_mode():
+        return vision.encode_in_process(tower, visuals)
 
 
 class VllmSide:
