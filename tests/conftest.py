@@ -253,17 +253,14 @@ def reference_embeddings(hf_model, ckpt, images, threads: int | None = None):
     threads where given (the encoder's count: on some CPUs fp32 GEMMs round differently at another count)."""
     from transformers import AutoImageProcessor
 
+    from raypipe.runtime.cpu_threads import torch_threads
+
     processor = AutoImageProcessor.from_pretrained(ckpt)
     processed = processor(images=list(images), return_tensors="pt")
     grid = processed["image_grid_thw"]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        with torch.no_grad():
-            out = hf_model.model.visual(processed["pixel_values"].to(hf_model.device),
-                                        grid_thw=grid.to(hf_model.device)).pooler_output
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads or torch.get_num_threads()), torch.no_grad():
+        out = hf_model.model.visual(processed["pixel_values"].to(hf_model.device),
+                                    grid_thw=grid.to(hf_model.device)).pooler_output
     merge = hf_model.config.vision_config.spatial_merge_size
     return [chunk.cpu() for chunk in torch.split(out, (grid.prod(-1) // merge**2).tolist())]
 

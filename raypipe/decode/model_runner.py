@@ -166,11 +166,11 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
         """Compute the chunks of `seqs` (in their rows of the bounded cache kinds); first sampled ids of
         `sampled` (those whose prompt this completes, the rows of `batch`)."""
-        logits = self._prefill_logits(seqs, [s for s in seqs if s in sampled])
+        order = [s for s in seqs if s in sampled]  # the logits' rows
+        logits = self._prefill_logits(seqs, order)
         if not sampled:
             return []
         # One sampling call over the group's sampled rows, in the order of `sampled`.
-        order = [s for s in seqs if s in sampled]
         rows = logits[torch.tensor([order.index(s) for s in sampled], device=self.device)]
         return sample(rows, batch).tolist()
 

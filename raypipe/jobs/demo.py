@@ -18,6 +18,7 @@ def run_demo(args) -> int:
     from raypipe import Pipeline
     from raypipe.config import model_config_from_args
     from raypipe.inputs.images import load_images
+    from raypipe.runtime.cpu_threads import torch_threads
     from raypipe.runtime.device import pick_device, resolve_dtype
 
     images = sample_images()
@@ -40,12 +41,11 @@ def run_demo(args) -> int:
         tower = adapter.load_tower(device, resolve_dtype("auto", device))
         units = [adapter.units(item) for item in items]
         # On the workers' torch thread count: some CPUs' fp32 GEMMs round differently at another count.
-        threads, before = pipe.coordinator.pool.options.num_threads, torch.get_num_threads()
-        torch.set_num_threads(threads)
-        t3 = time.perf_counter()
-        flat = iter(tower.encode([unit for item_units in units for unit in item_units]))
-        in_process = time.perf_counter() - t3
-        torch.set_num_threads(before)
+        threads = pipe.coordinator.pool.options.num_threads
+        with torch_threads(threads):
+            t3 = time.perf_counter()
+            flat = iter(tower.encode([unit for item_units in units for unit in item_units]))
+            in_process = time.perf_counter() - t3
         reference = [adapter.join_units(item, [next(flat) for _ in item_units]) for item, item_units in zip(items, units)]
         exact = all(torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-4) for a, b in zip(embeddings, reference))
         print(f"\nsharded embeddings equal the single-process vision tower: {'yes' if exact else 'NO'} "

@@ -91,17 +91,27 @@ def plain_pays_at_one_row(layers: list, repeats: int = 5) -> tuple[bool, float, 
     inputs = {layer.plain_weight.shape[1]: torch.randn(1, layer.plain_weight.shape[1], dtype=layer.plain_weight.dtype)
               for layer in layers}
 
-    def one_pass(plain: bool) -> float:
-        start = time.perf_counter()
+    def one_pass(plain: bool) -> None:
         for layer in layers:
             x = inputs[layer.plain_weight.shape[1]]
             packed_gemm(x, layer.packed_weight, layer.bias, layer.plain_weight if plain else None)
+
+    plain, packed = _best_times(lambda: one_pass(True), lambda: one_pass(False), repeats)
+    return plain <= ONE_ROW_PLAIN_AT_MOST * packed, plain, packed
+
+
+def _best_times(first, second, repeats: int) -> tuple[float, float]:
+    """The best of `repeats` alternating timed calls of `first` and `second` (s each), in inference mode, after one
+    untimed call of each (first touches: pages, oneDNN creating its kernels)."""
+    def timed(run) -> float:
+        start = time.perf_counter()
+        run()
         return time.perf_counter() - start
 
     with torch.inference_mode():
-        one_pass(True), one_pass(False)  # first touches
-        plain, packed = (min(times) for times in zip(*((one_pass(True), one_pass(False)) for _ in range(repeats))))
-    return plain <= ONE_ROW_PLAIN_AT_MOST * packed, plain, packed
+        first(), second()
+        best = [min(times) for times in zip(*((timed(first), timed(second)) for _ in range(repeats)))]
+    return best[0], best[1]
 
 
 def drop_plain_weights(layers: list) -> None:
@@ -124,10 +134,9 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype
         return None, "this torch has no oneDNN (mkldnn)"
     reasons = []
     for candidate in dict.fromkeys((dtype, torch.float32)):
-        try:  # the op the packing runs, on a tiny weight: oneDNN says itself what this CPU supports
-            torch.ops.mkldnn._reorder_linear_weight(torch.zeros((8, 8), dtype=candidate))
-        except RuntimeError as exc:
-            reasons.append(f"oneDNN cannot pack {candidate} weights on this CPU ({str(exc).splitlines()[0]})")
+        refused = pack_refusal(candidate)
+        if refused is not None:
+            reasons.append(refused)
             continue
         if candidate == dtype != torch.float32:
             pays, native, single = low_precision_pays(dtype)
@@ -142,26 +151,23 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype
     return None, "; ".join(reasons)
 
 
+def pack_refusal(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot pack `dtype` weights on this CPU; None where it can. It says so itself: the packing op is
+    run on a tiny weight."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros((8, 8), dtype=dtype))
+    except RuntimeError as exc:
+        return f"oneDNN cannot pack {dtype} weights on this CPU ({str(exc).splitlines()[0]})"
+    return None
+
+
 def low_precision_pays(dtype: torch.dtype, repeats: int = 5) -> tuple[bool, float, float]:
     """Whether oneDNN's packed GEMM in `dtype` takes at most fp32's time on this CPU, measured on the calling
     thread (the engine's, with its threads) as the best of `repeats` alternating runs; and the two times (s)."""
     weight = torch.randn(LOW_PRECISION_TIMED_WEIGHT).to(dtype)
-    runs = {}
-    for compute in (dtype, torch.float32):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute))
-        x = torch.randn(LOW_PRECISION_TIMED_ROWS, weight.shape[1]).to(dtype)
-        runs[compute] = lambda packed=packed, x=x: packed_gemm(x, packed, None)
-
-    def timed(run) -> float:
-        start = time.perf_counter()
-        run()
-        return time.perf_counter() - start
-
-    with torch.inference_mode():
-        for run in runs.values():
-            run()  # first calls: oneDNN creates its kernels
-        native, single = (min(times) for times in zip(*((timed(runs[dtype]), timed(runs[torch.float32]))
-                                                       for _ in range(repeats))))
+    x = torch.randn(LOW_PRECISION_TIMED_ROWS, weight.shape[1]).to(dtype)
+    native, single = (torch.ops.mkldnn._reorder_linear_weight(weight.to(compute)) for compute in (dtype, torch.float32))
+    native, single = _best_times(lambda: packed_gemm(x, native, None), lambda: packed_gemm(x, single, None), repeats)
     return native <= single, native, single
 
 

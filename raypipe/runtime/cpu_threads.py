@@ -36,12 +36,17 @@ def forward_thread(num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
-@contextlib.contextmanager
 def single_threaded():
     """Run the block's torch ops on this thread alone, without an OpenMP team (work an engine does outside its
     own thread: reading an adapter, a request's embedding rows and positions in the caller's thread)."""
+    return torch_threads(1)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """Run the block's torch ops on `count` threads, then restore this thread's count."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(count)
     try:
         yield
     finally:
