@@ -227,13 +227,46 @@ def test_decode_attention_equals_sdpa_with_masked_keys_weighted_zero(length, lay
     assert torch.equal(again, got)
 
 
-def test_attention_with_several_queries_is_sdpa_itself():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("past", [0, 37])
+def test_prefill_attention_is_transformers_sdpa_bit_for_bit_without_repeating_kv_heads(monkeypatch, past, dtype):
+    """Several queries per row (a prefill chunk, after `past` cached keys: then with a mask, else causal): the
+    engine's attention equals transformers' SDPA function exactly, and reads the KV heads in place: transformers'
+    `repeat_kv`, which copies each KV head for its query heads, is never called."""
+    from transformers.integrations import sdpa_attention
+
     torch.manual_seed(2)
-    query, keys, values = torch.randn(2, 8, 6, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16)
-    mask = torch.zeros(2, 1, 6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    rows, width, heads, kv_heads, dim = 3, 21, 8, 2, 16
+    query = torch.randn(rows, heads, width, dim).to(dtype)
+    keys, values = (_laid_out("token-major", rows, past + width, kv_heads, dim).to(dtype) for _ in range(2))
+    mask = None
+    if past:
+        visible = torch.arange(past + width)[None, :] <= past + torch.arange(width)[:, None]
+        mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None].expand(rows, 1, -1, -1)
     want, _ = sdpa_attention_forward(_Attention(), query, keys, values, mask, scaling=0.25)
-    got, _ = attention.attention_forward(_Attention(), query, keys, values, mask, scaling=0.25)
+
+    def copied(*args):
+        raise AssertionError("KV heads repeated")
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", copied)
+    got, _ = attention.attention_forward(_Attention(), query, keys, values, mask, scaling=0.25,
+                                         sliding_window=None, use_cache=True)
+    assert got.shape == (rows, width, heads, dim)
     assert torch.equal(got, want)
+
+
+def test_prefill_attention_with_what_changes_the_math_is_transformers_own_call(monkeypatch):
+    """An argument transformers' SDPA function acts on (here a position bias) sends the call to that function."""
+    from transformers.integrations import sdpa_attention
+
+    calls = []
+    monkeypatch.setattr(attention, "sdpa_attention_forward",
+                        lambda *args, **kwargs: calls.append(kwargs) or sdpa_attention.sdpa_attention_forward(*args,
+                                                                                                              **kwargs))
+    query, keys, values = torch.randn(2, 8, 6, 16), torch.randn(2, 2, 6, 16), torch.randn(2, 2, 6, 16)
+    bias = torch.randn(1, 8, 6, 6)
+    attention.attention_forward(_Attention(), query, keys, values, None, scaling=0.25, position_bias=bias)
+    assert len(calls) == 1 and calls[0]["position_bias"] is bias
 
 
 @pytest.mark.parametrize("bf16_faster", [True, False])
