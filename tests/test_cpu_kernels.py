@@ -228,15 +228,21 @@ def test_decode_attention_equals_sdpa_with_masked_keys_weighted_zero(length, lay
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("past", [0, 37])
-def test_prefill_attention_is_transformers_sdpa_bit_for_bit_without_repeating_kv_heads(monkeypatch, past, dtype):
+@pytest.mark.parametrize("past", [0, 37, 300])
+@pytest.mark.parametrize("width", [21, 60, 200])
+def test_prefill_attention_is_transformers_sdpa_bit_for_bit_without_repeating_kv_heads(monkeypatch, width, past,
+                                                                                       dtype):
     """Several queries per row (a prefill chunk, after `past` cached keys: then with a mask, else causal): the
     engine's attention equals transformers' SDPA function exactly, and reads the KV heads in place: transformers'
-    `repeat_kv`, which copies each KV head for its query heads, is never called."""
+    `repeat_kv`, which copies each KV head for its query heads, is never called. In fp32 a chunk too short for the
+    flash kernel's wider query blocks (60 tokens x 4 query heads per KV head: 240 queries) goes in with each KV
+    head's query heads as one query; 21 (84 queries) and 200 tokens do not, nor does bf16."""
     from transformers.integrations import sdpa_attention
 
+    from raypipe.decode import prefill_attention
+
     torch.manual_seed(2)
-    rows, width, heads, kv_heads, dim = 3, 21, 8, 2, 16
+    rows, heads, kv_heads, dim = 3, 8, 2, 16
     query = torch.randn(rows, heads, width, dim).to(dtype)
     keys, values = (_laid_out("token-major", rows, past + width, kv_heads, dim).to(dtype) for _ in range(2))
     mask = None
@@ -248,11 +254,19 @@ def test_prefill_attention_is_transformers_sdpa_bit_for_bit_without_repeating_kv
     def copied(*args):
         raise AssertionError("KV heads repeated")
 
+    sdpa, widths = torch.nn.functional.scaled_dot_product_attention, []
     monkeypatch.setattr(sdpa_attention, "repeat_kv", copied)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *args, **kwargs: widths.append(q.shape[1:3]) or sdpa(q, *args, **kwargs))
     got, _ = attention.attention_forward(_Attention(), query, keys, values, mask, scaling=0.25,
                                          sliding_window=None, use_cache=True)
     assert got.shape == (rows, width, heads, dim)
     assert torch.equal(got, want)
+    folds = dtype == torch.float32 and width == 60
+    assert widths == [(kv_heads, 4 * width) if folds else (heads, width)]
+    if folds and past:  # every layer of a forward gets the same mask: its tiled copy is made once
+        attention.attention_forward(_Attention(), query, keys, values, mask, scaling=0.25)
+        assert getattr(mask, prefill_attention.FOLDED).shape == (rows, 1, 4 * width, past + width)
 
 
 def test_prefill_attention_with_what_changes_the_math_is_transformers_own_call(monkeypatch):

@@ -17,13 +17,9 @@ layers stay transformers' own and only the kernel behind them is raypipe's choic
   masked keys get a softmax weight of exactly 0 as with SDPA.
   CPU and fp32 only: in bf16 the scores and softmax would be rounded to bf16 where SDPA keeps them in
   fp32, and on CUDA SDPA's fused kernels are the better choice.
-- **Prefill** (several queries per row) on a CPU: torch's SDPA as transformers' SDPA function calls it, but
-  with the KV heads always read in place (`enable_gqa`). transformers passes `enable_gqa` only without a
-  mask (on CUDA a masked GQA call leaves the flash kernel), so a chunk that continues cached keys (masked)
-  had every KV head copied once per query head first. On a CPU the flash kernel takes both alike and the
-  outputs are bit-identical; the copies are gone: 10 rows x 92 tokens over 900 cached keys, 8 query / 2 KV
-  heads of 64, 31.5 against 47.4 ms a layer (2 cores). Anything else (a GPU, softcap, position bias):
-  transformers' SDPA function, unchanged (its flash kernel wins at many queries).
+- **Prefill** (several queries per row) on a CPU: torch's SDPA with the KV heads read in place and short
+  chunks' query heads folded into one query per KV head (`prefill_attention.py`). Anything else (a GPU,
+  softcap, position bias): transformers' SDPA function, unchanged (its flash kernel wins at many queries).
 
 Results equal SDPA's up to float rounding (another summation order); the tests compare greedy
 tokens against transformers' own `generate()`, which runs SDPA.
@@ -35,12 +31,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from raypipe.decode import prefill_attention
 from raypipe.decode.paged_attention import SHARED_PREFIX
 
 NAME = "raypipe"
-# Arguments of transformers' SDPA function beside the mask that change what it computes (it ignores the rest: a
-# layer's sliding_window, position_ids, use_cache): a call with any of them goes to that function.
-GROUPED_SDPA_DECLINES = ("softcap", "position_bias", "cache", "s_aux")
 
 
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -58,9 +52,9 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
                       for part, own in zip((shared_keys_t.transpose(2, 3), shared_values), (key, value)))
         shared = None
     if not fast:
-        if _grouped_sdpa_applies(module, query, key, attention_mask, kwargs):
-            return _grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling,
-                                 kwargs.get("is_causal")), None
+        if prefill_attention.applies(query, key, attention_mask, kwargs):
+            return prefill_attention.attention(module, query, key, value, attention_mask, dropout, scaling,
+                                               kwargs.get("is_causal")), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     rows, heads, _, head_dim = query.shape
@@ -82,27 +76,6 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
             scores = torch.baddbmm(mask.to(query.dtype), grouped[:, h], keys_t, alpha=scale)
         outputs.append(torch.bmm(torch.softmax(scores, dim=-1), value[:, h]))  # (rows, G, D)
     return torch.stack(outputs, dim=1).reshape(rows, 1, heads, head_dim), None
-
-
-def _grouped_sdpa_applies(module, query, key, attention_mask, kwargs: dict) -> bool:
-    """Whether `_grouped_sdpa` computes what transformers' SDPA function would: a CPU, several queries per row
-    (one query goes through transformers' own grouping), grouped KV heads, nothing but a mask beside the query (no
-    position bias, softcap or sinks), and the keys the queries' own where no mask is given (transformers crops
-    longer keys for its causal kernel)."""
-    changes_math = any(kwargs.get(name) is not None for name in GROUPED_SDPA_DECLINES)
-    return (query.device.type == "cpu" and query.shape[2] > 1 and not changes_math and key.shape[1] != query.shape[1]
-            and (attention_mask is not None or key.shape[2] == query.shape[2]))
-
-
-def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float, scaling: float | None,
-                  is_causal: bool | None) -> torch.Tensor:
-    """SDPA over `key`/`value`'s own KV heads (`enable_gqa`): `(B, Q, H, D)`. Causal where transformers' function
-    is: no mask and a causal call (`is_causal`, else the module's)."""
-    is_causal = attention_mask is None and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling, is_causal=is_causal,
-                                                           enable_gqa=True)
-    return out.transpose(1, 2).contiguous()
 
 
 def _heads_merge(states: torch.Tensor) -> bool:
