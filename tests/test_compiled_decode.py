@@ -18,8 +18,6 @@ from raypipe import SamplingParams
 from raypipe.decode import compiled_step
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
-from raypipe.models.packed_linear import PackedLinear
-from raypipe.models.packed_siblings import SiblingLinear
 from raypipe.models.registry import vision_adapter
 from tests import decode_reference as ref
 from tests.conftest import gpu
@@ -69,9 +67,6 @@ def test_compiled_step_matches_generate_across_bucket_boundaries(tiny_ckpt, case
         step = engine.stats()["decode_step"]
         assert step["mode"] == "torch.compile" and step["warmup_seconds"] > 0
         assert engine.runner.static_step is not None
-        # The compiled graph runs over oneDNN-packed linears (one opaque op each), none sharing a GEMM as siblings
-        kinds = {type(m) for m in engine.runner.model.modules()}
-        assert PackedLinear in kinds and SiblingLinear not in kinds
         # One request alone (batch bucket 2, one padding row), then all eight staggered.
         prompt, embeds, want = cases[2]
         alone = asyncio.run(engine.generate_output(f"alone-{k}", prompt, embeds, SamplingParams(max_tokens=MAX_NEW)))

@@ -153,8 +153,8 @@ class LLMEngine:
             self.runner.use_loras(self.config.max_loras, self.config.max_lora_rank)
             for name, path in self.config.lora_modules.items():
                 self.runner.wrap_lora_layers(self.loras.load(name, path).factors)
-        self.weights = self._pack_weights()  # before a compiled step compiles: it runs over the packed linears
         self.decode_step = self._start_decode_step()
+        self.weights = self._pack_weights()
         self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
         self.snapshots, state = None, self.runner.cache.state_bytes_per_row
         if prefix_caching and self.runner.cache.row_state_kinds:
@@ -361,14 +361,12 @@ class LLMEngine:
                 "warmup_seconds": seconds}
 
     def _pack_weights(self) -> str:
-        """oneDNN-packed linears where they apply (CPU, one device); what was done. A compiled decode step gets them
-        without siblings sharing a GEMM (their shared output is kept in Python, which a compiled graph does not
-        run)."""
+        """oneDNN-packed linears where they apply (CPU, eager decode steps, one device); what was done."""
         if not self.config.cpu_packed_weights:
             return "not packed: EngineConfig.cpu_packed_weights is False"
-        if self.config.tensor_parallel_size > 1:
-            return "not packed: a tensor-parallel group keeps plain linears"
-        done = self.runner.use_packed_weights(siblings=not self.config.compiled_decode)
+        if self.runner.static_step is not None or self.config.tensor_parallel_size > 1:
+            return "not packed: a compiled decode step or a tensor-parallel group keeps plain linears"
+        done = self.runner.use_packed_weights()
         log.info("language model linears: %s", done)
         return done
 

@@ -125,14 +125,13 @@ class ModelRunner:
             return contextlib.nullcontext()
         return self.lora_slots.rows.using([s.lora_slot for s in seqs], self.dtype, self.device)
 
-    def use_packed_weights(self, siblings: bool = True) -> str:
-        """Pack the language model's linears for oneDNN's CPU kernels (`models/packed_linear.py`; with `siblings`,
-        those sharing an input as one GEMM: `models/packed_siblings.py`); what was done."""
+    def use_packed_weights(self) -> str:
+        """Pack the language model's linears for oneDNN's CPU kernels (`models/packed_linear.py`; siblings
+        sharing an input as one GEMM: `models/packed_siblings.py`); what was done."""
         dtype, how = packed_linear.compute_dtype(self.device, self.dtype)
         if dtype is None:
             return f"not packed: {how}"
-        # before the rest: it takes plain linears
-        siblings = packed_siblings.pack_siblings(self.model, dtype) if siblings else 0
+        siblings = packed_siblings.pack_siblings(self.model, dtype)  # before the rest: it takes plain linears
         done = (f"{siblings + packed_linear.pack_linears(self.model, dtype)} linear layers {how} for oneDNN "
                 f"({siblings} of them as q/k/v or gate/up siblings sharing a GEMM)")
         layers = list({id(layer): layer for layer in (

@@ -72,23 +72,8 @@ def packed_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor
     row through `plain_weight` (MKL's matrix-vector product) where given."""
     if plain_weight is not None and x.numel() == x.shape[-1]:
         return torch.nn.functional.linear(x.to(plain_weight.dtype), plain_weight, bias).to(x.dtype)
-    gemm = _packed_gemm_op if torch.compiler.is_compiling() else _onednn_gemm
-    return gemm(x.to(packed_weight.dtype), packed_weight, bias).to(x.dtype)
-
-
-def _onednn_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
-
-
-# The same GEMM as one opaque op inside a compiled graph (a compiled decode step): inductor's own lowering of
-# oneDNN's linear asserts on a weight packed this way, and its plain GEMMs run MKL's unpacked path (on `small` at 16
-# rows, 2 threads, a compiled step took 40-43 ms a step over plain linears, 29-32 over these).
-_packed_gemm_op = torch.library.custom_op("raypipe::packed_gemm", _onednn_gemm, mutates_args=())
-
-
-@_packed_gemm_op.register_fake
-def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], packed_weight.shape[0])
+    out = torch.ops.mkldnn._linear_pointwise(x.to(packed_weight.dtype), packed_weight, bias, "none", [], "")
+    return out.to(x.dtype)
 
 
 def plain_pays_at_one_row(layers: list, repeats: int = 5) -> tuple[bool, float, float]:
