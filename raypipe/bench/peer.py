@@ -250,16 +250,13 @@ def _load_tower(checkpoint: str, dtype: str, threads: int) -> None:
     """The tower process's start: niced and on `threads` torch threads like an encoder worker, its tower loaded."""
     import torch
 
-    from raypipe.encode.worker import CPU_NICE
-    from raypipe.models.packed_linear import fp32_where_faster
+    from raypipe.encode.worker import load_tower, yield_cpu
     from raypipe.models.registry import vision_adapter
 
     global _TOWER
-    os.nice(CPU_NICE)
-    torch.set_num_threads(threads)
-    vision, device = vision_adapter(checkpoint), torch.device("cpu")
-    tower = vision.load_tower(device, getattr(torch, dtype))
-    fp32_where_faster(tower.lora_root, device, tower.dtype)
+    yield_cpu(threads)
+    vision = vision_adapter(checkpoint)
+    tower, _ = load_tower(vision, torch.device("cpu"), getattr(torch, dtype))
     _TOWER = vision, tower
 
 

@@ -70,7 +70,7 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def _folds(query: torch.Tensor, groups: int, length: int, attention_mask: torch.Tensor | None) -> bool:
     """Whether folding the query heads gives the flash kernel wider query blocks, in fp32, with a tiled mask of at
     most `FOLDED_MASK_MAX_BYTES`."""
-    rows, _, width, _ = query.shape
+    width = query.shape[2]
     if attention_mask is not None and attention_mask.shape[1] != 1:
         return False  # a mask per head: not tiled here
     mask_rows = 1 if attention_mask is None else attention_mask.shape[0]

@@ -44,18 +44,30 @@ CPU_NICE = 10  # added to a CPU worker's niceness (lower scheduling priority; ne
 MAX_PATCHES_PER_FORWARD = 65536  # ~16 of Qwen2.5-VL's largest images, or 64 448x448 frame groups
 
 
+def yield_cpu(num_threads: int | None) -> None:
+    """Set up a CPU encoder's process: it yields to the decode engine (`CPU_NICE`) and runs `num_threads` torch
+    threads (None: torch's default)."""
+    os.nice(CPU_NICE)
+    if num_threads:
+        torch.set_num_threads(num_threads)
+
+
+def load_tower(adapter, device: torch.device, dtype: torch.dtype):
+    """`adapter`'s vision tower as an encoder runs it (its linears computed in fp32 where that is faster on this CPU,
+    `packed_linear.fp32_where_faster`), and what was done to its linears."""
+    tower = adapter.load_tower(device, dtype)
+    return tower, packed_linear.fp32_where_faster(tower.lora_root, device, dtype)
+
+
 class EncoderWorker:
     def __init__(self, checkpoint: str, *, dtype: str = "auto", num_threads: int | None = None,
                  budgets: TokenBudgets = TokenBudgets()):
         self.device = pick_device()
         if self.device.type == "cpu":
-            os.nice(CPU_NICE)
-            if num_threads:
-                torch.set_num_threads(num_threads)
+            yield_cpu(num_threads)
         self.dtype = resolve_dtype(dtype, self.device)
         self.adapter = vision_adapter(checkpoint)
-        self.tower = self.adapter.load_tower(self.device, self.dtype)
-        self.linears = packed_linear.fp32_where_faster(self.tower.lora_root, self.device, self.dtype)
+        self.tower, self.linears = load_tower(self.adapter, self.device, self.dtype)
         self.budgeted = BudgetedForwards.for_tower(self.tower, budgets)  # None: eager forwards
         self.tower_loras: TowerAdapters | None = None  # made when a unit first brings a tower adapter
         self.items_encoded = 0
