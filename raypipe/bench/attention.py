@@ -1,37 +1,119 @@
-"""`raypipe bench attention`: decode attention over the paged pool, the engine's way against FlexAttention's.
+"""`raypipe bench attention`: decode attention over the paged pool, the engine's ways against FlexAttention's.
 
 Issue 41 asked for attention that does not copy every row's blocks each round, chosen by measurement
-against a maintained paged kernel. On a CPU the candidates are the engine's own (each round gathers
-its rows' blocks once into contiguous rows, `decode/paged_attention.py`, then every step runs torch's
-SDPA over them) and torch's FlexAttention reading the pool in place: the pool as one long sequence of
-physical token slots, a `BlockMask` built from the rows' page tables (each query row sees its own
-slots below its length), compiled by inductor (FlexAttention has no eager CPU kernel worth timing).
+against a maintained paged kernel. The engine's two ways read the pool by gather (`decode/paged_attention.py`):
+an eager round copies its rows' blocks once into contiguous rows and its steps run attention over them; a
+static-shape step (compiled on a CPU, a CUDA graph on a GPU) gathers every step. The candidate reads the
+pool in place: torch's FlexAttention over the pool as one long sequence of physical token slots, with a
+`BlockMask` built from the rows' page tables (each query row sees its own slots below its length), compiled
+by inductor (C++ on a CPU, Triton on a GPU). Its mask blocks are 128 slots by default, so a row whose 16-slot
+pages lie scattered over the pool makes it read whole 128-slot blocks around each page; the bench also tries
+mask blocks of one page, and records the error where the kernel refuses them.
 
-At the attention shape of `--model` (default `small`: 8 query heads, 2 KV heads, head size 64), 32
-rows, 320-token tables with lengths 160-319, an 8-step round, this prints per decode step: the
-round's gather (amortized over its 8 steps), SDPA, FlexAttention, the ratio, the seconds to build
-one round's block mask and to compile, and the largest difference between the two outputs.
+At the attention shape of `--model` (default `small`: 8 query heads, 2 KV heads, head size 64), on the CUDA
+device where there is one (bf16; fp32 on a CPU), for rows x table tokens (lengths half the table to all of
+it), this prints milliseconds per decode step of each path, FlexAttention's over the faster gather path, the
+seconds to build one round's block mask and to compile, and the largest difference from SDPA's output. A GPU's
+times include launches, with 50 calls queued per sample.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
-ROWS, TABLE_TOKENS, BLOCK_SIZE, ROUND_STEPS = 32, 320, 16, 8
+BLOCK_SIZE, ROUND_STEPS = 16, 8
+SHAPES = {"cpu": ((32, 320),), "cuda": ((32, 320), (64, 2048), (128, 4096))}  # (rows, table tokens)
+FLEX_MASK_BLOCKS = (128, BLOCK_SIZE)  # FlexAttention's default mask block, and one page
 
 
-def median_ms(fn, calls: int = 50, repeats: int = 5) -> float:
+def median_ms(fn, device, calls: int = 50, repeats: int = 5) -> float:
     """Median over `repeats` samples of the mean milliseconds per call of `calls` calls, after a warm-up."""
+    import torch
+
     from raypipe.bench.common import median_seconds
 
-    return median_seconds(lambda: [fn() for _ in range(calls)], repeats, warmup=5) / calls * 1e3
+    def sample():
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return median_seconds(sample, repeats, warmup=2) / calls * 1e3
+
+
+def one_shape(rows: int, table_tokens: int, heads: int, kv_heads: int, dim: int, device, dtype) -> dict:
+    """Every path's ms per step at one shape; a FlexAttention variant the kernel refuses carries its error."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    table_blocks = table_tokens // BLOCK_SIZE
+    num_blocks = rows * table_blocks + 1  # block 0: the null block
+    keys, values = (torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, device=device, dtype=dtype) for _ in range(2))
+    tables = (torch.randperm(num_blocks - 1, device=device)[: rows * table_blocks] + 1).view(rows, table_blocks)
+    lengths = torch.randint(table_tokens // 2, table_tokens + 1, (rows,), device=device)
+    query = torch.randn(rows, heads, 1, dim, device=device, dtype=dtype)
+    mask = torch.where(torch.arange(table_tokens, device=device) < lengths[:, None], 0.0,
+                       float("-inf")).to(dtype)[:, None, None, :]
+
+    def gather():  # every row's blocks, in table order
+        return [pool.index_select(0, tables.view(-1)).view(rows, table_tokens, kv_heads, dim).transpose(1, 2)
+                for pool in (keys, values)]
+
+    row_keys, row_values = gather()
+
+    def sdpa(k=row_keys, v=row_values):
+        return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, enable_gqa=True)
+
+    reference = sdpa()
+    gather_ms, sdpa_ms = median_ms(gather, device), median_ms(sdpa, device)
+    result = {"rows": rows, "table_tokens": table_tokens, "gather_ms": gather_ms, "sdpa_ms": sdpa_ms,
+              "round_gather_ms_per_step": sdpa_ms + gather_ms / ROUND_STEPS,
+              "step_gather_ms_per_step": sdpa_ms + gather_ms, "flex": []}
+
+    slots = (tables[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=device)).view(rows, table_tokens)
+    owner = torch.full((num_blocks * BLOCK_SIZE,), -1, device=device)  # physical slot -> its row, its position
+    owner.scatter_(0, slots.view(-1), torch.arange(rows, device=device).repeat_interleave(table_tokens))
+    position = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.long, device=device)
+    position.scatter_(0, slots.view(-1), torch.arange(table_tokens, device=device).repeat(rows))
+
+    def own_slots(b, h, q, kv):
+        return (owner[kv] == b) & (position[kv] < lengths[b])
+
+    flat_keys, flat_values = (pool.view(-1, kv_heads, dim).transpose(0, 1)[None].expand(rows, -1, -1, -1)
+                              for pool in (keys, values))
+    for mask_block in FLEX_MASK_BLOCKS:
+        row = {"mask_block": mask_block}
+        try:
+            start = time.perf_counter()
+            block_mask = create_block_mask(own_slots, rows, None, 1, num_blocks * BLOCK_SIZE, device=device.type,
+                                           BLOCK_SIZE=(128, mask_block))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            row["block_mask_s"] = time.perf_counter() - start
+            # A mask block below the kernel's KV tile needs a tile of its size (Triton's BLOCK_N).
+            options = {"BLOCK_N": mask_block} if device.type == "cuda" and mask_block < 64 else None
+            flex = torch.compile(flex_attention, dynamic=False)
+
+            def paged_flex():
+                return flex(query, flat_keys, flat_values, block_mask=block_mask, enable_gqa=True,
+                            kernel_options=options)
+
+            start = time.perf_counter()
+            row["max_difference"] = (paged_flex().float() - reference.float()).abs().max().item()
+            row["compile_s"] = time.perf_counter() - start
+            row["ms_per_step"] = median_ms(paged_flex, device)
+            row["over_best_gather"] = row["ms_per_step"] / min(result["round_gather_ms_per_step"],
+                                                                result["step_gather_ms_per_step"])
+        except Exception as exc:  # noqa: BLE001 - a refused variant is a finding, reported beside the others
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        result["flex"].append(row)
+    return result
 
 
 def main(args) -> int:
-    import os
-
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from raypipe.bench.common import emit, print_table
     from raypipe.models.registry import language_adapter, resolve_model
@@ -39,66 +121,36 @@ def main(args) -> int:
     text = language_adapter(resolve_model(args.model or "small")).text_config
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    torch.manual_seed(0)
-    table_blocks = TABLE_TOKENS // BLOCK_SIZE
-    num_blocks = ROWS * table_blocks + 1  # block 0: the null block
-    keys, values = (torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim) for _ in range(2))
-    tables = (torch.randperm(num_blocks - 1)[: ROWS * table_blocks] + 1).view(ROWS, table_blocks)
-    lengths = torch.randint(TABLE_TOKENS // 2, TABLE_TOKENS, (ROWS,))
-    query = torch.randn(ROWS, heads, 1, dim)
-
-    def gather():  # what a round does once: every row's blocks, in table order
-        return [pool.index_select(0, tables.view(-1)).view(ROWS, TABLE_TOKENS, kv_heads, dim).transpose(1, 2)
-                for pool in (keys, values)]
-
-    row_keys, row_values = gather()
-    mask = torch.where(torch.arange(TABLE_TOKENS) < lengths[:, None], 0.0, float("-inf"))[:, None, None, :]
-
-    def sdpa():
-        return torch.nn.functional.scaled_dot_product_attention(query, row_keys, row_values, attn_mask=mask,
-                                                                enable_gqa=True)
-
-    slots = (tables[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).view(ROWS, TABLE_TOKENS)
-    owner = torch.full((num_blocks * BLOCK_SIZE,), -1)  # physical slot -> its row, and its position there
-    owner.scatter_(0, slots.view(-1), torch.arange(ROWS).repeat_interleave(TABLE_TOKENS))
-    position = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.long)
-    position.scatter_(0, slots.view(-1), torch.arange(TABLE_TOKENS).repeat(ROWS))
-
-    def own_slots(b, h, q, kv):
-        return (owner[kv] == b) & (position[kv] < lengths[b])
-
-    start = time.perf_counter()
-    block_mask = create_block_mask(own_slots, ROWS, None, 1, num_blocks * BLOCK_SIZE, device="cpu")
-    mask_s = time.perf_counter() - start
-    flat_keys, flat_values = (pool.view(-1, kv_heads, dim).transpose(0, 1)[None].expand(ROWS, -1, -1, -1)
-                              for pool in (keys, values))
-    flex = torch.compile(flex_attention, dynamic=False)
-
-    def paged_flex():
-        return flex(query, flat_keys, flat_values, block_mask=block_mask, enable_gqa=True)
-
-    start = time.perf_counter()
-    difference = (paged_flex() - sdpa()).abs().max().item()
-    compile_s = time.perf_counter() - start
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = SHAPES[device.type][:1] if args.quick else SHAPES[device.type]
     load_before = os.getloadavg()
-    gather_ms, sdpa_ms, flex_ms = median_ms(gather), median_ms(sdpa), median_ms(paged_flex)
-    engine_ms = sdpa_ms + gather_ms / ROUND_STEPS
-    result = {"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "rows": ROWS, "table_tokens": TABLE_TOKENS,
-              "threads": torch.get_num_threads(), "gather_ms_per_round": gather_ms, "sdpa_ms": sdpa_ms,
-              "engine_ms_per_step": engine_ms, "flex_ms_per_step": flex_ms, "flex_over_engine": flex_ms / engine_ms,
-              "block_mask_s": mask_s, "compile_s": compile_s, "max_difference": difference,
+    shapes_out = [one_shape(rows, tokens, heads, kv_heads, dim, device, dtype) for rows, tokens in shapes]
+    result = {"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "device": device.type,
+              "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "dtype": str(dtype),
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "shapes": shapes_out,
               "load_average": [load_before, os.getloadavg()]}
 
     def describe(result: dict, path) -> None:
-        print_table(f"decode attention per step, {ROWS} rows x {TABLE_TOKENS}-token tables, {heads}/{kv_heads} heads "
-                    f"x {dim}, {result['threads']} threads; load average {result['load_average'][0][0]:.2f} -> "
-                    f"{result['load_average'][1][0]:.2f}",
-                    ["path", "ms per step"],
-                    [[f"round gather ({ROUND_STEPS} steps) / {ROUND_STEPS}", gather_ms / ROUND_STEPS],
-                     ["SDPA over the gathered rows", sdpa_ms], ["engine (gather share + SDPA)", engine_ms],
-                     ["FlexAttention over the pool (compiled)", flex_ms]])
-        print(f"FlexAttention / engine: {result['flex_over_engine']:.2f}x; one round's block mask "
-              f"{result['block_mask_s']:.2f} s; compile + first call {result['compile_s']:.1f} s; largest "
-              f"difference {result['max_difference']:.1e}\n(JSON: {path})")
+        table = []
+        for shape in result["shapes"]:
+            flex = {f"flex_{r['mask_block']}": r.get("ms_per_step", "refused") for r in shape["flex"]}
+            table.append([shape["rows"], shape["table_tokens"], shape["round_gather_ms_per_step"],
+                          shape["step_gather_ms_per_step"], *flex.values()])
+        where = result["gpu"] or f"CPU, {result['threads']} threads"
+        print_table(f"decode attention, ms per step, {result['heads']}/{result['kv_heads']} heads x "
+                    f"{result['head_dim']}, {result['dtype']}, {where}; load average "
+                    f"{result['load_average'][0][0]:.2f} -> {result['load_average'][1][0]:.2f}",
+                    ["rows", "table tokens", f"round gather / {ROUND_STEPS} + SDPA", "gather every step + SDPA",
+                     *(f"Flex, {b}-slot mask blocks" for b in FLEX_MASK_BLOCKS)], table)
+        for shape in result["shapes"]:
+            for r in shape["flex"]:
+                if "error" in r:
+                    print(f"{shape['rows']} x {shape['table_tokens']}, Flex {r['mask_block']}-slot blocks: {r['error']}")
+                else:
+                    print(f"{shape['rows']} x {shape['table_tokens']}, Flex {r['mask_block']}-slot blocks: "
+                          f"{r['over_best_gather']:.2f}x the faster gather path; block mask {r['block_mask_s']:.2f} s; "
+                          f"compile + first call {r['compile_s']:.1f} s; largest difference {r['max_difference']:.1e}")
+        print(f"(JSON: {path})")
 
     return emit(args, "attention", result, describe)
