@@ -128,8 +128,8 @@ def test_rows_sharing_a_prompt_read_its_blocks_once_with_transformers_tokens(eng
     shared = []
     begin = PagedAttentionLayer.begin_round
     monkeypatch.setattr(PagedAttentionLayer, "begin_round",
-                        lambda self, tables, shared_blocks=0: (shared.append((tables.shape[0], shared_blocks)),
-                                                               begin(self, tables, shared_blocks))[1])
+                        lambda self, tables, shared_blocks=0, *more: (shared.append((tables.shape[0], shared_blocks)),
+                                                                      begin(self, tables, shared_blocks, *more))[1])
     cases = [case(engine, hf_model, tiny_ckpt, vision, ref.messages(LONG_TEXT + q, []))
              for q in ("Why?", "Tell me more.", "How long is it?", "Why not?")]
     run(engine.generate_output(f"warm-shared-{k}", *cases[0][:2], SamplingParams(max_tokens=1)))
@@ -143,6 +143,43 @@ def test_rows_sharing_a_prompt_read_its_blocks_once_with_transformers_tokens(eng
     assert [o.token_ids for o in outs] == [want for _, _, want in cases]
     common = len(os.path.commonprefix([c[0].prompt_token_ids for c in cases])) // BLOCK
     assert any(rows == 4 and blocks == common >= 4 for rows, blocks in shared), (common, shared)
+
+
+def test_rounds_continue_the_last_rounds_rows_with_transformers_tokens(engines, hf_model, tiny_ckpt, vision,
+                                                                        monkeypatch):
+    """A decode round of the same sequences as the last one starts from that round's rows instead of gathering
+    (`round_reuse.py`): kept in place while the rows keep their order, copied when rows that finished leave gaps.
+    Rows ending at different steps, with images: greedy tokens stay transformers'. A round always gathering
+    (`kept_rows` dropped) gives the same tokens: the rows hold what the pool holds."""
+    from raypipe.decode.paged_attention import PagedAttentionLayer
+
+    engine = engines(2)
+    images = random_images([(112, 168), (168, 112)], seed=71)
+    lengths = [16, 5, 9, 16]
+    cases = [case(engine, hf_model, tiny_ckpt, vision, ref.messages(q, pictures), max_new=n)
+             for q, pictures, n in zip(("What is this?", "Describe it.", "Colors?", "Tell me a story."),
+                                       ([images[0]], [], [images[1]], []), lengths)]
+    calls = []
+    begin = PagedAttentionLayer.begin_round
+
+    def recording(self, tables, shared_blocks=0, kept_rows=None, spare_blocks=0):
+        calls.append(kept_rows if self.kept is not None else None)
+        return begin(self, tables, shared_blocks, kept_rows, spare_blocks)
+
+    async def together(tag):
+        return await asyncio.gather(*(engine.generate_output(f"{tag}-{i}", prompt, embeds, SamplingParams(max_tokens=n))
+                                      for i, ((prompt, embeds, _), n) in enumerate(zip(cases, lengths))))
+
+    monkeypatch.setattr(PagedAttentionLayer, "begin_round", recording)
+    outs = run(together("kept"))
+    assert [o.token_ids for o in outs] == [want for _, _, want in cases]
+    reused = [rows for rows in calls if rows is not None]
+    assert any(rows == list(range(len(rows))) for rows in reused), calls  # kept in place
+    assert any(rows != list(range(len(rows))) for rows in reused), calls  # rows copied into a new order
+    monkeypatch.setattr(PagedAttentionLayer, "begin_round",
+                        lambda self, tables, shared_blocks=0, kept_rows=None, spare_blocks=0:
+                        begin(self, tables, shared_blocks, None, spare_blocks))
+    assert [o.token_ids for o in run(together("gathered"))] == [want for _, _, want in cases]
 
 
 def test_shared_then_own_attention_equals_attention_over_every_rows_whole_keys():

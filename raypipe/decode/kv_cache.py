@@ -177,16 +177,18 @@ class KVCache(Cache):
                             window_slots=window_slots, window_blocks=window_blocks, in_round=self.in_round)
 
     def begin_decode_round(self, tables: torch.Tensor, window_tables: torch.Tensor | None = None,
-                           shared_blocks: int = 0) -> None:
+                           shared_blocks: int = 0, kept_rows: list[int] | None = None, spare_blocks: int = 0) -> None:
         """The decode rows' K/V (blocks `tables`, `(rows, blocks)`; sliding layers' blocks `window_tables`)
         gathered once for a round of eager steps, which then append to them (see paged_attention.py);
         until `end_decode_round`. `shared_blocks`: full-attention blocks every row shares from the start,
-        gathered once for all rows."""
+        gathered once for all rows. `kept_rows`, `spare_blocks`: the full-attention layers' rows continued from
+        the previous round, or gathered with room for more (`round_reuse.py`); a window's blocks change as it
+        slides, so sliding layers gather every round."""
         for layer in self.caches:
             if isinstance(layer, SlidingWindowBlocks):
                 layer.begin_round(window_tables)
             elif isinstance(layer, PagedAttentionLayer):
-                layer.begin_round(tables, shared_blocks)
+                layer.begin_round(tables, shared_blocks, kept_rows, spare_blocks)
         self.in_round = True
 
     def end_decode_round(self) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from raypipe.decode import attention, compiled_step
+from raypipe.decode import attention, compiled_step, round_reuse
 from raypipe.decode.cache_kinds import LinearAttentionRows
 from raypipe.decode.kv_cache import KVCache, block_tables, layer_types, paged_bytes_per_token
 from raypipe.decode.kv_pool_size import PoolShape, pool_blocks
@@ -83,6 +83,7 @@ class ModelRunner:
             self.host_ids = torch.empty((num_scheduler_steps, max_num_seqs), dtype=torch.long, pin_memory=True)
         self.static_step: compiled_step.StaticDecodeStep | None = None
         self.lora_slots: lora.LoraSlots | None = None
+        self._kept_round: round_reuse.KeptRound | None = None  # what the last eager decode round left
 
     def _size_pool(self, text, *, block_size: int, max_num_seqs: int, max_model_len: int,
                    kv_cache_memory: int | None, kv_cache_free_memory_fraction: float,
@@ -166,6 +167,8 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], sampled: list[Sequence], batch: SamplingBatch | None) -> list[int]:
         """Compute the chunks of `seqs` (in their rows of the bounded cache kinds); first sampled ids of
         `sampled` (those whose prompt this completes, the rows of `batch`)."""
+        if self._kept_round is not None and self._kept_round.holds_any(seqs):
+            self._kept_round = None  # a recompute rewrites their K/V (round_reuse.py)
         order = [s for s in seqs if s in sampled]  # the logits' rows
         logits = self._prefill_logits(seqs, order)
         if not sampled:
@@ -255,14 +258,21 @@ class ModelRunner:
         tables = block_tables([s.block_table for s in seqs], width, self.device)
         window_tables = block_tables([s.window_table for s in seqs], width, self.device) if self.cache.window_blocks else None
         eager = self.static_step is None
+        kept, self._kept_round = self._kept_round, None  # kept only for the round right after its own
         if eager:
-            self.cache.begin_decode_round(tables, window_tables, self._shared_blocks(seqs))
+            shared = self._shared_blocks(seqs)
+            kept_rows = kept.rows_for(seqs, width, shared) if kept is not None else None
+            capacity = kept.capacity_blocks if kept_rows is not None else width + round_reuse.SPARE_BLOCKS
+            self.cache.begin_decode_round(tables, window_tables, shared, kept_rows, capacity - width)
         try:  # the static step sets its rows' adapter slots itself, per step (its shapes are the bucket's)
             with self._lora_rows(seqs) if eager else contextlib.nullcontext():
-                return self._decode_steps(seqs, batch, steps, on_step, tables, window_tables)
+                steps_run = self._decode_steps(seqs, batch, steps, on_step, tables, window_tables)
         finally:
             if eager:
                 self.cache.end_decode_round()
+        if eager:
+            self._kept_round = round_reuse.KeptRound.after(seqs, steps_run, shared, capacity, self.cache.block_size)
+        return steps_run
 
     def _shared_blocks(self, seqs: list[Sequence]) -> int:
         """How many leading blocks every row of a round shares (one set of prefix-cache blocks), counted only where

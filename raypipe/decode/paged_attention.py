@@ -17,12 +17,13 @@ them anyway (`raypipe bench kv` measures it against a contiguous cache). Columns
 length read whatever their blocks hold (the null block for table padding) and are masked.
 
 A decode round of K eager steps gathers its rows' blocks once (`begin_round`: one copy per layer,
-head-major `(rows, kv_heads, round length, head_dim)`), then every step appends its token to those
-rows as well as to the pool and attends over a prefix view of them: a gather per step copied every
-row's whole K/V each step, which at batch 32 cost more than the rest of the step on a CPU. Head-major
-because the decode attention (`attention.py`) then runs every (row, KV head) pair as one batched
-GEMM over contiguous keys. The rows are dropped when the round ends; the pool stays the only K/V
-that outlives a round.
+head-major `(rows, kv_heads, round length, head_dim)`, keys as `(rows, kv_heads, head_dim, round length)` on a
+CPU in fp32), then every step appends its token to those rows as well as to the pool and attends over a prefix
+view of them: a gather per step copied every row's whole K/V each step, which at batch 32 cost more than the
+rest of the step on a CPU. Head-major because the decode attention (`attention.py`) then runs every (row, KV
+head) pair as one batched GEMM over contiguous keys. The rows are kept when the round ends, with room for a few
+more blocks, and the next round of the same sequences continues them instead of gathering (`round_reuse.py`);
+the pool stays the K/V every other reader reads.
 
 Blocks every row of a round shares from the start (a system prompt, a document, a chat's template head: the
 prefix cache gave them one set of blocks) are gathered once, not once per row (`begin_round(shared_blocks=)`):
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from raypipe.decode.block_pool import NULL_BLOCK
 from raypipe.decode.cache_kinds import CacheLimits, LayerCache, WritePattern, additive
 
 # Attribute of a round's keys: the shared blocks every row attends, (K transposed `(1, kv_heads, head_dim, length)`,
@@ -55,6 +57,8 @@ class PagedAttentionLayer(LayerCache):
         self.keys = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.values = torch.zeros(shape, device=limits.device, dtype=limits.dtype)
         self.round: tuple[torch.Tensor, torch.Tensor] | None = None  # this decode round's rows (K, V)
+        self.kept: tuple | None = None  # the last round's (rows, shared, shared_len), for the next to continue
+        self.keys_transposed = limits.device.type == "cpu" and limits.dtype == torch.float32  # round K as (.., D, L)
         self.shared: tuple[torch.Tensor, torch.Tensor] | None = None  # the round's shared leading blocks (K, V)
         self.shared_len = 0  # tokens in them; the rows hold positions from here
 
@@ -87,9 +91,13 @@ class PagedAttentionLayer(LayerCache):
             if pattern.in_round:
                 round_keys, round_values = self.round
                 at, end = pattern.write_index - self.shared_len, pattern.kv_len - self.shared_len
-                round_keys[pattern.row_ids, :, at] = key_states[:, :, 0]
+                if self.keys_transposed:
+                    round_keys[pattern.row_ids, :, :, at] = key_states[:, :, 0]
+                    rows_keys = round_keys[..., :end].transpose(2, 3)
+                else:
+                    round_keys[pattern.row_ids, :, at] = key_states[:, :, 0]
+                    rows_keys = round_keys[:, :, :end]
                 round_values[pattern.row_ids, :, at] = value_states[:, :, 0]
-                rows_keys = round_keys[:, :, :end]
                 if self.shared is not None:
                     setattr(rows_keys, SHARED_PREFIX, self.shared)
                 return rows_keys, round_values[:, :, :end]
@@ -97,23 +105,41 @@ class PagedAttentionLayer(LayerCache):
         return (self.keys.index_select(0, read_blocks).view(shape).transpose(1, 2),
                 self.values.index_select(0, read_blocks).view(shape).transpose(1, 2))
 
-    def begin_round(self, tables: torch.Tensor, shared_blocks: int = 0) -> None:
-        """Gather the K/V of the blocks in `tables` `(rows, blocks)` into this round's rows, head-major; the first
-        `shared_blocks` (the same in every row, full, none written this round) once for all rows instead."""
-        def gather(blocks: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-            shape = (rows, -1, self.heads, self.head_dim)
-            return tuple(pool.index_select(0, blocks.reshape(-1)).view(shape).transpose(1, 2).contiguous()
-                         for pool in (self.keys, self.values))
+    def begin_round(self, tables: torch.Tensor, shared_blocks: int = 0, kept_rows: list[int] | None = None,
+                    spare_blocks: int = 0) -> None:
+        """Gather the K/V of the blocks in `tables` `(rows, blocks)` into this round's rows, head-major, with room for
+        `spare_blocks` more; the first `shared_blocks` (the same in every row, full, none written this round) once
+        for all rows instead. `kept_rows`: row i continues the previous round's row `kept_rows[i]`, which already
+        holds its K/V (`round_reuse.py`): taken from there instead."""
+        if kept_rows is not None and self.kept is not None:
+            (keys, values), self.shared, self.shared_len = self.kept
+            if kept_rows == list(range(len(kept_rows))):
+                self.round = keys[: len(kept_rows)], values[: len(kept_rows)]
+            else:
+                index = torch.tensor(kept_rows, device=keys.device)
+                self.round = keys.index_select(0, index), values.index_select(0, index)
+            return
 
-        if shared_blocks:  # keys kept transposed, (1, Hkv, D, P): a GEMM over a transposed view ran 17x slower
-            keys, values = gather(tables[0, :shared_blocks], 1)
-            self.shared = keys.transpose(2, 3).contiguous(), values
+        def gather(blocks: torch.Tensor, rows: int, keys_transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (rows, -1, self.heads, self.head_dim)
+            keys, values = (pool.index_select(0, blocks.reshape(-1)).view(shape) for pool in (self.keys, self.values))
+            return (keys.permute(0, 2, 3, 1) if keys_transposed else keys.transpose(1, 2)).contiguous(), \
+                values.transpose(1, 2).contiguous()
+
+        # Keys kept transposed, (rows, Hkv, D, L), where the decode attention reads them (CPU, fp32, `attention.py`):
+        # its score GEMMs then read each row's keys as a plain matrix. Over a transposed view they ran 1.5-2x slower
+        # (64 pairs x 300 keys, 2 cores), and a shared prefix's one big GEMM 17x slower.
+        if shared_blocks:
+            self.shared = gather(tables[0, :shared_blocks], 1, True)
         else:
             self.shared = None
         self.shared_len = shared_blocks * self.keys.shape[1]
-        self.round = gather(tables[:, shared_blocks:], tables.shape[0])
+        own = torch.nn.functional.pad(tables[:, shared_blocks:], (0, spare_blocks), value=NULL_BLOCK)
+        self.round = gather(own, tables.shape[0], self.keys_transposed)
 
     def end_round(self) -> None:
+        """The round's rows are kept for the next round to continue (`begin_round(kept_rows=)`)."""
+        self.kept = self.round, self.shared, self.shared_len
         self.round, self.shared, self.shared_len = None, None, 0
 
     def move_row(self, src: int, dst: int, length: int) -> None:
