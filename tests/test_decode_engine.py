@@ -346,3 +346,42 @@ def test_a_prefill_group_beside_a_decode_is_cut_into_pieces_of_bounded_tokens():
         pieces.append(_first_piece(group, 256))
         group = group[len(pieces[-1]):]
     assert [[s.chunk_len for s in piece] for piece in pieces] == [[75, 75, 75], [75], [300], [10]]
+
+
+def test_a_burst_much_larger_than_the_decode_batch_prefills_first_on_every_thread(engines, cases, monkeypatch):
+    """A burst of prompts joining one decoding row prefills in a round of its own on the engine thread (not on
+    the prefill thread's one core beside a one-row decode), and the row decodes with the burst's rows next
+    round (what the scheduler's token budget left of the burst may then overlap: never two such rounds running).
+    Greedy tokens stay transformers'."""
+    from raypipe.decode import engine as engine_module
+
+    engine = engines(8)
+    # The tiny prompts' burst: a few hundred tokens, fewer where earlier tests left them in the prefix cache
+    monkeypatch.setattr(engine_module, "PREFILL_FIRST_TOKENS", 16)
+    monkeypatch.setattr(engine_module, "PREFILL_FIRST_TOKENS_PER_ROW", 8)
+    seen = []
+    prefill, decode = engine.runner.prefill, engine.runner.decode
+    monkeypatch.setattr(engine.runner, "prefill", lambda seqs, *more: (
+        seen.append(("prefill", threading.current_thread().name, len(seqs))), prefill(seqs, *more))[1])
+    monkeypatch.setattr(engine.runner, "decode", lambda seqs, *more: (
+        seen.append(("decode", threading.current_thread().name, len(seqs))), decode(seqs, *more))[1])
+    burst = cases[1:]
+
+    async def burst_joins():
+        steps = engine.stats()["decode_steps"]
+        first = asyncio.ensure_future(engine.generate_output("first-alone", cases[0][0], cases[0][1],
+                                                             SamplingParams(max_tokens=48, ignore_eos=True)))
+        while engine.stats()["decode_steps"] == steps:
+            await asyncio.sleep(0.002)
+        joined = await asyncio.gather(*(engine.generate_output(f"burst-{i}", prompt, embeds,
+                                                               SamplingParams(max_tokens=MAX_NEW))
+                                        for i, (prompt, embeds, _) in enumerate(burst)))
+        return await first, joined
+
+    _, joined = run(burst_joins())
+    assert [o.token_ids for o in joined] == [want for _, _, want in burst]
+    joined_at = next(i for i, s in enumerate(seen) if s[0] == "prefill" and i and seen[i - 1][0] == "decode")
+    first_round = seen[joined_at:joined_at + next(i for i, s in enumerate(seen[joined_at:]) if s[0] == "decode")]
+    assert first_round and all(name == "raypipe-decode" for _, name, _ in first_round)  # every thread's
+    after = next(s for s in seen[joined_at:] if s[0] == "decode")
+    assert after[2] == 1 + sum(n for _, _, n in first_round)  # the lone row waited a round, decodes with them
