@@ -59,8 +59,9 @@ def modes(tower, device, preset: str, recorder):
         return
     packed = BudgetedForwards(tower, TokenBudgets(enabled=True))
     if device.type == "cuda" and not packed.graphs:
-        recorder.skip(f"{preset} budgets + CUDA graphs", "the tower cannot be captured here (Qwen2.5-VL's needs "
-                                                         "flash_attn); packed forwards run eagerly")
+        recorder.skip(f"{preset} budgets + CUDA graphs",
+                      f"{type(tower).__name__} cannot be captured here (the Qwen towers' variable-length attention "
+                      "needs flash_attn in a graph; MiniCPM-V's runs SDPA); packed forwards run eagerly")
     yield ("budgets + CUDA graphs" if packed.graphs else "budgets"), packed.encode
 
 
