@@ -49,6 +49,7 @@ SHARED_PREFIX = "shared_prefix"
 
 class PagedAttentionLayer(LayerCache):
     layer_type = "full_attention"
+    continues_rounds = True  # a round's rows stay valid for the next round of the same sequences
 
     def __init__(self, text_config, limits: CacheLimits, num_blocks: int | None = None):
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
@@ -111,8 +112,9 @@ class PagedAttentionLayer(LayerCache):
         `spare_blocks` more; the first `shared_blocks` (the same in every row, full, none written this round) once
         for all rows instead. `kept_rows`: row i continues the previous round's row `kept_rows[i]`, which already
         holds its K/V (`round_reuse.py`): taken from there instead."""
-        if kept_rows is not None and self.kept is not None:
-            (keys, values), self.shared, self.shared_len = self.kept
+        kept, self.kept = self.kept, None  # a new gather must not hold the last round's rows beside its own
+        if kept_rows is not None and kept is not None:
+            (keys, values), self.shared, self.shared_len = kept
             if kept_rows == list(range(len(kept_rows))):
                 self.round = keys[: len(kept_rows)], values[: len(kept_rows)]
             else:
@@ -138,8 +140,8 @@ class PagedAttentionLayer(LayerCache):
         self.round = gather(own, tables.shape[0], self.keys_transposed)
 
     def end_round(self) -> None:
-        """The round's rows are kept for the next round to continue (`begin_round(kept_rows=)`)."""
-        self.kept = self.round, self.shared, self.shared_len
+        """The round's rows are kept for the next round to continue (`begin_round(kept_rows=)`), where it can."""
+        self.kept = (self.round, self.shared, self.shared_len) if self.continues_rounds else None
         self.round, self.shared, self.shared_len = None, None, 0
 
     def move_row(self, src: int, dst: int, length: int) -> None:

@@ -32,6 +32,7 @@ from raypipe.decode.paged_attention import PagedAttentionLayer
 
 class SlidingWindowBlocks(PagedAttentionLayer):
     layer_type = "sliding_attention"
+    continues_rounds = False  # a window's blocks change as it slides: every round gathers
 
     def __init__(self, text_config, limits: CacheLimits):
         self.window = text_config.sliding_window
