@@ -229,14 +229,15 @@ def test_decode_attention_equals_sdpa_with_masked_keys_weighted_zero(length, lay
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("past", [0, 37, 300])
-@pytest.mark.parametrize("width", [21, 60, 200])
+@pytest.mark.parametrize("width", [21, 60, 200, 800])
 def test_prefill_attention_is_transformers_sdpa_bit_for_bit_without_repeating_kv_heads(monkeypatch, width, past,
                                                                                        dtype):
     """Several queries per row (a prefill chunk, after `past` cached keys: then with a mask, else causal): the
     engine's attention equals transformers' SDPA function exactly, and reads the KV heads in place: transformers'
     `repeat_kv`, which copies each KV head for its query heads, is never called. In fp32 a chunk too short for the
     flash kernel's wider query blocks (60 tokens x 4 query heads per KV head: 240 queries) goes in with each KV
-    head's query heads as one query; 21 (84 queries) and 200 tokens do not, nor does bf16."""
+    head's query heads as one query, and so does a masked chunk below its widest blocks (200 tokens after cached
+    keys); 21 tokens (84 queries), a causal 200 and 800 tokens do not, nor does bf16."""
     from transformers.integrations import sdpa_attention
 
     from raypipe.decode import prefill_attention
@@ -262,7 +263,7 @@ def test_prefill_attention_is_transformers_sdpa_bit_for_bit_without_repeating_kv
                                          sliding_window=None, use_cache=True)
     assert got.shape == (rows, width, heads, dim)
     assert torch.equal(got, want)
-    folds = dtype == torch.float32 and width == 60
+    folds = dtype == torch.float32 and (width == 60 or (width == 200 and past > 0))
     assert widths == [(kv_heads, 4 * width) if folds else (heads, width)]
     if folds and past:  # every layer of a forward gets the same mask: its tiled copy is made once
         attention.attention_forward(_Attention(), query, keys, values, mask, scaling=0.25)

@@ -14,6 +14,12 @@ with the KV heads read in place and, for short chunks, each KV head's query head
   92 tokens over 900 cached keys 28.6 -> 17.9 ms a layer, 12 x 87 over 912 35.2 -> 22.8, an image burst's 16 x
   136 with no cached keys (causal: the mask now explicit) 11.0 -> 8.6; a lone 976-token prompt is faster causal
   and unfolded (10.5 against 15.6), and in bf16 folding measured faster and slower by turns, so neither folds.
+  A masked chunk (one that continues cached keys) folds up to `FLASH_WIDEST_BLOCKS_FROM` queries: it has a mask
+  anyway, and folded it reaches the kernel's 256-query blocks. One row over 768 cached keys, 8 query / 2 KV
+  heads of 64, outputs bit-identical: 300 new tokens (a chat turn) 4.62 -> 4.08 ms a layer, 500 over 1,000
+  10.5 -> 9.9, 700 over 700 12.8 -> 12.5; 1,000 over 500 lost (19.5 -> 21.1), so the bound. A causal chunk of
+  192-700 tokens would trade the kernel's skipped upper blocks for a mask: 0.56 -> 0.61 ms at 200, 4.8 -> 7.8 at
+  700, so causal chunks fold below `FLASH_WIDER_BLOCKS_FROM` only.
 
 Anything else (a GPU, softcap, position bias, sinks, one query per row) is not this module's: `applies` says
 so, and the caller runs transformers' SDPA function.
@@ -28,9 +34,11 @@ import torch
 # Arguments of transformers' SDPA function beside the mask that change what it computes (it ignores the rest: a
 # layer's sliding_window, position_ids, use_cache): a call with any of them is not this module's.
 DECLINED_ARGUMENTS = ("softcap", "position_bias", "cache", "s_aux")
-# torch's CPU flash attention takes queries in blocks of 32 below this many per row (wider blocks from there):
-# below it, query heads sharing a KV head are folded into one query (fp32)
+# torch's CPU flash attention takes queries in blocks of 32 below this many per row (64 from there, 256 from the
+# next): below it, query heads sharing a KV head are folded into one query (fp32) ...
 FLASH_WIDER_BLOCKS_FROM = 192
+# ... and below this one too where the chunk has a mask (it continues cached keys)
+FLASH_WIDEST_BLOCKS_FROM = 768
 # ... unless the tiled mask would take more than this (rows x query heads per KV head x queries x keys)
 FOLDED_MASK_MAX_BYTES = 64 << 20
 # Attribute of a forward's mask holding its tiled copy: every layer of the forward gets the same mask tensor
@@ -74,7 +82,8 @@ def _folds(query: torch.Tensor, groups: int, length: int, attention_mask: torch.
     if attention_mask is not None and attention_mask.shape[1] != 1:
         return False  # a mask per head: not tiled here
     mask_rows = 1 if attention_mask is None else attention_mask.shape[0]
-    return (query.dtype == torch.float32 and width < FLASH_WIDER_BLOCKS_FROM <= groups * width
+    below = FLASH_WIDER_BLOCKS_FROM if attention_mask is None else FLASH_WIDEST_BLOCKS_FROM
+    return (query.dtype == torch.float32 and width < below and FLASH_WIDER_BLOCKS_FROM <= groups * width
             and mask_rows * groups * width * length * query.element_size() <= FOLDED_MASK_MAX_BYTES)
 
 
