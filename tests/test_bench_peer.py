@@ -75,3 +75,30 @@ def test_image_requests_arriving_together_share_a_tower_forward_and_each_gets_it
     finally:
         side.close()
         torch.set_num_threads(threads)
+
+
+def test_each_repeat_gives_its_own_throughput_ratio_on_the_prompts_both_engines_got(tokenizer, monkeypatch):
+    """Besides the medians' ratio, every repeat's raypipe / vLLM tok/s on the same prompts, run one right after the
+    other: the spread that says how far one run's ratio can be trusted. Two stand-in engines whose speeds differ
+    by repeat (as this machine's does between minutes) must give each repeat's own ratio, in repeat order, and a
+    chat repeat's turns count together."""
+    monkeypatch.setattr(peer, "settle", lambda: None)
+
+    class Side:
+        def __init__(self, name, walls):
+            self.name, self.walls, self.prompts = name, iter(walls), []
+
+        def run(self, requests):
+            self.prompts.append([r["prompt_token_ids"] for r in requests])
+            return {"wall_s": next(self.walls), "results": [
+                {"token_ids": [5] * r["max_tokens"], "ttft_s": 0.1, "latency_s": 0.2, "cached_tokens": 0,
+                 "prompt_token_ids": r["prompt_token_ids"]} for r in requests]}
+
+    sizes = peer.Sizes(text_requests=2, text_tokens=4, repeats=3, chat_turns=2, chat_tokens=4)
+    ours, theirs = Side("raypipe", [1.0, 2.0, 4.0]), Side("vLLM-CPU", [2.0, 2.0, 1.0])
+    entry = peer.measure_workload([ours, theirs], tokenizer, sizes, "text")
+    assert entry["paired_ratios"] == [2.0, 1.0, 0.25]
+    assert ours.prompts == theirs.prompts and ours.prompts[0] != ours.prompts[1]  # same prompts per repeat, new each
+    ours, theirs = Side("raypipe", [1.0, 3.0] * 3), Side("vLLM-CPU", [2.0, 2.0] * 3)
+    chat = peer.measure_workload([ours, theirs], tokenizer, sizes, "chat")
+    assert chat["paired_ratios"] == [1.0, 1.0, 1.0]  # (2 turns' tokens / 4 s) over (the same / 4 s)

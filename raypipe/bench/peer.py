@@ -16,7 +16,9 @@ turns which one goes first:
   shared  N requests sharing one long prompt, submitted at once
 
 Printed per workload: output tok/s, TTFT p50/p99, raypipe / vLLM ratios (throughput: >1 is raypipe
-faster; TTFT: <1 is raypipe sooner), prompt tokens each took from its prefix cache, and whether the
+faster; TTFT: <1 is raypipe sooner), the throughput ratio of each repeat on its own (both engines on the same
+prompts, one right after the other: their spread is the run's noise; the medians' ratio mixes repeats whose
+prompts differ in length), prompt tokens each took from its prefix cache, and whether the
 greedy tokens agree (fp32 is the comparison that must agree; bf16 rounding may split near-ties). The
 load average before and after is printed: vLLM binds its OpenMP threads to cores and loses most on a
 busy machine, so only numbers taken on a quiet one compare the engines. Each run starts once the CPUs
@@ -331,6 +333,11 @@ def summary(runs: list[dict]) -> dict:
             "prompt_tokens": statistics.median(sum(len(r["prompt_token_ids"]) for r in run["results"]) for run in runs)}
 
 
+def _tok_s(runs: list[dict]) -> float:
+    """Output tokens over wall time, over `runs` together (a chat repeat's turns are several runs)."""
+    return sum(len(r["token_ids"]) for run in runs for r in run["results"]) / sum(run["wall_s"] for run in runs)
+
+
 def agreement(ours: list[dict], theirs: list[dict]) -> dict:
     """How many requests' greedy tokens are equal, and whether the prompts were the same ids."""
     pairs = [(a, b) for run_a, run_b in zip(ours, theirs) for a, b in zip(run_a["results"], run_b["results"])]
@@ -393,17 +400,23 @@ def settle(busy_below: float = 0.1, window_s: float = 0.5, limit_s: float = 10.0
 def measure_workload(sides: list, tokenizer, sizes: Sizes, name: str) -> dict:
     makers = {"text": text_requests, "image": image_requests, "shared": shared_requests}
     runs = {side.name: [] for side in sides}
+    paired = []  # per repeat: raypipe's tok/s over vLLM's on the same requests, run one right after the other
     for repeat in range(sizes.repeats):
         order = sides if repeat % 2 == 0 else sides[::-1]
         seed = 100 * (repeat + 1) + len(name)
+        this = {}
         for side in order:
             settle()
             if name == "chat":
-                runs[side.name] += run_chat(side, tokenizer, sizes, seed)
+                this[side.name] = run_chat(side, tokenizer, sizes, seed)
             else:
-                runs[side.name].append(side.run(makers[name](tokenizer, sizes, seed)))
-        print(f"  {name} repeat {repeat + 1}/{sizes.repeats} done", flush=True)
+                this[side.name] = [side.run(makers[name](tokenizer, sizes, seed))]
+            runs[side.name] += this[side.name]
+        ours, theirs = (_tok_s(this[side.name]) for side in sides)
+        paired.append(ours / theirs)
+        print(f"  {name} repeat {repeat + 1}/{sizes.repeats} done (raypipe / vLLM {paired[-1]:.2f})", flush=True)
     entry = {side.name: summary(runs[side.name]) for side in sides}
+    entry["paired_ratios"] = paired
     ours, theirs = (runs[side.name] for side in sides)
     entry["agreement"] = agreement(ours, theirs)
     if name == "chat":  # TTFT per turn, first repeat's conversation
@@ -458,10 +471,11 @@ def describe(result: dict, path: pathlib.Path) -> None:
     rows = []
     for name, entry in result["workloads"].items():
         if "error" in entry:
-            rows.append([name, entry["error"][:60]] + [""] * 13)
+            rows.append([name, entry["error"][:60]] + [""] * 14)
             continue
         ours, theirs, agree = entry["raypipe"], entry["vLLM-CPU"], entry["agreement"]
         rows.append([name, theirs["tok_s"], ours["tok_s"], ours["tok_s"] / theirs["tok_s"],
+                     " ".join(f"{r:.2f}" for r in entry.get("paired_ratios", [])),
                      theirs["ttft_p50_ms"], ours["ttft_p50_ms"], ours["ttft_p50_ms"] / theirs["ttft_p50_ms"],
                      theirs["ttft_p99_ms"], ours["ttft_p99_ms"],
                      theirs["tpot_p50_ms"], ours["tpot_p50_ms"], ours["tpot_p50_ms"] / theirs["tpot_p50_ms"],
@@ -470,7 +484,7 @@ def describe(result: dict, path: pathlib.Path) -> None:
     versions = result["vllm_versions"]
     print_table(f"raypipe vs vLLM-CPU {versions.get('vllm')} on {result['model']} {result['dtype']}, "
                 f"{result['threads']} threads (medians of {result['sizes']['repeats']} repeats; ratio = raypipe / vLLM)",
-                ["workload", "vLLM tok/s", "raypipe tok/s", "ratio", "vLLM TTFT p50 ms", "raypipe p50", "ratio",
+                ["workload", "vLLM tok/s", "raypipe tok/s", "ratio", "per repeat", "vLLM TTFT p50 ms", "raypipe p50", "ratio",
                  "vLLM p99", "raypipe p99", "vLLM TPOT p50 ms", "raypipe TPOT", "ratio", "cached vLLM/raypipe", "same tokens", "same prompts"], rows)
     chat = result["workloads"].get("chat")
     if chat and "turns" in chat:
