@@ -317,11 +317,16 @@ class VllmSide:
 
 # ---- measuring ----
 
+def tok_s_of(runs: list[dict]) -> float:
+    """Output tokens over wall time, over `runs` together (a chat repeat's turns are several runs)."""
+    return sum(len(r["token_ids"]) for run in runs for r in run["results"]) / sum(run["wall_s"] for run in runs)
+
+
 def summary(runs: list[dict]) -> dict:
     """Medians over repeats of a workload's runs: output tok/s, TTFT p50/p99 (ms), TPOT p50 (ms: a request's
     time from its first token to its last over the tokens after the first, decode speed without prefill),
     cached prompt tokens."""
-    tok_s = [sum(len(r["token_ids"]) for r in run["results"]) / run["wall_s"] for run in runs]
+    tok_s = [tok_s_of([run]) for run in runs]
     ttfts = [[r["ttft_s"] for r in run["results"] if r["ttft_s"] is not None] for run in runs]
     tpots = [[(r["latency_s"] - r["ttft_s"]) / (len(r["token_ids"]) - 1) for r in run["results"]
               if r["ttft_s"] is not None and len(r["token_ids"]) > 1] or [float("nan")] for run in runs]
@@ -331,11 +336,6 @@ def summary(runs: list[dict]) -> dict:
             "ttft_p99_ms": statistics.median(np.percentile(t, 99) * 1e3 for t in ttfts),
             "cached_tokens": statistics.median(sum(r["cached_tokens"] for r in run["results"]) for run in runs),
             "prompt_tokens": statistics.median(sum(len(r["prompt_token_ids"]) for r in run["results"]) for run in runs)}
-
-
-def _tok_s(runs: list[dict]) -> float:
-    """Output tokens over wall time, over `runs` together (a chat repeat's turns are several runs)."""
-    return sum(len(r["token_ids"]) for run in runs for r in run["results"]) / sum(run["wall_s"] for run in runs)
 
 
 def agreement(ours: list[dict], theirs: list[dict]) -> dict:
@@ -412,7 +412,7 @@ def measure_workload(sides: list, tokenizer, sizes: Sizes, name: str) -> dict:
             else:
                 this[side.name] = [side.run(makers[name](tokenizer, sizes, seed))]
             runs[side.name] += this[side.name]
-        ours, theirs = (_tok_s(this[side.name]) for side in sides)
+        ours, theirs = (tok_s_of(this[side.name]) for side in sides)
         paired.append(ours / theirs)
         print(f"  {name} repeat {repeat + 1}/{sizes.repeats} done (raypipe / vLLM {paired[-1]:.2f})", flush=True)
     entry = {side.name: summary(runs[side.name]) for side in sides}
@@ -475,7 +475,7 @@ def describe(result: dict, path: pathlib.Path) -> None:
             continue
         ours, theirs, agree = entry["raypipe"], entry["vLLM-CPU"], entry["agreement"]
         rows.append([name, theirs["tok_s"], ours["tok_s"], ours["tok_s"] / theirs["tok_s"],
-                     " ".join(f"{r:.2f}" for r in entry.get("paired_ratios", [])),
+                     " ".join(f"{r:.2f}" for r in entry["paired_ratios"]),
                      theirs["ttft_p50_ms"], ours["ttft_p50_ms"], ours["ttft_p50_ms"] / theirs["ttft_p50_ms"],
                      theirs["ttft_p99_ms"], ours["ttft_p99_ms"],
                      theirs["tpot_p50_ms"], ours["tpot_p50_ms"], ours["tpot_p50_ms"] / theirs["tpot_p50_ms"],
