@@ -348,6 +348,41 @@ def test_a_prefill_group_beside_a_decode_is_cut_into_pieces_of_bounded_tokens():
     assert [[s.chunk_len for s in piece] for piece in pieces] == [[75, 75, 75], [75], [300], [10]]
 
 
+def test_a_round_that_decodes_nothing_prefills_forward_by_forward_and_answers_each(tiny_ckpt, cases, monkeypatch):
+    """On a CPU a round with nothing decoding prefills its groups in forwards of at most `ANSWER_PIECE_TOKENS`
+    prompt tokens (at least one prompt each), and each forward's first tokens go out before the next forward
+    begins: a burst's first requests answer while the rest still prefill. Greedy tokens stay transformers'."""
+    from raypipe.decode import engine as engine_module
+    from raypipe.decode import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "MAX_PADDING", 100.0)  # the whole burst in one length group
+    monkeypatch.setattr(engine_module, "ANSWER_PIECE_TOKENS", 1)  # ... and one prompt per forward
+    engine = LLMEngine(tiny_ckpt, EngineConfig(max_num_seqs=8, max_model_len=512, num_threads=2,
+                                               compiled_decode=False, enable_prefix_caching=False))
+    forwards = []
+    prefill = engine.runner.prefill
+
+    def prefill_recording(seqs, sampled, batch):
+        earlier = [s for forward in forwards for s in forward[0]]
+        forwards.append((list(seqs), [seq for seq, _ in engine._outbox], [len(s.output_ids) for s in earlier]))
+        return prefill(seqs, sampled, batch)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill_recording)
+    async def burst():
+        return await asyncio.gather(*(engine.generate_output(f"burst-{i}", prompt, embeds,
+                                                             SamplingParams(max_tokens=MAX_NEW))
+                                      for i, (prompt, embeds, _) in enumerate(cases)))
+
+    try:
+        outputs = run(burst())
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outputs] == [want for _, _, want in cases]
+    assert [len(seqs) for seqs, _, _ in forwards] == [1] * len(cases)
+    for seqs, undelivered, earlier_tokens in forwards:
+        assert undelivered == [] and earlier_tokens == [1] * len(earlier_tokens)  # answered, not yet decoding
+
+
 def test_a_burst_much_larger_than_the_decode_batch_prefills_first_on_every_thread(engines, cases, monkeypatch):
     """A burst of prompts joining one decoding row prefills in a round of its own on the engine thread (not on
     the prefill thread's one core beside a one-row decode), and the row decodes with the burst's rows next

@@ -86,8 +86,14 @@ log = logging.getLogger(__name__)
 # A prefill beside a decode runs on the prefill thread's one core until that decode is done, then on every core
 # of the engine thread: while the decode runs, its groups are cut into forwards of at most this many prompt
 # tokens (still large enough for efficient GEMMs), so one big group cannot keep it on one core for the whole
-# round; once the decode is done, what is left of a group runs as one forward (bigger GEMMs run faster).
+# round; once the decode is done, what is left of a group runs as one forward (docs/performance.md measured it
+# against pieces).
 OVERLAP_PIECE_TOKENS = 256
+# On a CPU, a round that decodes nothing prefills in forwards of at most this many prompt tokens, each forward's
+# first tokens out before the next begins: a burst's first requests answer in a fraction of the burst's prefill
+# time and its last no later, a forward of a few hundred rows being as fast per token on a CPU as a bigger one
+# (docs/performance.md, "A burst answers in pieces").
+ANSWER_PIECE_TOKENS = 512
 # A CPU round whose waiting prompts hold at least this many tokens, and this many per decoding row, prefills them
 # first on every core and decodes nothing; its rows decode with the prompts' rows next round. Beside a small
 # decode such a burst would prefill on one core while that decode's core waits out the last piece.
@@ -459,7 +465,8 @@ class LLMEngine:
             running = []
         self._prefilled_first = not running and bool(plan.decode)
         if not running:
-            self._prefill_answering(groups)  # nothing decodes: here, on every thread
+            # nothing decodes: here, on every thread
+            self._prefill_answering(groups, ANSWER_PIECE_TOKENS if self.device.type == "cpu" else None)
             self._release_finished()
             return
         with self._cores_split(bool(groups)):
@@ -483,12 +490,16 @@ class LLMEngine:
         tokens = sum(seq.chunk_len for group in groups for seq in group)
         return tokens >= max(PREFILL_FIRST_TOKENS, PREFILL_FIRST_TOKENS_PER_ROW * rows)
 
-    def _prefill_answering(self, groups: list[list[Sequence]]) -> None:
-        """Prefill on this (the engine) thread, group by group, each group's first tokens out as soon as it is
-        done (a burst's first requests answer while later groups still prefill)."""
+    def _prefill_answering(self, groups: list[list[Sequence]], piece_tokens: int | None = None) -> None:
+        """Prefill on this (the engine) thread, group by group, in forwards of at most `piece_tokens` prompt
+        tokens where given, each forward's first tokens out as soon as it is done (a burst's first requests
+        answer while the rest still prefill)."""
         for group in groups:
-            self._prefilled([self._prefill_forward(group)])
-            self._flush(unfinished_only=True)
+            while group:
+                forward = group if piece_tokens is None else _first_piece(group, piece_tokens)
+                group = group[len(forward):]
+                self._prefilled([self._prefill_forward(forward)])
+                self._flush(unfinished_only=True)
 
     def _prefilled(self, forwards: list[tuple[list[Sequence], list[Sequence], list[int], list]]) -> None:
         """Book prefilled chunks and emit the first tokens `_prefill_forward` sampled for them."""
