@@ -368,6 +368,7 @@ def test_a_round_that_decodes_nothing_prefills_forward_by_forward_and_answers_ea
         return prefill(seqs, sampled, batch)
 
     monkeypatch.setattr(engine.runner, "prefill", prefill_recording)
+
     async def burst():
         return await asyncio.gather(*(engine.generate_output(f"burst-{i}", prompt, embeds,
                                                              SamplingParams(max_tokens=MAX_NEW))
@@ -379,7 +380,7 @@ def test_a_round_that_decodes_nothing_prefills_forward_by_forward_and_answers_ea
         engine.shutdown()
     assert [o.token_ids for o in outputs] == [want for _, _, want in cases]
     assert [len(seqs) for seqs, _, _ in forwards] == [1] * len(cases)
-    for seqs, undelivered, earlier_tokens in forwards:
+    for _, undelivered, earlier_tokens in forwards:
         assert undelivered == [] and earlier_tokens == [1] * len(earlier_tokens)  # answered, not yet decoding
 
 

@@ -27,7 +27,9 @@ requests enter the decode batch one round later; their outputs do not change. A 
 than the decode batch does not overlap (`_prefill_first`): it prefills on every core in a round that decodes
 nothing, and the rows decode with it next round. In `small`'s shared-prompt workload (one request decoding
 while 15 more join), the burst's median first token came 0.87-0.95 s after it was sent against 1.07-1.16 s
-overlapped, and the workload made 154-205 against 145-158 tokens/s (one process, the two alternated).
+overlapped, and the workload made 154-205 against 145-158 tokens/s (one process, the two alternated). A round
+that decodes nothing prefills, on a CPU, in forwards of at most `ANSWER_PIECE_TOKENS` prompt tokens, each
+answering before the next begins.
 
 Callers `await` deltas from `generate()`; validation happens in the caller's task before a
 request is queued, so a bad request fails alone. Requests submitted in one turn of the caller's
