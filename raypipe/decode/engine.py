@@ -93,8 +93,9 @@ log = logging.getLogger(__name__)
 OVERLAP_PIECE_TOKENS = 256
 # On a CPU, a round that decodes nothing prefills in forwards of at most this many prompt tokens, each forward's
 # first tokens out before the next begins: a burst's first requests answer in a fraction of the burst's prefill
-# time and its last no later, a forward of a few hundred rows being as fast per token on a CPU as a bigger one
-# (docs/performance.md, "A burst answers in pieces").
+# time, a forward of a few hundred rows being as fast per token on a CPU as a bigger one; its last answers a
+# little later (each forward's fixed cost: +5% on `small`'s image burst; docs/performance.md, "A burst answers
+# in pieces").
 ANSWER_PIECE_TOKENS = 512
 # A CPU round whose waiting prompts hold at least this many tokens, and this many per decoding row, prefills them
 # first on every core and decodes nothing; its rows decode with the prompts' rows next round. Beside a small
