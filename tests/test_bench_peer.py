@@ -102,3 +102,38 @@ def test_each_repeat_gives_its_own_throughput_ratio_on_the_prompts_both_engines_
     ours, theirs = Side("raypipe", [1.0, 3.0] * 3), Side("vLLM-CPU", [2.0, 2.0] * 3)
     chat = peer.measure_workload([ours, theirs], tokenizer, sizes, "chat")
     assert chat["paired_ratios"] == [1.0, 1.0, 1.0]  # (2 turns' tokens / 4 s) over (the same / 4 s)
+
+
+def test_the_gemm_workload_times_each_language_model_linear_once_siblings_packed_together(tiny_ckpt):
+    """The GEMM comparison must time the GEMMs raypipe's engine runs: every linear of the language model once, its
+    lm_head included (none of the vision tower's), q/k/v and gate/up as one GEMM each, as the engine packs them."""
+    from safetensors import safe_open
+
+    from raypipe.decode.engine import LLMEngine
+
+    groups = peer.language_linears(tiny_ckpt)
+    names = [name for _, members in groups for name in members]
+    assert len(names) == len(set(names))
+    assert not any("visual" in name for name in names)
+    with safe_open(groups[0][0], "pt") as f:
+        every = {n for n in f.keys() if n.endswith(".weight") and "visual" not in n
+                 and ("proj" in n.rsplit(".", 2)[-2] or n == "lm_head.weight")}
+    assert set(names) == every
+    packed = {tuple(n.rsplit(".", 2)[-2] for n in members) for _, members in groups if len(members) > 1}
+    assert packed == {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}
+    # The engine's model holds one packed weight per group: the same GEMMs.
+    engine = LLMEngine(tiny_ckpt)
+    try:
+        buffers = [n for n, _ in engine.runner.model.named_buffers() if n.endswith("packed_weight")]
+        assert len(buffers) == len(groups)
+    finally:
+        engine.shutdown()
+
+
+def test_an_unknown_workload_is_refused_naming_the_choices(tmp_path, capsys):
+    python = tmp_path / "python"
+    python.write_text("")
+    assert main(["bench", "peer", "--vllm-python", str(python), "--workloads", "text,gemmm", "--out",
+                 str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "gemmm" in err and "gemm" in err.replace("gemmm", "")

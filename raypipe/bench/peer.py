@@ -14,6 +14,8 @@ turns which one goes first:
   chat    one conversation of T turns, each turn's prompt the whole history re-sent (token ids: the
           previous prompt + its answer + the next user turn), TTFT per turn (prefix-cache reuse)
   shared  N requests sharing one long prompt, submitted at once
+  gemm    the two engines' CPU GEMM kernels on the checkpoint's language-model linears, at decode and prefill
+          row counts, timed by turns in vLLM's process (the same torch): where the engines' time differs
 
 Printed per workload: output tok/s, TTFT p50/p99, raypipe / vLLM ratios (throughput: >1 is raypipe
 faster; TTFT: <1 is raypipe sooner), the throughput ratio of each repeat on its own (both engines on the same
@@ -66,10 +68,14 @@ class Sizes:
     shared_prefix_words: int = 180  # ~1,000 tokens
     shared_tokens: int = 16
     repeats: int = 3
+    gemm_rows: tuple[int, ...] = (1, 8, 32, 512, 2048)  # a lone decode row, decode batches, prefill forwards
+    gemm_passes: int = 9  # passes over every linear per kernel and row count, alternating (the median is shown)
 
 
 QUICK = Sizes(text_requests=8, text_tokens=16, image_requests=4, image_tokens=8, chat_turns=3, chat_turn_words=15,
-              chat_tokens=8, shared_requests=4, shared_prefix_words=50, shared_tokens=8, repeats=1)
+              chat_tokens=8, shared_requests=4, shared_prefix_words=50, shared_tokens=8, repeats=1,
+              gemm_rows=(1, 32, 512), gemm_passes=3)
+WORKLOADS = ("text", "image", "chat", "shared", "gemm")
 
 
 # ---- workloads: the same requests for both engines ----
@@ -154,6 +160,7 @@ class RaypipeSide:
 
         begin = time.perf_counter()
         torch.set_num_threads(threads)
+        self.checkpoint = checkpoint
         self.engine = LLMEngine(checkpoint, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                                          dtype=dtype, num_threads=threads))
         self.load_s = time.perf_counter() - begin
@@ -306,6 +313,9 @@ class VllmSide:
         wire = [{k: v for k, v in r.items() if k != "messages"} for r in requests]
         return self._call({"op": "run", "requests": wire})
 
+    def gemm(self, command: dict) -> dict:
+        return self._call({"op": "gemm", **command})
+
     def close(self) -> None:
         try:
             self._call({"op": "stop"})
@@ -365,7 +375,8 @@ def measure(sides: list, tokenizer, sizes: Sizes, workloads: list[str]) -> dict:
     result = {}
     for name in workloads:
         try:
-            result[name] = measure_workload(sides, tokenizer, sizes, name)
+            result[name] = (measure_gemm(*sides, sizes) if name == "gemm"
+                            else measure_workload(sides, tokenizer, sizes, name))
         except Exception as exc:  # e.g. a prompt one engine refuses: the table says so
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"  {name} failed: {result[name]['error']}", flush=True)
@@ -428,6 +439,48 @@ def measure_workload(sides: list, tokenizer, sizes: Sizes, name: str) -> dict:
     return entry
 
 
+def language_linears(checkpoint: pathlib.Path) -> list[list]:
+    """`[file, [tensor names]]` per GEMM of the checkpoint's language model: the 2-D weights of its modules named
+    `*proj*` (none of the vision tower's) and of its `lm_head` (a tied one is the embedding's: not counted), siblings
+    (q/k/v, gate/up: `packed_siblings.SIBLINGS`) as one GEMM, as raypipe packs them and vLLM merges them."""
+    from safetensors import safe_open
+
+    from raypipe.models.packed_siblings import SIBLINGS
+
+    groups = []
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names = [n for n in f.keys() if n.endswith(".weight") and len(f.get_slice(n).get_shape()) == 2
+                     and ("proj" in n.rsplit(".", 2)[-2] or n.rsplit(".", 2)[-2] == "lm_head")
+                     and not any(part in n for part in ("visual", "vision", "merger"))]
+        taken = set()
+        for name in sorted(names):
+            if name in taken:
+                continue
+            module, _, leaf = name[:-len(".weight")].rpartition(".")
+            family = next((s for s in SIBLINGS if leaf in s), (leaf,))
+            members = [f"{module}.{sibling}.weight".lstrip(".") for sibling in family]
+            if not all(member in names for member in members):  # an incomplete set: each one alone
+                members = [name]
+            taken.update(members)
+            groups.append([str(file), members])
+    return groups
+
+
+def measure_gemm(ours: "RaypipeSide", theirs: VllmSide, sizes: Sizes) -> dict:
+    """Both engines' GEMM kernels on the checkpoint's language-model linears, in vLLM's process (`peer_vllm.gemm`),
+    raypipe's computing in the dtype its engine packed its linears in (fp32 for bf16 weights where that is faster)."""
+    packed = next((b.dtype for n, b in ours.engine.runner.model.named_buffers() if n.endswith("packed_weight")),
+                  ours.dtype)
+    packed_dtype = str(packed).removeprefix("torch.")
+    settle()
+    entry = theirs.gemm({"groups": language_linears(ours.checkpoint), "dtype": str(ours.dtype).removeprefix("torch."),
+                         "packed_dtype": packed_dtype, "rows": list(sizes.gemm_rows), "repeats": sizes.gemm_passes,
+                         "threads": ours.engine.num_threads})
+    print(f"  gemm done ({len(entry['rows'])} row counts)", flush=True)
+    return {"gemm": True, "packed_dtype": packed_dtype, **entry}
+
+
 def main(args) -> int:
     from raypipe.models.registry import language_adapter, resolve_model
 
@@ -436,11 +489,15 @@ def main(args) -> int:
         print(f"raypipe bench peer: {VENV_HELP}" + (f" ({python} does not exist)" if python else ""),
               file=sys.stderr)
         return 2
+    workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        print(f"raypipe bench peer: unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
+        return 2
     checkpoint = resolve_model(args.model or "small")
     dtype = args.dtype or "float32"
     sizes = QUICK if args.quick else Sizes()
     threads = os.cpu_count() or 1
-    workloads = args.workloads.split(",") if args.workloads else ["text", "image", "chat", "shared"]
     tokenizer = language_adapter(checkpoint).tokenizer
     max_model_len = 2048
     load_before = os.getloadavg()
@@ -470,6 +527,8 @@ def main(args) -> int:
 def describe(result: dict, path: pathlib.Path) -> None:
     rows = []
     for name, entry in result["workloads"].items():
+        if entry.get("gemm"):
+            continue
         if "error" in entry:
             rows.append([name, entry["error"][:60]] + [""] * 14)
             continue
@@ -482,10 +541,11 @@ def describe(result: dict, path: pathlib.Path) -> None:
                      f"{theirs['cached_tokens']:.0f}/{ours['cached_tokens']:.0f}",
                      f"{agree['equal_outputs']}/{agree['requests']}", f"{agree['equal_prompts']}/{agree['requests']}"])
     versions = result["vllm_versions"]
-    print_table(f"raypipe vs vLLM-CPU {versions.get('vllm')} on {result['model']} {result['dtype']}, "
-                f"{result['threads']} threads (medians of {result['sizes']['repeats']} repeats; ratio = raypipe / vLLM)",
-                ["workload", "vLLM tok/s", "raypipe tok/s", "ratio", "per repeat", "vLLM TTFT p50 ms", "raypipe p50", "ratio",
-                 "vLLM p99", "raypipe p99", "vLLM TPOT p50 ms", "raypipe TPOT", "ratio", "cached vLLM/raypipe", "same tokens", "same prompts"], rows)
+    if rows:
+        print_table(f"raypipe vs vLLM-CPU {versions.get('vllm')} on {result['model']} {result['dtype']}, "
+                    f"{result['threads']} threads (medians of {result['sizes']['repeats']} repeats; ratio = raypipe / vLLM)",
+                    ["workload", "vLLM tok/s", "raypipe tok/s", "ratio", "per repeat", "vLLM TTFT p50 ms", "raypipe p50", "ratio",
+                     "vLLM p99", "raypipe p99", "vLLM TPOT p50 ms", "raypipe TPOT", "ratio", "cached vLLM/raypipe", "same tokens", "same prompts"], rows)
     chat = result["workloads"].get("chat")
     if chat and "turns" in chat:
         print_table("chat: TTFT per turn (history re-sent)", ["turn", "prompt tokens", "vLLM ms", "raypipe ms",
@@ -493,6 +553,13 @@ def describe(result: dict, path: pathlib.Path) -> None:
                     [[i + 1, t["prompt_tokens"], t["vLLM-CPU"]["ttft_ms"], t["raypipe"]["ttft_ms"],
                       t["raypipe"]["ttft_ms"] / t["vLLM-CPU"]["ttft_ms"], t["vLLM-CPU"]["cached"],
                       t["raypipe"]["cached"]] for i, t in enumerate(chat["turns"])])
+    gemm = result["workloads"].get("gemm")
+    if gemm and "rows" in gemm:
+        print_table(f"GEMM kernels on the language model's linears, one pass over all of them (medians; raypipe computes "
+                    f"in {gemm['packed_dtype']}; ratio = raypipe / vLLM time)",
+                    ["rows", "vLLM onednn_mm ms", "raypipe packed oneDNN ms", "ratio", "max |difference|"],
+                    [[r["rows"], r["vllm_ms"], r["raypipe_ms"], r["raypipe_ms"] / r["vllm_ms"], f"{r['max_abs_diff']:.1e}"]
+                     for r in gemm["rows"]])
     print(f"\nstart-up: raypipe engine {result['start_s']['raypipe']:.1f} s, vLLM {result['start_s']['vLLM-CPU']:.1f} s "
           f"(its compile included); load average before {result['load_before'][0]:.2f}, after "
           f"{result['load_after'][0]:.2f} (1 min)\nJSON: {path}")

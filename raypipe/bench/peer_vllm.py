@@ -12,6 +12,11 @@ Protocol: one JSON command per stdin line; each reply is one stdout line startin
   {"op": "run", "requests": [{"prompt_token_ids" | "prompt", "image_png_b64"?, "max_tokens"}]}
       -> {"wall_s", "results": [{"token_ids", "ttft_s", "latency_s", "cached_tokens", "prompt_token_ids"}]}
       every request of a run is submitted at once; times are from the run's start.
+  {"op": "gemm", "groups": [[file, [names]], ...], "dtype": ..., "packed_dtype": ..., "rows": [M, ...],
+   "repeats": N, "threads": N}
+      -> {"rows": [{"rows", "raypipe_ms", "vllm_ms", "max_abs_diff"}]}
+      each group's weights concatenated (siblings packed as one GEMM, as both engines pack them); a pass is every
+      group's GEMM in order, so weights come from memory as in a forward; passes alternate between the two kernels.
   {"op": "stop"}
 """
 
@@ -46,6 +51,46 @@ def start(command: dict):
     engine = AsyncLLM.from_engine_args(args)
     versions = {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
     return engine, {"load_s": time.perf_counter() - begin, "versions": versions}
+
+
+def gemm(command: dict) -> dict:
+    """raypipe's linear kernel (torch's oneDNN op on a weight packed once, `raypipe/models/packed_linear.py`,
+    computing in `packed_dtype`) against vLLM's (`onednn_mm`, its CPU build's dense GEMM), on the same weights."""
+    import torch
+    from safetensors import safe_open
+    from vllm import _custom_ops as ops
+
+    torch.set_num_threads(command["threads"])
+    dtype, packed_dtype = getattr(torch, command["dtype"]), getattr(torch, command["packed_dtype"])
+    weights = []
+    for file, names in command["groups"]:
+        with safe_open(file, "pt") as f:
+            weights.append(torch.cat([f.get_tensor(name) for name in names]).to(dtype))
+    ours = [torch.ops.mkldnn._reorder_linear_weight(w.to(packed_dtype)) for w in weights]
+    theirs = [ops.create_onednn_mm(w.t(), 32) for w in weights]
+
+    def ours_pass(inputs):
+        return [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]].to(packed_dtype), p, None, "none", [], "")
+                .to(dtype) for w, p in zip(weights, ours)]
+
+    def theirs_pass(inputs):
+        return [ops.onednn_mm(h, inputs[w.shape[1]], None) for w, h in zip(weights, theirs)]
+
+    def timed(run, inputs) -> float:
+        begin = time.perf_counter()
+        run(inputs)
+        return (time.perf_counter() - begin) * 1e3
+
+    table = []
+    for rows in command["rows"]:
+        inputs = {width: torch.randn(rows, width).to(dtype) for width in {w.shape[1] for w in weights}}
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours_pass(inputs), theirs_pass(inputs)))
+        times = {"raypipe_ms": [], "vllm_ms": []}
+        for _ in range(command["repeats"]):
+            times["raypipe_ms"].append(timed(ours_pass, inputs))
+            times["vllm_ms"].append(timed(theirs_pass, inputs))
+        table.append({"rows": rows, "max_abs_diff": diff, **{k: sorted(v)[len(v) // 2] for k, v in times.items()}})
+    return {"rows": table}
 
 
 async def one(engine, request: dict, begin: float) -> dict:
@@ -89,6 +134,8 @@ def main() -> None:
                 reply(info)
             elif command["op"] == "run":
                 reply(loop.run_until_complete(run(engine, command)))
+            elif command["op"] == "gemm":
+                reply(gemm(command))
             elif command["op"] == "stop":
                 break
         except Exception as exc:  # the driver prints it and stops
