@@ -16,7 +16,7 @@ Protocol: one JSON command per stdin line; each reply is one stdout line startin
    "repeats": N, "threads": N}
       -> {"rows": [{"rows", "raypipe_ms", "vllm_ms", "max_abs_diff"}]}
       each group's weights concatenated (siblings packed as one GEMM, as both engines pack them); a pass is every
-      group's GEMM in order, so weights come from memory as in a forward; passes alternate between the two kernels.
+      group's GEMM in order, so weights come from memory as in a forward; passes alternate between the two kernels, which go first by turns.
   {"op": "stop"}
 """
 
@@ -86,9 +86,10 @@ def gemm(command: dict) -> dict:
         inputs = {width: torch.randn(rows, width).to(dtype) for width in {w.shape[1] for w in weights}}
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours_pass(inputs), theirs_pass(inputs)))
         times = {"raypipe_ms": [], "vllm_ms": []}
-        for _ in range(command["repeats"]):
-            times["raypipe_ms"].append(timed(ours_pass, inputs))
-            times["vllm_ms"].append(timed(theirs_pass, inputs))
+        for repeat in range(command["repeats"]):  # the two take turns going first
+            pair = [("raypipe_ms", ours_pass), ("vllm_ms", theirs_pass)]
+            for name, run in pair if repeat % 2 == 0 else pair[::-1]:
+                times[name].append(timed(run, inputs))
         table.append({"rows": rows, "max_abs_diff": diff, **{k: sorted(v)[len(v) // 2] for k, v in times.items()}})
     return {"rows": table}
 
