@@ -111,7 +111,14 @@ def test_the_gemm_workload_times_each_language_model_linear_once_siblings_packed
 
     from raypipe.decode.engine import LLMEngine
 
-    groups = peer.language_linears(tiny_ckpt)
+    engine = LLMEngine(tiny_ckpt)
+    try:
+        groups = peer.packed_gemms(engine.runner.model, tiny_ckpt)
+        # The engine's model holds one packed weight per group: the same GEMMs.
+        buffers = [n for n, _ in engine.runner.model.named_buffers() if n.endswith("packed_weight")]
+        assert len(buffers) == len(groups)
+    finally:
+        engine.shutdown()
     names = [name for _, members in groups for name in members]
     assert len(names) == len(set(names))
     assert not any("visual" in name for name in names)
@@ -121,13 +128,6 @@ def test_the_gemm_workload_times_each_language_model_linear_once_siblings_packed
     assert set(names) == every
     packed = {tuple(n.rsplit(".", 2)[-2] for n in members) for _, members in groups if len(members) > 1}
     assert packed == {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}
-    # The engine's model holds one packed weight per group: the same GEMMs.
-    engine = LLMEngine(tiny_ckpt)
-    try:
-        buffers = [n for n, _ in engine.runner.model.named_buffers() if n.endswith("packed_weight")]
-        assert len(buffers) == len(groups)
-    finally:
-        engine.shutdown()
 
 
 def test_an_unknown_workload_is_refused_naming_the_choices(tmp_path, capsys):

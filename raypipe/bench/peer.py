@@ -439,32 +439,30 @@ def measure_workload(sides: list, tokenizer, sizes: Sizes, name: str) -> dict:
     return entry
 
 
-def language_linears(checkpoint: pathlib.Path) -> list[list]:
-    """`[file, [tensor names]]` per GEMM of the checkpoint's language model: the 2-D weights of its modules named
-    `*proj*` (none of the vision tower's) and of its `lm_head` (a tied one is the embedding's: not counted), siblings
-    (q/k/v, gate/up: `packed_siblings.SIBLINGS`) as one GEMM, as raypipe packs them and vLLM merges them."""
+def packed_gemms(decoder, checkpoint: pathlib.Path) -> list[list]:
+    """`[file, [tensor names]]` per GEMM the engine's `decoder` (`TextDecoder`, loaded from `checkpoint`) runs
+    packed: each packed linear, and each set of siblings packed as one GEMM (`packed_siblings.py`: q/k/v, gate/up,
+    as vLLM merges them), named as the checkpoint names them (the decoder's key and head prefixes)."""
     from safetensors import safe_open
 
-    from raypipe.models.packed_siblings import SIBLINGS
+    from raypipe.models.checkpoint import safetensors_files, strip_prefix
+    from raypipe.models.packed_siblings import SiblingLinear
 
-    groups = []
-    for file in sorted(checkpoint.glob("*.safetensors")):
+    where = {}  # a module's name in the decoder (its text model is `decoder.model`) -> (file, key) of its weight
+    for file in safetensors_files(checkpoint):
         with safe_open(str(file), "pt") as f:
-            names = [n for n in f.keys() if n.endswith(".weight") and len(f.get_slice(n).get_shape()) == 2
-                     and ("proj" in n.rsplit(".", 2)[-2] or n.rsplit(".", 2)[-2] == "lm_head")
-                     and not any(part in n for part in ("visual", "vision", "merger"))]
-        taken = set()
-        for name in sorted(names):
-            if name in taken:
-                continue
-            module, _, leaf = name[:-len(".weight")].rpartition(".")
-            family = next((s for s in SIBLINGS if leaf in s), (leaf,))
-            members = [f"{module}.{sibling}.weight".lstrip(".") for sibling in family]
-            if not all(member in names for member in members):  # an incomplete set: each one alone
-                members = [name]
-            taken.update(members)
-            groups.append([str(file), members])
-    return groups
+            for key in f.keys():
+                inside = strip_prefix(key, decoder.key_prefixes, decoder.key_excluded)
+                head = strip_prefix(key, decoder.head_prefixes, ())
+                if inside is not None:
+                    where.setdefault("model." + inside.removesuffix(".weight"), (str(file), key))
+                elif head is not None:
+                    where.setdefault("lm_head", (str(file), key))
+    groups: dict[int, list[str]] = {}  # one entry per packed weight, in the order the modules come
+    for name, module in decoder.named_modules():
+        if "packed_weight" in module._buffers or isinstance(module, SiblingLinear):
+            groups.setdefault(id(getattr(module, "group", module)), []).append(name)
+    return [[where[names[0]][0], [where[name][1] for name in names]] for names in groups.values()]
 
 
 def measure_gemm(ours: "RaypipeSide", theirs: VllmSide, sizes: Sizes) -> dict:
@@ -474,8 +472,8 @@ def measure_gemm(ours: "RaypipeSide", theirs: VllmSide, sizes: Sizes) -> dict:
                   ours.dtype)
     packed_dtype = str(packed).removeprefix("torch.")
     settle()
-    entry = theirs.gemm({"groups": language_linears(ours.checkpoint), "dtype": str(ours.dtype).removeprefix("torch."),
-                         "packed_dtype": packed_dtype, "rows": list(sizes.gemm_rows), "repeats": sizes.gemm_passes,
+    entry = theirs.gemm({"groups": packed_gemms(ours.engine.runner.model, ours.checkpoint),
+                         "dtype": str(ours.dtype).removeprefix("torch."), "packed_dtype": packed_dtype, "rows": list(sizes.gemm_rows), "repeats": sizes.gemm_passes,
                          "threads": ours.engine.num_threads})
     print(f"  gemm done ({len(entry['rows'])} row counts)", flush=True)
     return {"gemm": True, "packed_dtype": packed_dtype, **entry}

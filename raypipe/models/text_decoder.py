@@ -23,6 +23,7 @@ class TextDecoder(torch.nn.Module):
     # in front of them, and those of modules that are not the text model's though they start with one.
     key_prefixes: tuple[str, ...] = ()
     key_excluded: tuple[str, ...] = ()
+    head_prefixes: tuple[str, ...] = LM_HEAD_PREFIXES  # where the checkpoint keeps lm_head (an untied one)
 
     def __init__(self, adapter, model: torch.nn.Module, lm_head: torch.nn.Module, device: torch.device,
                  dtype: torch.dtype):
@@ -79,6 +80,7 @@ class TextDecoder(torch.nn.Module):
             load_module_weights(lm_head, head, what=f"{adapter.checkpoint} lm_head")
         decoder = cls(adapter, model, lm_head, device, dtype)
         decoder.key_prefixes, decoder.key_excluded = prefixes, exclude + head_prefixes
+        decoder.head_prefixes = head_prefixes
         if plan is not None:
             decoder.quantization = f"{plan.description}: {quantized} quantized layers (linears, fused experts)"
         return decoder
