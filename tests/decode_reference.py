@@ -50,6 +50,19 @@ def embeddings(hf_model, ckpt, prompt) -> list[torch.Tensor]:
     return reference_embeddings(hf_model, ckpt, [image.pixels for image in prompt.visuals])
 
 
+def generate_cases(ckpt, hf_model, max_new_tokens: int) -> list[tuple]:
+    """`(prompt, embeddings, generate()'s ids)` of every request in `REQUESTS`."""
+    from raypipe.models.registry import language_adapter, vision_adapter
+
+    language, vision = language_adapter(ckpt), vision_adapter(ckpt)
+    out = []
+    for i in range(len(REQUESTS)):
+        prompt = prepare(i, language.tokenizer, vision)
+        embeds = embeddings(hf_model, ckpt, prompt)
+        out.append((prompt, embeds, hf_generate(hf_model, prompt, embeds, max_new_tokens, language.eos_token_ids[0])))
+    return out
+
+
 def hf_generate(hf_model, prompt, embeds: list[torch.Tensor], max_new_tokens: int, cut_at: int,
                 **generate_kwargs) -> list[int]:
     """Greedy `generate()` on the full transformers model (with `generate_kwargs`, e.g. its logits

@@ -18,7 +18,6 @@ from raypipe import SamplingParams
 from raypipe.decode import compiled_step
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
-from raypipe.models.registry import vision_adapter
 from tests import decode_reference as ref
 from tests.conftest import gpu
 
@@ -34,16 +33,7 @@ def make_engine(ckpt, k: int, compiled: bool) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def cases(tiny_ckpt, hf_model):
-    from raypipe.models.registry import language_adapter
-
-    language = language_adapter(tiny_ckpt)
-    vision = vision_adapter(tiny_ckpt)
-    out = []
-    for i in range(len(ref.REQUESTS)):
-        prompt = ref.prepare(i, language.tokenizer, vision)
-        embeds = ref.embeddings(hf_model, tiny_ckpt, prompt)
-        out.append((prompt, embeds, ref.hf_generate(hf_model, prompt, embeds, MAX_NEW, language.eos_token_ids[0])))
-    return out
+    return ref.generate_cases(tiny_ckpt, hf_model, MAX_NEW)
 
 
 def staggered(engine, cases, tag: str) -> list[list[int]]:

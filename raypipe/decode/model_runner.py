@@ -23,11 +23,12 @@ With LoRA adapters (`use_loras`) every forward, prefill or decode, sets its rows
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
 
-from raypipe.decode import attention, compiled_step, round_reuse
+from raypipe.decode import attention, compiled_forward, compiled_step, round_reuse
 from raypipe.decode.cache_kinds import LinearAttentionRows
 from raypipe.decode.kv_cache import KVCache, block_tables, layer_types, paged_bytes_per_token
 from raypipe.decode.kv_pool_size import PoolShape, pool_blocks
@@ -82,6 +83,7 @@ class ModelRunner:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.host_ids = torch.empty((num_scheduler_steps, max_num_seqs), dtype=torch.long, pin_memory=True)
         self.static_step: compiled_step.StaticDecodeStep | None = None
+        self.compiled_forward: compiled_forward.CompiledForward | None = None  # eager rounds' forwards, compiled
         self.lora_slots: lora.LoraSlots | None = None
         self._kept_round: round_reuse.KeptRound | None = None  # what the last eager decode round left
 
@@ -159,6 +161,19 @@ class ModelRunner:
             self.static_step.loras = self.lora_slots
         return reason
 
+    def use_compiled_forward(self) -> str | None:
+        """Run eager rounds' decode forwards compiled from now on (`compiled_forward.py`); the reason if they cannot."""
+        reason = compiled_forward.supports(self.cache, self.device)
+        if reason is None:
+            self.compiled_forward = compiled_forward.CompiledForward(self.model, [self.cache, self.prefill_cache])
+        return reason
+
+    def warm_up_compiled_forward(self) -> float:
+        """Compile the compiled forward's graphs now; seconds taken."""
+        start = time.perf_counter()
+        self.compiled_forward.warm_up(self.cache, self.prefill_cache, self.dtype)
+        return time.perf_counter() - start
+
     def warm_up_static_step(self) -> float:
         """Compile (CPU) or capture (CUDA) the static step's buckets now; seconds taken."""
         return self.static_step.warmup()
@@ -230,6 +245,10 @@ class ModelRunner:
                     for point, slot in seq.snapshot_saves if start < point < start + n]
         self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs],
                                            [s.window_table for s in seqs], captures)
+        compiled = self.compiled_forward
+        if compiled is not None and self.lora_slots is None and compiled.prefill_applies(width):
+            return compiled.prefill(self.model.embed(ids, visual_embeds), positions,
+                                    self.prefill_cache.masks(self.dtype), self.prefill_cache)
         with self._lora_rows(seqs):
             return self.model.prefill(ids, visual_embeds, positions, self.prefill_cache.masks(self.dtype),
                                       self.prefill_cache)
@@ -311,8 +330,8 @@ class ModelRunner:
                 logits = self.static_step(tokens, positions, write_index, kv_len, tables, lora_slots, window_tables)
             else:
                 self.cache.prepare_decode(n, write_index, kv_len, tables, window_tables)
-                hidden = self.model(self.model.embed(tokens[:, None]), positions, self.cache.masks(self.dtype),
-                                    self.cache)
+                hidden = self._decode_forward()(self.model.embed(tokens[:, None]), positions,
+                                                self.cache.masks(self.dtype), self.cache)
                 logits = self.model.logits(hidden[:, -1])
             for row, slot in captures.get(step, ()):
                 self.cache.save_state(row, slot)
@@ -328,6 +347,14 @@ class ModelRunner:
             if self._drain_one(pending, n, on_step):
                 break
         return steps
+
+    def _decode_forward(self):
+        """The model's forward for an eager step: compiled where set up, without adapters, and on the thread
+        count it was compiled with (a round beside a prefill gives the prefill a core, `engine._cores_split`)."""
+        compiled = self.compiled_forward
+        if compiled is not None and self.lora_slots is None and compiled.applies():
+            return compiled.decode
+        return self.model
 
     def _copy_to_host(self, step: int, tokens: torch.Tensor) -> "torch.cuda.Event":
         done = torch.cuda.Event()

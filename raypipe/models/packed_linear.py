@@ -72,8 +72,22 @@ def packed_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor
     row through `plain_weight` (MKL's matrix-vector product) where given."""
     if plain_weight is not None and x.numel() == x.shape[-1]:
         return torch.nn.functional.linear(x.to(plain_weight.dtype), plain_weight, bias).to(x.dtype)
-    out = torch.ops.mkldnn._linear_pointwise(x.to(packed_weight.dtype), packed_weight, bias, "none", [], "")
-    return out.to(x.dtype)
+    gemm = torch.ops.raypipe.packed_gemm if torch.compiler.is_compiling() else _onednn_gemm
+    return gemm(x.to(packed_weight.dtype), packed_weight, bias).to(x.dtype)
+
+
+def _onednn_gemm(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+# The same GEMM as an opaque operation where a forward is compiled (`decode/compiled_forward.py`): inductor cannot
+# lower the packed layout. Eager calls skip the custom operation's dispatch.
+torch.library.custom_op("raypipe::packed_gemm", _onednn_gemm, mutates_args=())
+
+
+@torch.library.register_fake("raypipe::packed_gemm")
+def _(x, packed_weight, bias):
+    return x.new_empty(*x.shape[:-1], packed_weight.shape[0])
 
 
 def plain_pays_at_one_row(layers: list, repeats: int = 5) -> tuple[bool, float, float]:

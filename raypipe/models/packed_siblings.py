@@ -40,6 +40,8 @@ class PackedSiblings:
         self._kept = threading.local()  # per thread: the engine's prefill and decode threads share the model
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # each sibling's GEMM call: the compiled graph keeps one (compiled_forward.py)
+            return self.gemm(x).split(self.sizes, dim=-1)[index]
         kept, version = self._kept, input_version(x)
         if getattr(kept, "input", None) is not x or kept.version != version or index not in kept.untaken:
             kept.input, kept.version = x, version
