@@ -87,3 +87,22 @@ def test_where_forwards_stay_eager():
     assert compiled_forward.supports(HybridCache(), torch.device("cpu")) == \
         "layer kinds ['linear_attention'] keep their cache code eager"
     assert "CPU engines" in compiled_forward.supports(HybridCache(), torch.device("cuda"))
+
+
+def test_a_forward_that_does_not_compile_leaves_the_engine_eager(tiny_ckpt, monkeypatch):
+    def fails(self, cache, prefill_cache, dtype):
+        raise RuntimeError("inductor could not lower something\nand more")
+
+    monkeypatch.setattr(compiled_forward.CompiledForward, "warm_up", fails)
+    engine = LLMEngine(tiny_ckpt, EngineConfig(max_num_seqs=2, max_model_len=128, compiled_forward=True))
+    try:
+        step = engine.stats()["decode_step"]
+        assert step == {"mode": "eager",
+                        "reason": "the compiled forward did not compile: inductor could not lower something"}
+        runner = engine.runner
+        assert runner.compiled_forward is None and not runner.cache.opaque_attention
+        assert not any(getattr(m, compiled_forward.OPAQUE_ATTENTION, False) for m in runner.model.modules())
+        out = asyncio.run(engine.generate_output("eager", [1, 2, 3], [], SamplingParams(max_tokens=3)))
+        assert len(out.token_ids) == 3
+    finally:
+        engine.shutdown()

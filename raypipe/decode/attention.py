@@ -48,6 +48,9 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     them; the mask covers both."""
     if torch.compiler.is_compiling() and getattr(module, OPAQUE_ATTENTION, False):
         # `key`/`value` are the step's new K/V (`KVCache.update` left them to this operation)
+        if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+            raise NotImplementedError("a compiled forward's attention operation is plain causal attention: no "
+                                      "sliding window, softcap or sinks")
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return torch.ops.raypipe.cached_attention(query, key, value, attention_mask, module.layer_idx, scale), None
     shared = getattr(key, SHARED_PREFIX, None)

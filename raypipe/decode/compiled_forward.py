@@ -113,6 +113,13 @@ class CompiledForward:
         self._decode = torch.compile(self._decode_forward, dynamic=True, options=options)
         self._prefill = torch.compile(self._prefill_forward, dynamic=True, options=options)
 
+    def release(self, caches: list[KVCache]) -> None:
+        """Attention modules and `caches` as they were before: eager code throughout."""
+        for cache in caches:
+            for module in cache.attention_modules.values():
+                setattr(module, OPAQUE_ATTENTION, False)
+            cache.attention_modules, cache.opaque_attention = {}, False
+
     # Two code objects, two dynamo caches: the same call
     def _decode_forward(self, inputs_embeds, position_ids, masks, cache):
         return self.model(inputs_embeds, position_ids, masks, cache)

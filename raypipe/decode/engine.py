@@ -389,7 +389,13 @@ class LLMEngine:
         if reason is not None:
             log.info("decode steps run eager: %s", reason)
             return {"mode": "eager", "reason": reason}
-        seconds = self.runner.warm_up_compiled_forward()
+        try:
+            seconds = self.runner.warm_up_compiled_forward()
+        except Exception as exc:  # noqa: BLE001 - a compile that failed (a module dynamo or inductor cannot take)
+            self.runner.drop_compiled_forward()
+            reason = f"the compiled forward did not compile: {(str(exc).strip().splitlines() or [repr(exc)])[0]}"
+            log.warning("decode steps run eager: %s", reason)
+            return {"mode": "eager", "reason": reason}
         log.info("decode step: compiled forward (torch.compile, the cache and GEMMs opaque), compiled in %.1f s",
                  seconds)
         return {"mode": "compiled_forward", "warmup_seconds": seconds}

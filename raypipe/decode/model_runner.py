@@ -168,6 +168,11 @@ class ModelRunner:
             self.compiled_forward = compiled_forward.CompiledForward(self.model, [self.cache, self.prefill_cache])
         return reason
 
+    def drop_compiled_forward(self) -> None:
+        """Back to eager forwards (a compiled forward that failed to compile)."""
+        self.compiled_forward.release([self.cache, self.prefill_cache])
+        self.compiled_forward = None
+
     def warm_up_compiled_forward(self) -> float:
         """Compile the compiled forward's graphs now; seconds taken."""
         start = time.perf_counter()
