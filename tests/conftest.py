@@ -87,15 +87,18 @@ class SharedServe:
 SHARED_SERVE = SharedServe()
 
 # `RAYPIPE_TEST_STATIC_STEPS=1`: every in-process engine whose config leaves `compiled_decode` unset runs the
-# static-shape decode step (inductor-compiled on a CPU), so the generate()-equality tests check that step. Slow:
-# each new engine compiles its buckets. The terminal summary counts the engines by the step they ran.
+# static-shape decode step (inductor-compiled on a CPU), so the generate()-equality tests check that step.
+# `RAYPIPE_TEST_COMPILED_FORWARD=1`: every in-process engine runs compiled forwards (`compiled_forward=True`; one
+# that cannot, falls back to eager). Slow: each new engine compiles. The terminal summary counts the engines by
+# the decode step they ran.
 STATIC_STEPS_FORCED = os.environ.get("RAYPIPE_TEST_STATIC_STEPS") == "1"
+COMPILED_FORWARD_FORCED = os.environ.get("RAYPIPE_TEST_COMPILED_FORWARD") == "1"
 ENGINE_STEPS: dict[str, int] = {}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _static_steps_forced():
-    if not STATIC_STEPS_FORCED:
+    if not (STATIC_STEPS_FORCED or COMPILED_FORWARD_FORCED):
         yield
         return
     import dataclasses
@@ -107,8 +110,10 @@ def _static_steps_forced():
 
     def forced(self, checkpoint, config=None, runner_factory=None):
         config = config or EngineConfig()
-        if config.compiled_decode is None:
+        if STATIC_STEPS_FORCED and config.compiled_decode is None:
             config = dataclasses.replace(config, compiled_decode=True)
+        if COMPILED_FORWARD_FORCED:
+            config = dataclasses.replace(config, compiled_forward=True)
         real(self, checkpoint, config, runner_factory)
         step = self.stats()["decode_step"]
         key = step["mode"] if step["mode"] != "eager" else f"eager: {step.get('reason')}"
@@ -120,8 +125,8 @@ def _static_steps_forced():
 
 
 def pytest_terminal_summary(terminalreporter):
-    if STATIC_STEPS_FORCED:
-        terminalreporter.write_line(f"RAYPIPE_TEST_STATIC_STEPS: engines by decode step: {ENGINE_STEPS}")
+    if STATIC_STEPS_FORCED or COMPILED_FORWARD_FORCED:
+        terminalreporter.write_line(f"engines by decode step: {ENGINE_STEPS}")
 
 
 def pytest_collection_modifyitems(items):
