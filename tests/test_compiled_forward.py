@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from raypipe import SamplingParams
-from raypipe.decode import compiled_forward
+from raypipe.decode import attention, compiled_forward
 from raypipe.decode.config import EngineConfig
 from raypipe.decode.engine import LLMEngine
 from raypipe.models import packed_linear  # noqa: F401 - registers raypipe::packed_gemm
@@ -101,7 +101,7 @@ def test_a_forward_that_does_not_compile_leaves_the_engine_eager(tiny_ckpt, monk
                         "reason": "the compiled forward did not compile: inductor could not lower something"}
         runner = engine.runner
         assert runner.compiled_forward is None and not runner.cache.opaque_attention
-        assert not any(getattr(m, compiled_forward.OPAQUE_ATTENTION, False) for m in runner.model.modules())
+        assert not any(getattr(m, attention.OPAQUE_ATTENTION, False) for m in runner.model.modules())
         out = asyncio.run(engine.generate_output("eager", [1, 2, 3], [], SamplingParams(max_tokens=3)))
         assert len(out.token_ids) == 3
     finally:

@@ -22,9 +22,9 @@ there.
 Where it runs: a CPU engine whose every layer is full attention (the layer kinds whose cache Python needs no
 tracing), without LoRA adapters (their rows' slots change per forward) and without a tensor-parallel group; only
 forwards on the thread count the graphs were compiled with (inductor's loops keep theirs): a round whose decode
-shares the cores with a prefill beside it (`engine._cores_split`), and that prefill on its one thread, run eager. Results equal the eager
-step's up to float rounding (fused loops sum in another order); the tests compare greedy tokens with
-transformers' `generate()` and with the eager step.
+shares the cores with a prefill beside it (`engine._cores_split`), and that prefill on its one thread, run eager.
+Results equal the eager step's up to float rounding (fused loops sum in another order); the tests compare greedy
+tokens with transformers' `generate()` and with the eager step.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ from raypipe.decode.block_pool import NULL_BLOCK
 from raypipe.decode.kv_cache import KVCache, block_tables
 from raypipe.models.text_decoder import TextDecoder
 
-# Attribute of an attention module whose cache write and attention run as `raypipe::cached_attention` when traced
-OPAQUE_ATTENTION = attention.OPAQUE_ATTENTION
 WARM_UP_ROWS = (1, 2)  # one graph for one row, one for any more
 
 _current = threading.local()  # the cache of the forward this thread runs through a compiled graph
@@ -101,10 +99,12 @@ class CompiledForward:
     def __init__(self, model, caches: list[KVCache]):
         self.model = model
         self.num_threads = torch.get_num_threads()
-        self.calls = {"decode": 0, "prefill": 0}  # forwards run compiled (engine stats)
+        self.calls = {"decode": 0, "prefill": 0}  # forwards run compiled (the tests check both ran)
+        # A family whose visual rows do more in its layers (Qwen3-VL's deepstack) overrides the plain prefill
+        self.plain_prefill = type(model).prefill is TextDecoder.prefill
         modules = {m.layer_idx: m for m in model.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")}
         for module in modules.values():
-            setattr(module, OPAQUE_ATTENTION, True)
+            setattr(module, attention.OPAQUE_ATTENTION, True)
         for cache in caches:
             cache.attention_modules = modules
             cache.opaque_attention = True
@@ -117,7 +117,7 @@ class CompiledForward:
         """Attention modules and `caches` as they were before: eager code throughout."""
         for cache in caches:
             for module in cache.attention_modules.values():
-                setattr(module, OPAQUE_ATTENTION, False)
+                setattr(module, attention.OPAQUE_ATTENTION, False)
             cache.attention_modules, cache.opaque_attention = {}, False
 
     # Two code objects, two dynamo caches: the same call
@@ -133,9 +133,8 @@ class CompiledForward:
 
     def prefill_applies(self, width: int) -> bool:
         """Whether a prefill of chunks up to `width` tokens runs compiled: two tokens or more (dynamo would compile
-        one-token chunks apart: they run eager), through the decoder's plain prefill (a family whose visual rows do
-        more in its layers, Qwen3-VL's deepstack, overrides it), on this thread now."""
-        return width > 1 and type(self.model).prefill is TextDecoder.prefill and self.applies()
+        one-token chunks apart: they run eager), through the decoder's plain prefill."""
+        return width > 1 and self.plain_prefill
 
     def decode(self, inputs_embeds, position_ids, masks, cache: KVCache) -> torch.Tensor:
         self.calls["decode"] += 1

@@ -49,10 +49,11 @@ class EngineConfig:
     # torch.compile on CPU, every bucket warmed up when the engine starts. None: on with CUDA (capture
     # takes milliseconds per bucket), off on CPU (compiling each bucket takes seconds to minutes).
     compiled_decode: bool | None = None
-    # CPU, eager decode rounds: each step's forward compiled whole by inductor, with the paged cache's code and the
-    # packed GEMMs as opaque operations (raypipe/decode/compiled_forward.py), so a step's ~400 small operations
-    # run fused. Two graphs compile when the engine starts (seconds; inductor's cache under raypipe's makes a
-    # restart warm). Layer kinds other than full attention, LoRA adapters and tensor-parallel groups stay eager.
+    # CPU, eager path: decode steps' and prefills' forwards compiled whole by inductor, with the paged cache's code
+    # and the packed GEMMs as opaque operations (raypipe/decode/compiled_forward.py), so a step's ~400 small
+    # operations run fused. Six graphs compile when the engine starts (a minute or more cold; inductor's cache under
+    # raypipe's makes a restart warm). Layer kinds other than full attention, LoRA adapters and tensor-parallel
+    # groups stay eager.
     # Off by default: docs/performance.md, "Compiled forwards", says what it gains and costs.
     compiled_forward: bool = False
     # CPU, eager steps, one device: the language model's linears keep their weights packed for oneDNN's GEMMs

@@ -382,7 +382,7 @@ class LLMEngine:
                 "warmup_seconds": seconds}
 
     def _start_compiled_forward(self) -> dict:
-        """Eager rounds' decode forwards compiled (`compiled_forward.py`) where they can be, compiled now."""
+        """Eager-path forwards, decode steps and prefills, compiled (`compiled_forward.py`) where they can be: now."""
         reason = ("a tensor-parallel group runs eager" if self.config.tensor_parallel_size > 1
                   else "LoRA adapters run eager" if self.config.lora_modules
                   else self.runner.use_compiled_forward())

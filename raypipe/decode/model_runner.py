@@ -162,7 +162,8 @@ class ModelRunner:
         return reason
 
     def use_compiled_forward(self) -> str | None:
-        """Run eager rounds' decode forwards compiled from now on (`compiled_forward.py`); the reason if they cannot."""
+        """Run eager-path forwards (decode steps, prefills) compiled from now on (`compiled_forward.py`); the reason if
+        they cannot."""
         reason = compiled_forward.supports(self.cache, self.device)
         if reason is None:
             self.compiled_forward = compiled_forward.CompiledForward(self.model, [self.cache, self.prefill_cache])
@@ -250,8 +251,8 @@ class ModelRunner:
                     for point, slot in seq.snapshot_saves if start < point < start + n]
         self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs],
                                            [s.window_table for s in seqs], captures)
-        compiled = self.compiled_forward
-        if compiled is not None and self.lora_slots is None and compiled.prefill_applies(width):
+        compiled = self._compiled_now()
+        if compiled is not None and compiled.prefill_applies(width):
             return compiled.prefill(self.model.embed(ids, visual_embeds), positions,
                                     self.prefill_cache.masks(self.dtype), self.prefill_cache)
         with self._lora_rows(seqs):
@@ -354,12 +355,15 @@ class ModelRunner:
         return steps
 
     def _decode_forward(self):
-        """The model's forward for an eager step: compiled where set up, without adapters, and on the thread
-        count it was compiled with (a round beside a prefill gives the prefill a core, `engine._cores_split`)."""
+        """The model's forward for an eager step: compiled where it may run now (`_compiled_now`)."""
+        compiled = self._compiled_now()
+        return self.model if compiled is None else compiled.decode
+
+    def _compiled_now(self) -> compiled_forward.CompiledForward | None:
+        """The compiled forward, where set up, without adapters, and on the thread count it was compiled with (a
+        round beside a prefill gives the prefill a core, `engine._cores_split`; the prefill thread has one)."""
         compiled = self.compiled_forward
-        if compiled is not None and self.lora_slots is None and compiled.applies():
-            return compiled.decode
-        return self.model
+        return compiled if compiled is not None and self.lora_slots is None and compiled.applies() else None
 
     def _copy_to_host(self, step: int, tokens: torch.Tensor) -> "torch.cuda.Event":
         done = torch.cuda.Event()
