@@ -5,7 +5,7 @@ VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-autoscaling install bench clean wheel gpu-wheels
+.PHONY: demo test test-autoscaling test-extended install bench clean wheel gpu-wheels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +20,18 @@ demo: $(STAMP)
 	$(VENV)/bin/raypipe demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 -m "not autoscaling" tests
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25 -m "not autoscaling and not extended" tests
 
 # The fake multi-node autoscaling cycles and their fake cluster (~5.5 min on 2 cores): run them when the cluster benches, the fake
 # cluster or the Serve/batch scaling paths change. Kept out of `make test` to hold CI under 45 minutes.
 test-autoscaling: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m autoscaling tests
+
+# Checks `make test` already runs on other families or variants, repeated on more (~3 min on 2 cores): run them
+# when a family's tower, its Serve path or a quantized/expert split changes. Kept out of `make test` to hold CI
+# under 45 minutes.
+test-extended: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m extended tests
 
 # The wheel cluster.yaml syncs to every node (file_mounts): exactly this checkout's code.
 wheel: $(STAMP)

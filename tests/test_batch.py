@@ -290,6 +290,7 @@ def test_local_folders_and_pooling_none(tmp_path, pipe, tiny_ckpt):
                                model=ModelConfig(str(tiny_ckpt), num_encoders=1)))
 
 
+@pytest.mark.extended  # the same job on `tiny`'s videos: test_embed_s3_to_s3_matches_pipeline
 def test_minicpmv_slices_and_videos_local_folders_match_pipeline(tmp_path, three_worker_pipelines, minicpmv_ckpt):
     """A family whose images are several units (MiniCPM-V: overview + slices), and its videos (one above the 8 s
     main-frame cap), through the same batch job. A video's row is the mean of transformers'

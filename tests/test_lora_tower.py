@@ -207,7 +207,13 @@ def _peft_features_generate(ckpt, peft, i: int, name: str | None, eos: int) -> l
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
-@pytest.mark.parametrize("preset", list(FAMILY_ADAPTERS))
+# `make test` runs two families, a deepstack tower (Qwen3-VL) and a features-path one with a resampler (MiniCPM-V);
+# the others run with `make test-extended`
+EXTENDED_FAMILIES = ("tiny-qwen3.5", "tiny-llava-ov", "tiny-step3")
+
+
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=[pytest.mark.extended] if p in EXTENDED_FAMILIES else [])
+                                    for p in FAMILY_ADAPTERS])
 def test_a_tower_adapter_equals_peft_generate_on_every_family_that_takes_one(ray_local, tmp_path, preset):
     """The same product path on Qwen3-VL (deepstack mergers), Qwen3.5 (a hybrid language model), LLaVA-OneVision
     (SigLIP tower and projector), Step3 (tower, a one-linear projector, MoE language model) and MiniCPM-V 4.6

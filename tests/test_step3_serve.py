@@ -14,6 +14,9 @@ from tests import step3_reference as ref
 from tests.conftest import random_images
 from tests.test_serve_api import data_url, png_bytes
 
+# The Serve path is every family's; Step3's own outputs are test_step3_*'s, in `make test`
+pytestmark = pytest.mark.extended
+
 MAX_TOKENS = 12
 
 

@@ -31,8 +31,9 @@ LATE = {"violet": dict(r=16, lora_alpha=12, target_modules=LANGUAGE + r"(v_proj|
 LATE_ROWS = [(1, "violet"), (0, None), (2, "violet"), (0, "red")]
 
 
-@pytest.fixture(scope="module", params=[("tiny", None), ("tiny-qwen3.5", None), ("tiny-w4a16", "tiny")],
-                ids=["tiny", "tiny-qwen3.5", "tiny-w4a16"])
+@pytest.fixture(scope="module", params=[pytest.param(("tiny", None), id="tiny"),
+                                        pytest.param(("tiny-qwen3.5", None), id="tiny-qwen3.5"),
+                                        pytest.param(("tiny-w4a16", "tiny"), id="tiny-w4a16", marks=pytest.mark.extended)])
 def served(request, tmp_path_factory, ray_local):
     """PEFT's tokens per row, and a one-device engine and a group of two, both started with ADAPTERS (on the
     int4 preset, over its packed layers: each rank cuts them on group boundaries, its adapter parts alike)."""
@@ -77,8 +78,10 @@ def test_adapter_loaded_at_run_time_on_a_group_equals_one_device(served):
     assert one[0] != served.expected[1, None] and one[1:4:2] == [served.expected[0, None], served.expected[0, "red"]]
 
 
-@pytest.mark.parametrize("preset, split", [("tiny-qwen3-vl-moe", "experts"), ("tiny-step3", "experts"),
-                                           ("tiny-step3", "tensor"), ("tiny-qwen3-vl-moe-fp8", "experts")])
+@pytest.mark.parametrize("preset, split", [("tiny-qwen3-vl-moe", "experts"),
+                                           pytest.param("tiny-step3", "experts", marks=pytest.mark.extended),
+                                           ("tiny-step3", "tensor"),
+                                           pytest.param("tiny-qwen3-vl-moe-fp8", "experts", marks=pytest.mark.extended)])
 def test_adapters_on_experts_on_a_group_equal_one_device_and_peft(preset, split, tmp_path, ray_local):
     """Each rank holds whole experts (its share) and keeps its experts' factors of every adapter; the layer's
     routing and its sum over ranks wrap the adapted experts as they wrapped the plain ones. Step3's "tensor" split:
