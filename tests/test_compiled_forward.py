@@ -43,7 +43,7 @@ def test_compiled_forwards_match_generate_and_compile_nothing_after_start(engine
     step = engine.stats()["decode_step"]
     assert step["mode"] == "compiled_forward" and step["warmup_seconds"] > 0
     graphs, compiled = counters["stats"]["unique_graphs"], engine.runner.compiled_forward
-    calls = dict(compiled.calls)
+    calls, steps = dict(compiled.calls), engine.stats()["decode_steps"]
     prompt, embeds, want = cases[2]
     alone = asyncio.run(engine.generate_output("alone", prompt, embeds, SamplingParams(max_tokens=MAX_NEW)))
     assert alone.token_ids == want
@@ -53,7 +53,9 @@ def test_compiled_forwards_match_generate_and_compile_nothing_after_start(engine
     again = asyncio.run(engine.generate_output("again", prompt, embeds, SamplingParams(max_tokens=MAX_NEW)))
     assert again.token_ids == want and again.num_cached_tokens > 0  # a prefill after cached keys
     assert engine.stats()["max_running_seen"] > 2
-    assert compiled.calls["decode"] > calls["decode"] and compiled.calls["prefill"] > calls["prefill"]
+    assert compiled.calls["prefill"] > calls["prefill"]
+    # Every decode step ran compiled, those of rounds with a prefill too (it runs first, on every core)
+    assert compiled.calls["decode"] - calls["decode"] == engine.stats()["decode_steps"] - steps > 0
     assert counters["stats"]["unique_graphs"] == graphs  # every shape met was one the start compiled
 
 

@@ -21,8 +21,9 @@ there.
 
 Where it runs: a CPU engine whose every layer is full attention (the layer kinds whose cache Python needs no
 tracing), without LoRA adapters (their rows' slots change per forward) and without a tensor-parallel group; only
-forwards on the thread count the graphs were compiled with (inductor's loops keep theirs): a round whose decode
-shares the cores with a prefill beside it (`engine._cores_split`), and that prefill on its one thread, run eager.
+forwards on the thread count the graphs were compiled with (inductor's loops keep theirs). So with compiled
+forwards a round's prefill does not run beside its decode, each on its share of the cores and eager
+(`engine._cores_split`): it runs first on every core, then the decode (`engine._prefill_then_decode`).
 Results equal the eager step's up to float rounding (fused loops sum in another order); the tests compare greedy
 tokens with transformers' `generate()` and with the eager step.
 """

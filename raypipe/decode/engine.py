@@ -29,7 +29,9 @@ nothing, and the rows decode with it next round. In `small`'s shared-prompt work
 while 15 more join), the burst's median first token came 0.87-0.95 s after it was sent against 1.07-1.16 s
 overlapped, and the workload made 154-205 against 145-158 tokens/s (one process, the two alternated). A round
 that decodes nothing prefills, on a CPU, in forwards of at most `ANSWER_PIECE_TOKENS` prompt tokens, each
-answering before the next begins.
+answering before the next begins. With compiled forwards (`compiled_forward.py`) nothing overlaps: their graphs
+run only on the thread count they were compiled with, so a round prefills on every core first, then decodes
+(`_prefill_then_decode`).
 
 Callers `await` deltas from `generate()`; validation happens in the caller's task before a
 request is queued, so a bad request fails alone. Requests submitted in one turn of the caller's
@@ -488,9 +490,12 @@ class LLMEngine:
                 self.scheduler.decoded(seq)  # no steps: the round's planned snapshot slots go back
             running = []
         self._prefilled_first = not running and bool(plan.decode)
-        if not running:
-            # nothing decodes: here, on every thread
+        if not running or self._prefill_then_decode():
+            # here, on every thread: nothing decodes, or compiled forwards that want every core
             self._prefill_answering(groups, ANSWER_PIECE_TOKENS if self.device.type == "cpu" else None)
+            if running:
+                self._decode(running)
+                self._flush(unfinished_only=True)
             self._release_finished()
             return
         with self._cores_split(bool(groups)):
@@ -513,6 +518,12 @@ class LLMEngine:
             return False
         tokens = sum(seq.chunk_len for group in groups for seq in group)
         return tokens >= max(PREFILL_FIRST_TOKENS, PREFILL_FIRST_TOKENS_PER_ROW * rows)
+
+    def _prefill_then_decode(self) -> bool:
+        """Whether a round's prefill runs before its decode on every core instead of beside it on one: with compiled
+        forwards (`compiled_forward.py`), whose graphs run on the thread count they were compiled with; split, both
+        would run eager on one core each."""
+        return self.runner.compiled_now() is not None
 
     def _prefill_answering(self, groups: list[list[Sequence]], piece_tokens: int | None = None) -> None:
         """Prefill on this (the engine) thread, group by group, in forwards of at most `piece_tokens` prompt

@@ -251,7 +251,7 @@ class ModelRunner:
                     for point, slot in seq.snapshot_saves if start < point < start + n]
         self.prefill_cache.prepare_prefill([s.row for s in seqs], starts, lengths, [s.block_table for s in seqs],
                                            [s.window_table for s in seqs], captures)
-        compiled = self._compiled_now()
+        compiled = self.compiled_now()
         if compiled is not None and compiled.prefill_applies(width):
             return compiled.prefill(self.model.embed(ids, visual_embeds), positions,
                                     self.prefill_cache.masks(self.dtype), self.prefill_cache)
@@ -355,11 +355,11 @@ class ModelRunner:
         return steps
 
     def _decode_forward(self):
-        """The model's forward for an eager step: compiled where it may run now (`_compiled_now`)."""
-        compiled = self._compiled_now()
+        """The model's forward for an eager step: compiled where it may run now (`compiled_now`)."""
+        compiled = self.compiled_now()
         return self.model if compiled is None else compiled.decode
 
-    def _compiled_now(self) -> compiled_forward.CompiledForward | None:
+    def compiled_now(self) -> compiled_forward.CompiledForward | None:
         """The compiled forward, where set up, without adapters, and on the thread count it was compiled with (a
         round beside a prefill gives the prefill a core, `engine._cores_split`; the prefill thread has one)."""
         compiled = self.compiled_forward
