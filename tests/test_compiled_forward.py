@@ -108,3 +108,17 @@ def test_a_forward_that_does_not_compile_leaves_the_engine_eager(tiny_ckpt, monk
         assert len(out.token_ids) == 3
     finally:
         engine.shutdown()
+
+
+def test_engines_started_after_others_compile_their_own_graphs(engine, tiny_ckpt):
+    """Dynamo counts recompiles per code object, and every engine's forwards share theirs: past its limit (8) it
+    runs a frame eager and only logs it, so a third engine in a process ran its prefills eager and a fifth
+    everything, while saying "compiled_forward". Two more after the module's each compile their six graphs."""
+    for n in range(2):
+        graphs = counters["stats"]["unique_graphs"]
+        later = LLMEngine(tiny_ckpt, EngineConfig(max_num_seqs=2, max_model_len=128, compiled_forward=True))
+        try:
+            assert later.stats()["decode_step"]["mode"] == "compiled_forward"
+            assert counters["stats"]["unique_graphs"] - graphs == compiled_forward.WARM_UP_GRAPHS, f"engine {n + 2}"
+        finally:
+            later.shutdown()

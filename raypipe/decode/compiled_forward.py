@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from raypipe.decode import attention, compiled_step
@@ -41,6 +42,7 @@ from raypipe.decode.kv_cache import KVCache, block_tables
 from raypipe.models.text_decoder import TextDecoder
 
 WARM_UP_ROWS = (1, 2)  # one graph for one row, one for any more
+WARM_UP_GRAPHS = 3 * len(WARM_UP_ROWS)  # per row count: a decode step's, and prefills' without and with cached keys
 
 _current = threading.local()  # the cache of the forward this thread runs through a compiled graph
 
@@ -110,6 +112,7 @@ class CompiledForward:
             cache.attention_modules = modules
             cache.opaque_attention = True
         compiled_step.use_compile_cache()
+        compiled_step.allow_graphs(WARM_UP_GRAPHS)
         options = {"post_grad_custom_pre_pass": _OneGemmPerInput()}
         self._decode = torch.compile(self._decode_forward, dynamic=True, options=options)
         self._prefill = torch.compile(self._prefill_forward, dynamic=True, options=options)
@@ -160,6 +163,7 @@ class CompiledForward:
         each with no cached keys before the chunk and with some, each on the cache its forwards will be given.
         Two tokens and two keys at least: dynamo specializes a size of 1."""
         device, block = cache.device, cache.block_size
+        graphs = counters["stats"]["unique_graphs"]
         for rows in WARM_UP_ROWS:
             tables = block_tables([[NULL_BLOCK]] * rows, 1, device)
             cache.prepare_decode(rows, torch.ones(rows, dtype=torch.long, device=device), 2, tables)
@@ -171,3 +175,6 @@ class CompiledForward:
                 tokens = torch.zeros((rows, 2), dtype=torch.long, device=device)
                 positions = (start + torch.arange(2, device=device)).expand(3, rows, 2).contiguous()
                 self.prefill(self.model.embed(tokens), positions, prefill_cache.masks(dtype), prefill_cache)
+        made = counters["stats"]["unique_graphs"] - graphs
+        if made != WARM_UP_GRAPHS:  # dynamo runs a frame it will not compile eager, and says so only in a log line
+            raise RuntimeError(f"dynamo compiled {made} graphs, not {WARM_UP_GRAPHS}")

@@ -277,19 +277,24 @@ def use_compile_cache() -> pathlib.Path:
     return pathlib.Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-_graphs_asked = 0  # graphs of `_forward` every static step made in this process may compile, together
+_graphs_asked = 0  # graphs every compiled step and forward made in this process may compile, together
 
 
-def _compile(fn, num_graphs: int, dynamic_batch: bool):
+def allow_graphs(num_graphs: int) -> None:
+    """Let dynamo compile `num_graphs` more graphs in this process instead of falling back to eager. It counts
+    recompiles per code object, and every engine's compiled step (`_forward`) or forward (`compiled_forward.py`)
+    shares its code object with the other engines': the limit is the whole process's (an engine started after
+    others, as in the tests, silently ran eager past dynamo's default of 8)."""
     global _graphs_asked
-    use_compile_cache()  # compiled buckets persist under raypipe's cache: a restart compiles nothing new
-    # At most one graph per bucket: allow that many recompiles instead of falling back to eager. Dynamo counts
-    # them per code object, and every engine's step shares `_forward`'s: the limit is the whole process's (an
-    # engine started after others, as in the tests, silently ran eager past dynamo's default of 8).
     _graphs_asked += num_graphs
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, _graphs_asked + 1)
     dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, _graphs_asked + 1)
+
+
+def _compile(fn, num_graphs: int, dynamic_batch: bool):
+    use_compile_cache()  # compiled buckets persist under raypipe's cache: a restart compiles nothing new
+    allow_graphs(num_graphs)  # at most one graph per bucket
     if not dynamic_batch:
         return torch.compile(fn, dynamic=False)
     # Dynamic from the first compile: the batch dimensions the buckets mark (`_Bucket._batch_dynamic`); a
