@@ -322,11 +322,14 @@ def _check_forward_threads(engine, loaded_on, cases, monkeypatch):
     assert engine_thread.name == "raypipe-decode" and threads == 2
     prefills = [s for s in seen if s[0] == "prefill"]
     assert prefills[0][2:] == (engine_thread, 2)  # the first request's prefill: nothing decoding, every thread
-    beside, thread, count = prefills[1][1:]  # the next, beside the decode: on the prefill thread, one torch thread
-    assert beside and thread.name.startswith("raypipe-prefill") and count == 1
-    assert prefills[2][2:] == (engine_thread, 2)  # what was left once the decode was done: the engine thread's
-    # ... once the decode's tokens and the first token prefilled beside it went out: they do not wait for it
-    assert undelivered[2] == []
+    if engine.runner.compiled_forward is not None:  # RAYPIPE_TEST_COMPILED_FORWARD: prefills first, never beside
+        assert all(s[1:] == (False, engine_thread, 2) for s in prefills)
+    else:
+        beside, thread, count = prefills[1][1:]  # the next, beside the decode: on the prefill thread, one torch thread
+        assert beside and thread.name.startswith("raypipe-prefill") and count == 1
+        assert prefills[2][2:] == (engine_thread, 2)  # what was left once the decode was done: the engine thread's
+        # ... once the decode's tokens and the first token prefilled beside it went out: they do not wait for it
+        assert undelivered[2] == []
     several = {thread for _, _, thread, count in seen if count > 1}
     assert several == {engine_thread}
     assert [s[2:] for s in seen if s[0] == "decode"][0] == (engine_thread, 2)
