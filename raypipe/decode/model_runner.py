@@ -360,8 +360,9 @@ class ModelRunner:
         return self.model if compiled is None else compiled.decode
 
     def compiled_now(self) -> compiled_forward.CompiledForward | None:
-        """The compiled forward, where set up, without adapters, and on the thread count it was compiled with (a
-        round beside a prefill gives the prefill a core, `engine._cores_split`; the prefill thread has one)."""
+        """The compiled forward, where set up, without adapters, and on the thread count it was compiled with. The
+        engine's rounds then prefill before they decode, on its thread (`engine._prefill_then_decode`), so the
+        thread count differs only for a forward run elsewhere (the prefill thread, a caller's `single_threaded`)."""
         compiled = self.compiled_forward
         return compiled if compiled is not None and self.lora_slots is None and compiled.applies() else None
 
