@@ -5,9 +5,11 @@ each module's time from its own start to its own end, on whichever thread runs i
 its threads, not the caller's). `seconds` includes the module's children, so those rows overlap (a decoder layer,
 then its attention or gated delta net, then their linears); `self_seconds` leaves its submodules out: the work
 written in the module's own forward (a gated delta net's recurrence, an attention's kernel call), and those rows
-add up to the forwards' time. The phase is the outermost module's: a forward of one token per row is a decode
-step, any other a prefill (`_phase`). The hooks cost a few microseconds a module: measure speed with them off, and
-read the shares here. Eager forwards only: dynamo guards on hooks, so they would recompile a compiled forward.
+add up to the outermost forwards' time (`forward_seconds`). That is thread time: where the engine prefills on a
+thread beside its decode, it exceeds the wall time the run took. The phase is the outermost module's: a forward
+of one token per row is a decode step, any other a prefill (`_phase`). The hooks cost a few microseconds a module:
+measure speed with them off, and read the shares here. Eager forwards only: dynamo guards on hooks, so they would
+recompile a compiled forward.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class ModuleTimes:
         self.seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
         self.self_seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
         self.calls: collections.Counter = collections.Counter()
+        self.forward_seconds = 0.0  # the outermost modules' calls, every thread's added up
         self._local = threading.local()
         self._lock = threading.Lock()  # a prefill thread beside the decode adds up into the same totals
         self._handles = []
@@ -50,17 +53,19 @@ class ModuleTimes:
         stack = self._local.stack
         start, inside = stack.pop()
         elapsed = time.perf_counter() - start
-        if stack:
-            stack[-1][1] += elapsed
         key = (type(module).__name__, self._local.phase)
         with self._lock:
+            if stack:
+                stack[-1][1] += elapsed
+            else:
+                self.forward_seconds += elapsed
             self.seconds[key] += elapsed
             self.self_seconds[key] += elapsed - inside
             self.calls[key] += 1
 
-    def rows(self, wall_s: float, limit: int = 20) -> list[dict]:
-        """The `limit` (module class, phase) pairs with the most time of their own, with their shares of `wall_s`."""
-        ranked = sorted(self.self_seconds, key=lambda key: -self.self_seconds[key])[:limit]
+    def rows(self, wall_s: float) -> list[dict]:
+        """Every (module class, phase) pair, the most time of its own first, with its shares of `wall_s`."""
+        ranked = sorted(self.self_seconds, key=lambda key: -self.self_seconds[key])
         return [{"module": name, "phase": phase, "calls": self.calls[(name, phase)],
                  "seconds": self.seconds[(name, phase)], "self_seconds": self.self_seconds[(name, phase)],
                  "share": self.seconds[(name, phase)] / wall_s, "self_share": self.self_seconds[(name, phase)] / wall_s}

