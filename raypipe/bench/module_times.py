@@ -77,6 +77,7 @@ def _phase(args, kwargs) -> str:
     step when `L` is 1, a prefill otherwise; anything else (the lm_head over some rows' hidden states `(N, D)`) has
     no phase: "rows"."""
     first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
-    if first is None or first.dim() != (2 if not first.is_floating_point() else 3):
+    sequence_dims = 3 if first is not None and first.is_floating_point() else 2  # embeddings, or token ids
+    if first is None or first.dim() != sequence_dims:
         return "rows"
     return "decode" if first.shape[1] == 1 else "prefill"
